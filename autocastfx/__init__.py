@@ -1,0 +1,11 @@
+"""autocastfx: any PyTorch model as an explicit mixed-precision torch.fx program."""
+from .api import ConvertInfo, convert, master_parameters
+from .capture import CaptureError
+from .plan import CastPlan
+from .policy import OpClass, Policy
+from .report import Report, report
+from .rewrite import Decision
+
+__all__ = ["convert", "report", "master_parameters", "Policy", "OpClass", "Report", "CastPlan", "Decision",
+           "ConvertInfo", "CaptureError"]
+__version__ = "0.1.0"

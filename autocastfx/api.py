@@ -1,0 +1,99 @@
+"""convert(): the pipeline, top to bottom."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from . import capture as _capture
+from . import plan as _plan
+from . import rewrite as _rewrite
+from . import weights as _weights
+from .policy import Policy
+
+LOW_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass
+class ConvertInfo:
+    """What ``gm.meta["autocastfx"]`` holds for a converted module."""
+    dtype: torch.dtype
+    policy: Policy
+    capture: str
+    plan: _plan.CastPlan
+    masters: dict[str, nn.Parameter]
+    absorbed: list[str]
+    options: dict[str, Any]
+    extra_totals: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kwargs: dict | None = None,
+            dtype: torch.dtype = torch.float16, policy: Policy | None = None, pad_multiple: int = 8,
+            master_weights: bool = True, keep_io_types: bool = True) -> fx.GraphModule:
+    """Rewrite ``model`` into an explicit mixed-precision ``torch.fx.GraphModule``; ``model`` is not modified.
+
+    See the README for what each option does. Raises ValueError for bad options, TypeError for a model
+    that is not an ``nn.Module``, and ``autocastfx.CaptureError`` when the model cannot be captured.
+    """
+    args, kwargs = _check_inputs(model, example_inputs, example_kwargs, dtype, pad_multiple)
+    policy = policy if policy is not None else Policy.default()
+    if not isinstance(policy, Policy):
+        raise TypeError(f"policy must be an autocastfx.Policy, got {type(policy).__name__}")
+
+    if isinstance(model, fx.GraphModule):
+        gm, how = copy.deepcopy(model), "graph module"
+        if "autocastfx" in gm.meta:
+            how = gm.meta["autocastfx"].capture
+            _weights.restore_masters(gm)     # start again from the float32 model
+            del gm.meta["autocastfx"]
+        _check_params(gm)
+        _capture.propagate(gm, args, kwargs)
+    else:
+        _check_params(model)
+        gm, how = _capture.capture(model, args, kwargs, policy)   # runs propagate() on the example inputs
+
+    absorbed = _rewrite.absorb_casts(gm)
+    plan = _plan.build_plan(gm, policy, dtype, master_weights=master_weights, keep_io_types=keep_io_types)
+    masters = _weights.store_low(gm, plan.low_params, dtype)
+    _rewrite.apply_plan(gm, plan)
+    gm.meta["autocastfx"] = ConvertInfo(
+        dtype=dtype, policy=policy, capture=how, plan=plan, masters=masters, absorbed=absorbed,
+        options=dict(pad_multiple=pad_multiple, master_weights=master_weights, keep_io_types=keep_io_types))
+    return gm
+
+
+def _check_inputs(model, example_inputs, example_kwargs, dtype, pad_multiple):
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}")
+    if dtype not in LOW_DTYPES:
+        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+    if not isinstance(pad_multiple, int) or isinstance(pad_multiple, bool) or pad_multiple < 1:
+        raise ValueError(f"pad_multiple must be a positive int (1 turns padding off), got {pad_multiple!r}")
+    if example_inputs is None and example_kwargs is None:
+        raise ValueError("convert() needs example inputs to learn every value's dtype and shape: "
+                         "pass example_inputs=(x,) (a tuple of tensors like the ones forward takes)")
+    if isinstance(example_inputs, torch.Tensor):
+        raise TypeError("example_inputs must be a tuple of inputs: write (x,) instead of x")
+    args = tuple(example_inputs or ())
+    kwargs = dict(example_kwargs or {})
+    return args, kwargs
+
+
+def _check_params(model: nn.Module) -> None:
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_meta:
+            raise ValueError(f"{name} is on the meta device and has no values; materialise the model first "
+                             "(model.to_empty(device='cpu') and initialise it, or load a checkpoint)")
+        if t.is_floating_point() and t.dtype != torch.float32:
+            raise ValueError(f"{name} is {t.dtype}; convert() takes a float32 model, whose weights become the "
+                             "float32 masters. Call model.float() first (converting an already-halved model "
+                             "would keep rounded masters)")
+
+
+def master_parameters(gm: nn.Module) -> list[nn.Parameter]:
+    """The float32 master copies of the parameters stored in low precision."""
+    return _weights.master_parameters(gm)

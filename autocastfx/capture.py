@@ -1,0 +1,178 @@
+"""Capture: model -> GraphModule. torch.fx.symbolic_trace first, torch.export (training IR) second."""
+from __future__ import annotations
+
+import copy
+import traceback
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .policy import Policy
+
+
+class CaptureError(RuntimeError):
+    """Neither symbolic tracing nor torch.export could capture the model."""
+
+
+class _Tracer(fx.Tracer):
+    def __init__(self, policy: Policy):
+        super().__init__()
+        self.policy = policy
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return self.policy.is_leaf(m)
+
+
+def capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy) -> tuple[fx.GraphModule, str]:
+    """Return (graph module, how) where how is ``"symbolic_trace"`` or ``"torch.export"``.
+
+    The model is deep-copied first: nothing the capture does reaches the caller's model. A traced graph
+    must also run on the example inputs; one that does not goes to the torch.export fallback too.
+    """
+    model = copy.deepcopy(model)
+    try:
+        tracer = _Tracer(policy)
+        graph = tracer.trace(model)
+        gm = fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+        if kwargs and not _accepts_kwargs(gm, kwargs):
+            raise TypeError(f"traced forward does not take keyword inputs {sorted(kwargs)}")
+        propagate(gm, args, kwargs)
+        return gm, "symbolic_trace"
+    except Exception as e:  # noqa: BLE001 - every tracing failure goes to the fallback
+        trace_error = e
+    return capture_export(model, args, kwargs, trace_error)
+
+
+def capture_export(model: nn.Module, args: tuple, kwargs: dict, trace_error: BaseException | None = None
+                   ) -> tuple[fx.GraphModule, str]:
+    try:
+        ep = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+        gm = ep.module()
+        _strip_export_asserts(gm)
+        propagate(gm, args, kwargs)
+        return gm, "torch.export"
+    except Exception as e:  # noqa: BLE001
+        export_error = e
+    raise CaptureError(
+        f"cannot capture {type(model).__name__} as a graph.\n"
+        f"  torch.fx.symbolic_trace failed: {_one_line(trace_error) if trace_error else 'not tried'}\n"
+        f"  torch.export.export(strict=False) failed: {_one_line(export_error)}\n"
+        "Ways out: convert a submodule that traces (autocastfx.convert(model.backbone, ...)); mark the "
+        "module that breaks tracing as a leaf (Policy.default().override(leaf_modules=(MyBlock,))); remove "
+        "data-dependent Python control flow from forward (if x.sum() > 0: ...); or pass example_inputs "
+        "that match forward's signature so the torch.export fallback can run."
+    ) from export_error
+
+
+def _accepts_kwargs(gm: fx.GraphModule, kwargs: dict) -> bool:
+    names = {n.target for n in gm.graph.nodes if n.op == "placeholder"}
+    return all(k in names for k in kwargs)
+
+
+def _one_line(e: BaseException) -> str:
+    lines = [ln for ln in "".join(traceback.format_exception_only(type(e), e)).splitlines() if ln.strip()]
+    text = lines[0] if lines else type(e).__name__
+    return text if len(text) < 300 else text[:297] + "..."
+
+
+def _strip_export_asserts(gm: fx.GraphModule) -> None:
+    """torch.export pins every dtype with ``_assert_tensor_metadata``; the rewrite changes dtypes on purpose."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in (
+            torch.ops.aten._assert_tensor_metadata.default,
+        ) and not node.users:
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Facts about every value: dtype, shape, bytes, FLOPs, from one run of the graph on fake tensors.
+
+from dataclasses import dataclass  # noqa: E402
+
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= int(s)
+        return n
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.is_floating_point
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def _info(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return TensorInfo(v.dtype, tuple(int(s) for s in v.shape))
+    if isinstance(v, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in v):
+        return tuple(_info(x) for x in v)
+    return None
+
+
+class _Recorder(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, flops: FlopCounterMode | None):
+        super().__init__(gm)
+        self.flops = flops
+
+    def run_node(self, n: fx.Node) -> Any:
+        before = self.flops.get_total_flops() if self.flops is not None else 0
+        out = super().run_node(n)
+        after = self.flops.get_total_flops() if self.flops is not None else 0
+        n.meta["autocastfx_info"] = _info(out)
+        n.meta["autocastfx_flops"] = int(after - before)
+        return out
+
+
+def propagate(gm: fx.GraphModule, args: tuple, kwargs: dict) -> Any:
+    """Run the graph once on fake copies of the inputs, recording TensorInfo and FLOPs on every node.
+
+    Falls back to a real run (buffers restored afterwards) when an op cannot run on fake tensors.
+    """
+    flat_args = _flatten_inputs(gm, args, kwargs)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in flat_args]
+            with FlopCounterMode(display=False) as fc:
+                return _Recorder(gm, fc).run(*fake)
+    except Exception:  # noqa: BLE001 - data-dependent ops: run for real
+        saved = {k: v.detach().clone() for k, v in gm.state_dict().items()}
+        try:
+            with torch.no_grad(), FlopCounterMode(display=False) as fc:
+                return _Recorder(gm, fc).run(*flat_args)
+        finally:
+            gm.load_state_dict(saved)
+
+
+def _flatten_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list:
+    """Positional values for the graph's placeholders, in order."""
+    in_spec = getattr(gm, "_in_spec", None)
+    if in_spec is not None:  # torch.export module: the graph takes the flattened (args, kwargs)
+        flat, _ = torch.utils._pytree.tree_flatten((tuple(args), dict(kwargs)))
+        return flat
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    values = list(args)
+    for p in placeholders[len(values):]:
+        if p.target in kwargs:
+            values.append(kwargs[p.target])
+        elif p.args:
+            values.append(p.args[0])  # default value
+        else:
+            raise TypeError(f"no example value for input {p.target!r}: pass it in example_inputs/example_kwargs")
+    return values

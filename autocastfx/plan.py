@@ -1,0 +1,358 @@
+"""Plan: which dtype every value has and where the casts go.
+
+Each call node gets a *label*, LOW or FP32. LOW and FP32 ops are fixed; FOLLOW, PROMOTE and NORM ops are free,
+and the plan chooses their labels to move the fewest bytes through casts. A cast lives on an edge and is
+shared: value ``u`` costs ``numel(u)`` once for each dtype some consumer needs that ``u`` is not in. With two
+labels that objective is an s-t minimum cut (networkx), exact, in one max-flow.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Iterable
+
+import networkx as nx
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .capture import TensorInfo
+from .policy import FP32_OUT_OPS, OpClass, Policy, op_name
+
+LOW, FP32 = True, False   # label values
+_BIG = float(2**60)       # ties between a tuple value and its readers: never cut in practice
+
+
+@dataclasses.dataclass(frozen=True)
+class Req:
+    """What one consumer needs of one input value: the consumer's own label, or a fixed label, or nothing."""
+    consumer: str
+    kind: str               # "same" | "fixed" | "any"
+    label: bool | None = None
+
+
+@dataclasses.dataclass
+class Problem:
+    """Plain data the min-cut works on; tests write these by hand."""
+    fixed: dict[str, bool]                    # node -> label, for fixed nodes
+    free: list[str]                           # nodes whose label the plan chooses
+    weight: dict[str, int]                    # castable value -> numel (cost of one cast)
+    reqs: dict[str, list[Req]]                # value -> its consumers' requirements
+    multi: set[str] = dataclasses.field(default_factory=set)   # tuple-valued nodes: cannot be cast
+    tied: list[list[str]] = dataclasses.field(default_factory=list)  # groups that must share a label
+
+
+def cast_cost(p: Problem, labels: dict[str, bool]) -> tuple[int, int]:
+    """(elements cast, number of casts) for a full labelling."""
+    elements = casts = 0
+    for u, reqs in p.reqs.items():
+        if u in p.multi or u not in p.weight:
+            continue
+        lu = labels[u]
+        need = {labels[r.consumer] if r.kind == "same" else r.label for r in reqs if r.kind != "any"}
+        for d in need:
+            if d != lu:
+                elements += p.weight[u]
+                casts += 1
+    return elements, casts
+
+
+def solve_min_cut(p: Problem) -> dict[str, bool]:
+    """Labels for the free nodes that minimise cast_cost, fixed nodes kept."""
+    labels = dict(p.fixed)
+    if not p.free:
+        return labels
+    g = nx.DiGraph()
+    g.add_node("S")
+    g.add_node("T")
+    free = set(p.free)
+
+    def x(n: str) -> str:
+        if n in free:
+            return n
+        return "S" if p.fixed[n] == LOW else "T"
+
+    def inf_edge(a: str, b: str) -> None:
+        if a != b:
+            g.add_edge(a, b)  # no capacity attribute: infinite
+
+    def add_cap(a: str, b: str, c: float) -> None:
+        if a == b:
+            return
+        if g.has_edge(a, b):
+            if "capacity" in g[a][b]:
+                g[a][b]["capacity"] += c
+        else:
+            g.add_edge(a, b, capacity=c)
+
+    for u, reqs in p.reqs.items():
+        xu = x(u)
+        if u in p.multi:
+            for r in reqs:  # a tuple cannot be cast: its readers share its label
+                other = x(r.consumer) if r.kind == "same" else ("S" if r.label == LOW else "T") if r.kind == "fixed" else None
+                if other is not None:
+                    add_cap(xu, other, _BIG)
+                    add_cap(other, xu, _BIG)
+            continue
+        w = p.weight.get(u)
+        if w is None:
+            continue
+        same = [x(r.consumer) for r in reqs if r.kind == "same"]
+        want_low = any(r.kind == "fixed" and r.label == LOW for r in reqs)
+        want_f32 = any(r.kind == "fixed" and r.label == FP32 for r in reqs)
+        if xu != "T":  # u LOW and some reader FP32: one cast up
+            readers_t = [c for c in same if c != "S"] + (["T"] if want_f32 else [])
+            if readers_t:
+                a = f"__up_{u}"
+                add_cap(xu, a, w)
+                for c in readers_t:
+                    inf_edge(a, c)
+        if xu != "S":  # u FP32 and some reader LOW: one cast down
+            readers_s = [c for c in same if c != "T"] + (["S"] if want_low else [])
+            if readers_s:
+                b = f"__down_{u}"
+                add_cap(b, xu, w)
+                for c in readers_s:
+                    inf_edge(c, b)
+    for group in p.tied:
+        for a, b in zip(group, group[1:]):
+            add_cap(x(a), x(b), _BIG)
+            add_cap(x(b), x(a), _BIG)
+    for n in p.free:
+        g.add_node(n)
+    _, (s_side, _) = nx.minimum_cut(g, "S", "T")
+    for n in p.free:
+        labels[n] = n in s_side
+    return labels
+
+
+def naive_labels(p: Problem, order: Iterable[str], inputs: dict[str, list[str]], promote: set[str]) -> dict[str, bool]:
+    """What a plain rule gives without optimisation: FOLLOW takes its first input's dtype, PROMOTE the widest."""
+    labels = dict(p.fixed)
+    free = set(p.free)
+    for n in order:
+        if n not in free:
+            continue
+        ins = [labels[i] for i in inputs.get(n, []) if i in labels]
+        if not ins:
+            labels[n] = FP32
+        elif n in promote:
+            labels[n] = LOW if all(ins) else FP32
+        else:
+            labels[n] = ins[0]
+    for group in p.tied:  # groups are parameters: keep them as stored
+        for m in group:
+            labels[m] = labels.get(group[0], FP32)
+    return labels
+
+
+# ----------------------------------------------------------------------------------------------------------
+# From a graph to a Problem, and the plan that comes back.
+
+@dataclasses.dataclass
+class NodePlan:
+    op_class: OpClass | None
+    label: bool | None          # LOW / FP32 / None (not a float value)
+    reason: str
+    fp32_out: bool = False      # takes dtype=float32 instead of a cast of its input
+
+
+@dataclasses.dataclass
+class CastPlan:
+    """The printable result of planning. ``casts``: (value, to_low) pairs; ``low_params``: parameter names."""
+    dtype: torch.dtype
+    nodes: dict[str, NodePlan]
+    reqs: dict[str, list[Req]]
+    casts: list[tuple[str, bool]]
+    low_params: list[str]
+    unclassified: list[str]
+    before: tuple[int, int]      # (elements cast, casts) with the naive rule
+    after: tuple[int, int]       # (elements cast, casts) after the min-cut
+    weight: dict[str, int]
+
+    def __str__(self) -> str:
+        lines = [f"CastPlan(dtype={self.dtype}, casts {self.before[1]} -> {self.after[1]}, "
+                 f"elements cast {self.before[0]} -> {self.after[0]})"]
+        for v, to_low in self.casts:
+            lines.append(f"  cast {v} -> {'low' if to_low else 'fp32'} ({self.weight.get(v, 0)} elements)")
+        return "\n".join(lines)
+
+
+def _float_inputs(node: fx.Node) -> list[fx.Node]:
+    seen: list[fx.Node] = []
+    for a in node.all_input_nodes:
+        info = a.meta.get("autocastfx_info")
+        if _is_float(info) or _is_multi_float(info):
+            if a not in seen:
+                seen.append(a)
+    return seen
+
+
+def _is_float(info: Any) -> bool:
+    return isinstance(info, TensorInfo) and info.is_float
+
+
+def _is_multi_float(info: Any) -> bool:
+    return isinstance(info, tuple) and any(_is_float(i) for i in info)
+
+
+def _accepts_dtype_kwarg(node: fx.Node) -> bool:
+    if op_name(node) not in FP32_OUT_OPS:
+        return False
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return any(a.name == "dtype" and a.kwarg_only for a in t._schema.arguments)
+    return node.op in ("call_function", "call_method")
+
+
+def module_path(node: fx.Node) -> str | None:
+    """Qualified name of the innermost module a node came from."""
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        return path.removeprefix("L['self'].").replace("L__self___", "") if isinstance(path, str) else None
+    return None
+
+
+def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, master_weights: bool,
+               keep_io_types: bool) -> CastPlan:
+    nodes: dict[str, NodePlan] = {}
+    fixed: dict[str, bool] = {}
+    free: list[str] = []
+    weight: dict[str, int] = {}
+    reqs: dict[str, list[Req]] = {}
+    multi: set[str] = set()
+    unclassified: list[str] = []
+    promote: set[str] = set()
+    inputs: dict[str, list[str]] = {}
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    param_nodes: dict[int, list[fx.Node]] = {}
+    io_label = FP32
+
+    def req(u: fx.Node, r: Req) -> None:
+        reqs.setdefault(u.name, []).append(r)
+
+    first_float_input = True
+    for node in gm.graph.nodes:
+        info = node.meta.get("autocastfx_info")
+        if _is_float(info):
+            weight[node.name] = info.numel
+        elif _is_multi_float(info):
+            multi.add(node.name)
+        is_value = node.name in weight or node.name in multi
+        if node.op == "placeholder":
+            if is_value:
+                lab = LOW if info.dtype == low else FP32
+                fixed[node.name] = lab
+                nodes[node.name] = NodePlan(None, lab, f"input ({info.dtype})")
+                if first_float_input:
+                    io_label, first_float_input = lab, False
+            continue
+        if node.op == "get_attr":
+            if is_value:
+                p = params.get(str(node.target))
+                if p is not None and master_weights:
+                    param_nodes.setdefault(id(p), []).append(node)
+                    free.append(node.name)
+                    nodes[node.name] = NodePlan(None, None, "parameter")
+                else:
+                    fixed[node.name] = FP32
+                    what = "parameter" if p is not None else "buffer or constant"
+                    nodes[node.name] = NodePlan(None, FP32, f"{what}, kept float32")
+            continue
+        if node.op == "output":
+            if keep_io_types:
+                for a in _float_inputs(node):
+                    req(a, Req(node.name, "fixed", io_label))
+            continue
+        fins = _float_inputs(node)
+        inputs[node.name] = [a.name for a in fins]
+        module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+        cls, reason = policy.classify(node, module, module_path(node))
+        if not fins:
+            if is_value:  # a source: creation op, or computed from integers only
+                lab = LOW if (isinstance(info, TensorInfo) and info.dtype == low) else FP32
+                fixed[node.name] = lab
+                nodes[node.name] = NodePlan(cls, lab, "no float inputs: keeps its own dtype")
+            else:
+                nodes[node.name] = NodePlan(cls, None, reason or "no float inputs")
+            continue
+        if cls is None:
+            unclassified.append(f"{node.name} ({op_name(node) if module is None else type(module).__name__})")
+            cls, reason = OpClass.FP32, "unclassified op: float32 (add it to the policy)"
+        if cls is OpClass.FP32_OUT and not _accepts_dtype_kwarg(node):
+            cls, reason = OpClass.FP32, reason + " (no dtype= argument: cast instead)"
+        if cls is OpClass.LOW:
+            fixed[node.name] = LOW
+            for a in fins:
+                req(a, Req(node.name, "fixed", LOW))
+        elif cls is OpClass.FP32:
+            fixed[node.name] = FP32
+            for a in fins:
+                req(a, Req(node.name, "fixed", FP32))
+        elif cls is OpClass.FP32_OUT:
+            fixed[node.name] = FP32
+            for a in fins:
+                req(a, Req(node.name, "any"))
+        elif cls is OpClass.NORM:
+            free.append(node.name)
+            act = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else fins[0]
+            for a in fins:
+                req(a, Req(node.name, "same") if a is act else Req(node.name, "fixed", FP32))
+        else:
+            free.append(node.name)
+            if cls is OpClass.PROMOTE:
+                promote.add(node.name)
+            for a in fins:
+                req(a, Req(node.name, "same"))
+        nodes[node.name] = NodePlan(cls, None, reason)
+
+    # parameters: free only when every reader takes them in its own label or as LOW
+    tied = []
+    for group in param_nodes.values():
+        names = [n.name for n in group]
+        pinned = any(r.kind == "fixed" and r.label == FP32 for n in names for r in reqs.get(n, []))
+        if pinned:
+            for n in names:
+                free.remove(n)
+                fixed[n] = FP32
+                nodes[n] = NodePlan(None, FP32, "parameter read in float32: kept float32")
+        elif len(names) > 1:
+            tied.append(names)
+
+    problem = Problem(fixed, free, weight, reqs, multi, tied)
+    order = [n.name for n in gm.graph.nodes]
+    before = cast_cost(problem, naive_labels(problem, order, inputs, promote))
+    labels = solve_min_cut(problem)
+    after = cast_cost(problem, labels)
+
+    low_params: list[str] = []
+    for name, np_ in nodes.items():
+        if name in labels:
+            np_.label = labels[name]
+        if np_.op_class is OpClass.FP32_OUT:
+            np_.fp32_out = any(labels.get(i) == LOW for i in inputs.get(name, []))
+    for group in param_nodes.values():
+        for n in group:
+            if n.name in problem.free:
+                lab = labels[n.name]
+                nodes[n.name].reason = ("parameter stored in low precision, float32 master kept" if lab == LOW
+                                        else "parameter, kept float32")
+                if lab == LOW:
+                    low_params.append(str(n.target))
+    casts: list[tuple[str, bool]] = []
+    for u, rs in reqs.items():
+        if u in multi or u not in weight:
+            continue
+        need = {labels[r.consumer] if r.kind == "same" else r.label for r in rs if r.kind != "any"}
+        for d in sorted(need):
+            if d != labels[u]:
+                casts.append((u, d))
+    if unclassified:
+        warnings.warn("autocastfx: ops on no policy list run in float32: " + ", ".join(unclassified[:20])
+                      + (" ..." if len(unclassified) > 20 else "")
+                      + ". Classify them with Policy.default().override(ops={name: 'follow'|'low'|...}).",
+                      stacklevel=3)
+    return CastPlan(low, nodes, reqs, casts, low_params, unclassified, before, after, weight)

@@ -1,0 +1,228 @@
+"""Op classes, the default tables, and the frozen Policy that says which op runs in which precision.
+
+Every op is named by a bare *op name* that is the same whether it appears as ``torch.nn.functional.conv2d``,
+``torch.conv2d``, ``x.conv2d(...)`` or ``aten.conv2d.default``: the tables are written once for all three
+capture forms.  Leaf modules are classified by type.
+
+Precedence, lowest to highest: op name table < module type < qualified-name glob < node name.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import fnmatch
+import operator
+from typing import Any, Mapping
+
+import torch
+import torch.nn as nn
+
+
+class OpClass(str, enum.Enum):
+    LOW = "low"            # runs in the low dtype: tensor-core ops
+    FP32 = "fp32"          # runs in float32, every float input cast up
+    PROMOTE = "promote"    # several float inputs, one dtype for all of them (chosen by the plan)
+    FOLLOW = "follow"      # runs in whatever arrives (shape ops, activations, max pooling)
+    NORM = "norm"          # follows its activation input; parameters and statistics stay float32
+    FP32_OUT = "fp32_out"  # float32 result from any input, through the op's own dtype= argument
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _names(text: str) -> frozenset[str]:
+    return frozenset(text.split())
+
+
+LOW_OPS = _names("""
+    conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d convolution _convolution
+    conv_tbc linear matmul mm bmm addmm addbmm baddbmm addmv mv einsum bilinear
+    scaled_dot_product_attention _scaled_dot_product_flash_attention
+    _scaled_dot_product_efficient_attention _scaled_dot_product_cudnn_attention
+""")
+
+NORM_OPS = _names("""
+    batch_norm layer_norm group_norm instance_norm rms_norm native_batch_norm native_layer_norm
+    native_group_norm _native_batch_norm_legit _native_batch_norm_legit_no_training
+    _native_batch_norm_legit_functional cudnn_batch_norm
+""")
+
+# float32 results that the op itself can produce from a low-precision input via ``dtype=``
+FP32_OUT_OPS = _names("softmax log_softmax sum mean cumsum cumprod prod nansum")
+
+FP32_OPS = _names("""
+    _softmax _log_softmax var std var_mean std_mean norm linalg_vector_norm linalg_norm frobenius_norm
+    nuclear_norm renorm logsumexp logcumsumexp exp exp2 expm1 log log2 log10 log1p pow float_power sqrt
+    rsqrt reciprocal sin cos tan asin acos atan sinh cosh asinh acosh atanh erfinv lgamma digamma polygamma
+    softplus dist cdist pdist cosine_similarity pairwise_distance local_response_norm
+    adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d _adaptive_avg_pool2d _adaptive_avg_pool3d
+    cross_entropy nll_loss nll_loss_nd nll_loss2d mse_loss l1_loss smooth_l1_loss huber_loss
+    binary_cross_entropy binary_cross_entropy_with_logits kl_div cosine_embedding_loss ctc_loss
+    margin_ranking_loss hinge_embedding_loss multilabel_margin_loss soft_margin_loss
+    multilabel_soft_margin_loss triplet_margin_loss triplet_margin_with_distance_loss multi_margin_loss
+    poisson_nll_loss gaussian_nll_loss
+""")
+
+PROMOTE_OPS = _names("""
+    add sub rsub mul div true_divide floor_divide truediv floordiv mod remainder fmod
+    cat concat concatenate stack hstack vstack dstack where addcmul addcdiv lerp maximum minimum fmax fmin
+    atan2 hypot copysign eq ne lt le gt ge index_put index_add scatter scatter_add scatter_reduce
+    masked_scatter prelu _prelu_kernel clamp clip xlogy
+""")
+
+FOLLOW_OPS = _names("""
+    relu relu6 leaky_relu elu selu celu gelu silu mish hardswish hardsigmoid hardtanh sigmoid tanh softsign
+    tanhshrink threshold glu logsigmoid softshrink hardshrink rrelu
+    max_pool1d max_pool2d max_pool3d max_pool2d_with_indices max_pool3d_with_indices
+    adaptive_max_pool1d adaptive_max_pool2d adaptive_max_pool3d avg_pool1d avg_pool2d avg_pool3d
+    dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout feature_dropout native_dropout
+    view reshape _unsafe_view view_as reshape_as permute transpose t contiguous flatten unflatten squeeze
+    unsqueeze expand expand_as repeat tile split split_with_sizes chunk unbind narrow select slice getitem
+    index_select gather take roll flip pad constant_pad_nd reflection_pad1d reflection_pad2d
+    replication_pad1d replication_pad2d clone detach neg abs max min amax amin argmax argmin topk sort
+    argsort masked_fill zeros_like ones_like empty_like full_like rand_like randn_like new_zeros new_ones
+    new_empty new_full embedding pixel_shuffle pixel_unshuffle channel_shuffle native_channel_shuffle
+    interpolate upsample upsample_nearest1d upsample_nearest2d upsample_bilinear2d upsample_bicubic2d
+    alias lift_fresh_copy sign floor ceil round trunc identity isnan isinf isfinite logical_not
+    masked_select nonzero movedim moveaxis swapaxes diagonal tril triu unfold fill fill_ zero_
+    as_strided expand_copy permute_copy view_copy clamp_min clamp_max nan_to_num
+    ones zeros empty full arange rand randn randint scalar_tensor linspace eye tensor
+    sym_size size dim numel _assert_scalar sym_constrain_range_for_size
+""")
+
+# name of the dtype cast ops that the pass absorbs (float -> float casts only)
+CAST_OPS = _names("to type type_as float half bfloat16 _to_copy _to_dtype to_dtype")
+
+DEFAULT_OP_TABLE: Mapping[str, OpClass] = {
+    **{n: OpClass.FOLLOW for n in FOLLOW_OPS},
+    **{n: OpClass.PROMOTE for n in PROMOTE_OPS},
+    **{n: OpClass.FP32 for n in FP32_OPS},
+    **{n: OpClass.FP32_OUT for n in FP32_OUT_OPS},
+    **{n: OpClass.NORM for n in NORM_OPS},
+    **{n: OpClass.LOW for n in LOW_OPS},
+}
+
+# Leaf modules: kept as ``call_module`` nodes (their behaviour depends on train/eval or they read best whole).
+# Every other module, torch.nn's Conv/Linear/Embedding included, is traced through to functional calls,
+# so its parameters become graph values that the plan can store or cast.
+_mods = nn.modules
+DEFAULT_MODULE_TABLE: Mapping[type, OpClass] = {
+    **{t: OpClass.NORM for t in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+                                  nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d,
+                                  nn.InstanceNorm3d, getattr(nn, "RMSNorm", nn.LayerNorm))},
+    **{t: OpClass.FOLLOW for t in (
+        nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout,
+        nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish, nn.Hardswish,
+        nn.Hardsigmoid, nn.Hardtanh, nn.Sigmoid, nn.Tanh, nn.Softsign, nn.Tanhshrink, nn.Threshold, nn.GLU,
+        nn.LogSigmoid, nn.Softshrink, nn.Hardshrink,
+        nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
+        nn.AdaptiveMaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.Flatten, nn.Unflatten,
+        nn.Identity, nn.Upsample, nn.PixelShuffle, nn.PixelUnshuffle, nn.ChannelShuffle, nn.ZeroPad2d,
+        nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d, nn.ReflectionPad1d, nn.ReflectionPad2d,
+        nn.ReplicationPad1d, nn.ReplicationPad2d)},
+    **{t: OpClass.FP32 for t in (
+        nn.Softmax, nn.LogSoftmax, nn.Softmin, nn.Softplus, nn.LocalResponseNorm, nn.AdaptiveAvgPool1d,
+        nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.CrossEntropyLoss, nn.NLLLoss, nn.MSELoss, nn.L1Loss,
+        nn.SmoothL1Loss, nn.HuberLoss, nn.BCELoss, nn.BCEWithLogitsLoss, nn.KLDivLoss, nn.CTCLoss,
+        nn.CosineEmbeddingLoss, nn.MarginRankingLoss, nn.HingeEmbeddingLoss, nn.MultiLabelMarginLoss,
+        nn.SoftMarginLoss, nn.MultiLabelSoftMarginLoss, nn.TripletMarginLoss, nn.MultiMarginLoss,
+        nn.PoissonNLLLoss, nn.GaussianNLLLoss, nn.CosineSimilarity, nn.PairwiseDistance)},
+}
+
+_OPERATOR_NAMES = {
+    operator.add: "add", operator.iadd: "add", operator.sub: "sub", operator.isub: "sub",
+    operator.mul: "mul", operator.imul: "mul", operator.truediv: "div", operator.itruediv: "div",
+    operator.floordiv: "floor_divide", operator.mod: "remainder", operator.matmul: "matmul",
+    operator.neg: "neg", operator.getitem: "getitem", operator.pow: "pow", operator.eq: "eq",
+    operator.ne: "ne", operator.lt: "lt", operator.le: "le", operator.gt: "gt", operator.ge: "ge",
+    operator.and_: "logical_and_op", operator.or_: "logical_or_op", operator.invert: "logical_not",
+    getattr: "getattr", operator.abs: "abs", operator.pos: "identity",
+}
+
+
+def op_name(node: torch.fx.Node) -> str:
+    """The bare op name a node is classified by (``aten.conv2d.default`` -> ``conv2d``)."""
+    t = node.target
+    if node.op == "call_method":
+        name = str(t)
+    elif node.op == "call_function":
+        if t in _OPERATOR_NAMES:
+            return _OPERATOR_NAMES[t]
+        if isinstance(t, torch._ops.OpOverload):
+            name = t._opname
+        elif isinstance(t, torch._ops.OpOverloadPacket):
+            name = t._qualified_op_name.split("::")[-1]
+        else:
+            name = getattr(t, "__name__", str(t))
+    else:
+        return node.op
+    if name.endswith("_") and not name.endswith("__") and name[:-1] in DEFAULT_OP_TABLE:
+        name = name[:-1]  # in-place variant classifies as its out-of-place op
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Which precision each op runs in. Frozen data; build variants with :meth:`override`.
+
+    ``op_table``: op name -> class.  ``module_types``: leaf module type -> class.
+    ``module_names``: (glob over qualified module names, class), later entries win.
+    ``node_names``: node name -> class.  ``leaf_modules``: extra module types to keep whole when tracing.
+    """
+
+    op_table: Mapping[str, OpClass] = dataclasses.field(default_factory=lambda: dict(DEFAULT_OP_TABLE))
+    module_types: Mapping[type, OpClass] = dataclasses.field(default_factory=lambda: dict(DEFAULT_MODULE_TABLE))
+    module_names: tuple[tuple[str, OpClass], ...] = ()
+    node_names: Mapping[str, OpClass] = dataclasses.field(default_factory=dict)
+    leaf_modules: tuple[type, ...] = ()
+
+    @classmethod
+    def default(cls) -> "Policy":
+        return cls()
+
+    def override(self, *, ops: Mapping[str, Any] | None = None, module_types: Mapping[type, Any] | None = None,
+                 module_names: Mapping[str, Any] | None = None, node_names: Mapping[str, Any] | None = None,
+                 leaf_modules: tuple[type, ...] = ()) -> "Policy":
+        """A new Policy with these entries added (classes given as OpClass or its value, e.g. ``"fp32"``)."""
+        def conv(d):
+            return {k: _as_class(v) for k, v in (d or {}).items()}
+        return dataclasses.replace(
+            self,
+            op_table={**self.op_table, **conv(ops)},
+            module_types={**self.module_types, **conv(module_types)},
+            module_names=self.module_names + tuple(conv(module_names).items()),
+            node_names={**self.node_names, **conv(node_names)},
+            leaf_modules=self.leaf_modules + tuple(leaf_modules),
+        )
+
+    def is_leaf(self, module: nn.Module) -> bool:
+        return type(module) in self.module_types or isinstance(module, self.leaf_modules)
+
+    def classify(self, node: torch.fx.Node, module: nn.Module | None, module_path: str | None
+                 ) -> tuple[OpClass | None, str]:
+        """(class, reason) for a call node; class None means the op is on no list."""
+        cls: OpClass | None = None
+        reason = ""
+        if module is not None:
+            for t in type(module).__mro__:
+                if t in self.module_types:
+                    cls, reason = self.module_types[t], f"module type {t.__name__}"
+                    break
+        else:
+            name = op_name(node)
+            if name in self.op_table:
+                cls, reason = self.op_table[name], f"op {name}"
+        if module_path is not None:
+            for pattern, c in self.module_names:
+                if fnmatch.fnmatchcase(module_path, pattern):
+                    cls, reason = c, f"module name {pattern!r}"
+        if node.name in self.node_names:
+            cls, reason = self.node_names[node.name], f"node name {node.name!r}"
+        return cls, reason
+
+
+def _as_class(v: Any) -> OpClass:
+    try:
+        return OpClass(v.value if isinstance(v, OpClass) else str(v).lower())
+    except ValueError:
+        raise ValueError(f"unknown op class {v!r}: use one of {[c.value for c in OpClass]}") from None

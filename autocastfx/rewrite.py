@@ -1,0 +1,126 @@
+"""Rewrite: carry out a CastPlan on the graph. Casts are real nodes, named for what they do."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from .capture import TensorInfo
+from .plan import LOW, CastPlan, NodePlan
+from .policy import CAST_OPS, OpClass, op_name
+
+_SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_CASTABLE = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What ``node.meta["autocastfx"]`` holds for every node of a converted graph."""
+    kind: str                       # "op" | "cast" | "input" | "param" | "output" | "other"
+    op_class: str | None            # low / fp32 / promote / follow / norm / fp32_out, or None
+    dtype: torch.dtype | None       # the dtype the node computes in (None: not a float value)
+    reason: str
+    casts_in: tuple[str, ...] = ()  # names of cast nodes feeding this node
+    numel: int = 0                  # elements, for cast nodes: what they move
+    flops: int = 0
+
+
+def absorb_casts(gm: fx.GraphModule) -> list[str]:
+    """Remove the model's own float<->float casts (``.float()``, ``.half()``, ``.to(dtype)``, ``type_as``);
+    the plan decides those dtypes now. Returns the names removed. Integer/bool conversions are kept."""
+    removed = []
+    for node in list(gm.graph.nodes):
+        if node.op not in ("call_method", "call_function") or op_name(node) not in CAST_OPS:
+            continue
+        if not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        src = node.args[0].meta.get("autocastfx_info")
+        out = node.meta.get("autocastfx_info")
+        if not (isinstance(src, TensorInfo) and isinstance(out, TensorInfo)):
+            continue
+        if src.dtype not in _CASTABLE or out.dtype not in _CASTABLE or src.shape != out.shape:
+            continue
+        if not _only_changes_dtype(node):
+            continue
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+        removed.append(node.name)
+    return removed
+
+
+def _only_changes_dtype(node: fx.Node) -> bool:
+    extra_args = node.args[1:]
+    name = op_name(node)
+    if name == "type_as":
+        return len(extra_args) == 1 and not node.kwargs
+    if name in ("float", "half", "bfloat16"):
+        return not extra_args and set(node.kwargs) <= {"memory_format"}
+    if name == "type":
+        return len(extra_args) == 1 and isinstance(extra_args[0], torch.dtype)
+    if any(not isinstance(a, (torch.dtype, bool)) for a in extra_args):
+        return False
+    allowed = {"dtype", "copy", "non_blocking", "memory_format"}
+    for k, v in node.kwargs.items():
+        if k in ("device", "layout", "pin_memory"):
+            if v is not None and not (k == "layout" and v == torch.strided):
+                return False
+        elif k not in allowed:
+            return False
+    return True
+
+
+def apply_plan(gm: fx.GraphModule, plan: CastPlan) -> None:
+    """Insert the planned casts, switch the fp32_out ops to ``dtype=torch.float32``, record decisions."""
+    graph = gm.graph
+    low = plan.dtype
+    by_name = {n.name: n for n in graph.nodes}
+    last_placeholder = None
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            last_placeholder = n
+    casts_in: dict[str, list[str]] = {}
+    label = {k: v.label for k, v in plan.nodes.items()}
+
+    for value_name, to_low in plan.casts:
+        value = by_name[value_name]
+        target = low if to_low else torch.float32
+        readers = {r.consumer for r in plan.reqs[value_name]
+                   if (r.kind == "same" and label.get(r.consumer) == to_low)
+                   or (r.kind == "fixed" and r.label == to_low)}
+        anchor = last_placeholder if value.op == "placeholder" else value
+        with graph.inserting_after(anchor):
+            cast = graph.call_method("to", (value, target))
+        cast._rename(f"to_{_SHORT[target]}_{value_name}")
+        numel = plan.weight[value_name]
+        cast.meta["autocastfx_info"] = TensorInfo(target, value.meta["autocastfx_info"].shape)
+        cast.meta["autocastfx"] = Decision("cast", None, target, f"cast {value_name} for {', '.join(sorted(readers))}",
+                                           numel=numel)
+        for r in readers:
+            consumer = by_name[r]
+            consumer.replace_input_with(value, cast)
+            casts_in.setdefault(r, []).append(cast.name)
+
+    for node in graph.nodes:
+        if "autocastfx" in node.meta and node.meta["autocastfx"].kind == "cast":
+            continue
+        np_: NodePlan | None = plan.nodes.get(node.name)
+        flops = node.meta.get("autocastfx_flops", 0)
+        dtype = None if np_ is None or np_.label is None else (low if np_.label == LOW else torch.float32)
+        if np_ is not None and np_.fp32_out:
+            node.kwargs = {**node.kwargs, "dtype": torch.float32}
+        kind = {"placeholder": "input", "get_attr": "param", "output": "output"}.get(node.op, "op")
+        if np_ is None:
+            reason = "output" if node.op == "output" else "not a float tensor"
+            node.meta["autocastfx"] = Decision(kind if node.op == "output" else "other", None, None, reason,
+                                               tuple(casts_in.get(node.name, ())), flops=flops)
+            continue
+        reason = np_.reason
+        if np_.op_class in (OpClass.FOLLOW, OpClass.PROMOTE, OpClass.NORM) and np_.label is not None:
+            reason += f" -> {_SHORT[dtype]} (min-cut)"
+        if np_.fp32_out:
+            reason += " -> dtype=torch.float32 on a low input"
+        node.meta["autocastfx"] = Decision(kind, None if np_.op_class is None else np_.op_class.value, dtype,
+                                           reason, tuple(casts_in.get(node.name, ())), flops=flops)
+    graph.lint()
+    gm.recompile()
