@@ -101,6 +101,7 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 class TensorInfo:
     dtype: torch.dtype
     shape: tuple[int, ...]
+    device: str = "cpu"
 
     @property
     def numel(self) -> int:
@@ -120,7 +121,7 @@ class TensorInfo:
 
 def _info(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
-        return TensorInfo(v.dtype, tuple(int(s) for s in v.shape))
+        return TensorInfo(v.dtype, tuple(int(s) for s in v.shape), v.device.type)
     if isinstance(v, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in v):
         return tuple(_info(x) for x in v)
     return None

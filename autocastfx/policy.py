@@ -61,6 +61,7 @@ FP32_OPS = _names("""
     margin_ranking_loss hinge_embedding_loss multilabel_margin_loss soft_margin_loss
     multilabel_soft_margin_loss triplet_margin_loss triplet_margin_with_distance_loss multi_margin_loss
     poisson_nll_loss gaussian_nll_loss
+    wrap_with_set_grad_enabled wrap_with_autocast wrap
 """)
 
 PROMOTE_OPS = _names("""

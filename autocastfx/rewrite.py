@@ -41,7 +41,7 @@ def absorb_casts(gm: fx.GraphModule) -> list[str]:
             continue
         if src.dtype not in _CASTABLE or out.dtype not in _CASTABLE or src.shape != out.shape:
             continue
-        if not _only_changes_dtype(node):
+        if not _only_changes_dtype(node, src.device):
             continue
         node.replace_all_uses_with(node.args[0])
         gm.graph.erase_node(node)
@@ -49,7 +49,7 @@ def absorb_casts(gm: fx.GraphModule) -> list[str]:
     return removed
 
 
-def _only_changes_dtype(node: fx.Node) -> bool:
+def _only_changes_dtype(node: fx.Node, device: str) -> bool:
     extra_args = node.args[1:]
     name = op_name(node)
     if name == "type_as":
@@ -62,8 +62,11 @@ def _only_changes_dtype(node: fx.Node) -> bool:
         return False
     allowed = {"dtype", "copy", "non_blocking", "memory_format"}
     for k, v in node.kwargs.items():
-        if k in ("device", "layout", "pin_memory"):
-            if v is not None and not (k == "layout" and v == torch.strided):
+        if k == "device":
+            if v is not None and torch.device(v).type != device:
+                return False
+        elif k in ("layout", "pin_memory"):
+            if v is not None and not (k == "layout" and v == torch.strided) and v is not False:
                 return False
         elif k not in allowed:
             return False
@@ -93,7 +96,8 @@ def apply_plan(gm: fx.GraphModule, plan: CastPlan) -> None:
             cast = graph.call_method("to", (value, target))
         cast._rename(f"to_{_SHORT[target]}_{value_name}")
         numel = plan.weight[value_name]
-        cast.meta["autocastfx_info"] = TensorInfo(target, value.meta["autocastfx_info"].shape)
+        src_info = value.meta["autocastfx_info"]
+        cast.meta["autocastfx_info"] = TensorInfo(target, src_info.shape, src_info.device)
         cast.meta["autocastfx"] = Decision("cast", None, target, f"cast {value_name} for {', '.join(sorted(readers))}",
                                            numel=numel)
         for r in readers:
