@@ -9,7 +9,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .policy import Policy
+from .policy import LOW_OPS, Policy, op_name
+
+_COUNTED = LOW_OPS  # FLOPs are counted where tensor cores could run them
 
 
 class CaptureError(RuntimeError):
@@ -23,6 +25,19 @@ class _Tracer(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return self.policy.is_leaf(m)
+
+    def trace(self, root, concrete_args=None):
+        self._param_names = {id(p): n for n, p in root.named_parameters()} if isinstance(root, nn.Module) else {}
+        return super().trace(root, concrete_args)
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        # fx's own lookup scans every parameter on every access (quadratic in model size): use a dict
+        name = self._param_names.get(id(attr_val)) if isinstance(attr_val, nn.Parameter) else None
+        if name is None:
+            return super().getattr(attr, attr_val, parameter_proxy_cache)
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy) -> tuple[fx.GraphModule, str]:
@@ -128,17 +143,40 @@ def _info(v: Any) -> Any:
 
 
 class _Recorder(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, flops: FlopCounterMode | None):
+    """Runs the graph, storing TensorInfo on every node and FLOPs on the tensor-core candidates."""
+
+    def __init__(self, gm: fx.GraphModule, meta: bool = False):
         super().__init__(gm)
-        self.flops = flops
+        self.meta = meta
+        self._meta_state: dict[str, dict[str, torch.Tensor]] = {}
+
+    def get_attr(self, target, args, kwargs):
+        v = super().get_attr(target, args, kwargs)
+        return _to_meta(v) if self.meta and isinstance(v, torch.Tensor) else v
+
+    def call_module(self, target, args, kwargs):
+        if not self.meta:
+            return super().call_module(target, args, kwargs)
+        module = self.fetch_attr(target)
+        if target not in self._meta_state:
+            self._meta_state[target] = {k: _to_meta(v) for k, v in
+                                        list(module.named_parameters()) + list(module.named_buffers())}
+        return torch.func.functional_call(module, self._meta_state[target], tuple(args), dict(kwargs))
 
     def run_node(self, n: fx.Node) -> Any:
-        before = self.flops.get_total_flops() if self.flops is not None else 0
-        out = super().run_node(n)
-        after = self.flops.get_total_flops() if self.flops is not None else 0
+        if n.op == "call_module" or (n.op in ("call_function", "call_method") and op_name(n) in _COUNTED):
+            with FlopCounterMode(display=False) as fc:
+                out = super().run_node(n)
+            n.meta["autocastfx_flops"] = int(fc.get_total_flops())
+        else:
+            out = super().run_node(n)
+            n.meta["autocastfx_flops"] = 0
         n.meta["autocastfx_info"] = _info(out)
-        n.meta["autocastfx_flops"] = int(after - before)
         return out
+
+
+def _to_meta(v: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
 
 
 def propagate(gm: fx.GraphModule, args: tuple, kwargs: dict) -> Any:
@@ -147,18 +185,37 @@ def propagate(gm: fx.GraphModule, args: tuple, kwargs: dict) -> Any:
     Falls back to a real run (buffers restored afterwards) when an op cannot run on fake tensors.
     """
     flat_args = _flatten_inputs(gm, args, kwargs)
+    try:  # meta tensors: the cheapest way to learn dtypes, shapes and FLOPs
+        meta_args = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in flat_args]
+        out = _Recorder(gm, meta=True).run(*meta_args)
+        device = _device_of(flat_args, gm)
+        for n in gm.graph.nodes:  # the real device, for cast placement
+            info = n.meta.get("autocastfx_info")
+            if isinstance(info, TensorInfo) and info.device == "meta":
+                n.meta["autocastfx_info"] = TensorInfo(info.dtype, info.shape, device)
+        return out
+    except Exception:  # noqa: BLE001 - ops that mix devices or have no meta kernel: fake tensors
+        pass
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in flat_args]
-            with FlopCounterMode(display=False) as fc:
-                return _Recorder(gm, fc).run(*fake)
+            return _Recorder(gm).run(*fake)
     except Exception:  # noqa: BLE001 - data-dependent ops: run for real
         saved = {k: v.detach().clone() for k, v in gm.state_dict().items()}
         try:
-            with torch.no_grad(), FlopCounterMode(display=False) as fc:
-                return _Recorder(gm, fc).run(*flat_args)
+            with torch.no_grad():
+                return _Recorder(gm).run(*flat_args)
         finally:
             gm.load_state_dict(saved)
+
+
+def _device_of(flat_args: list, gm: fx.GraphModule) -> str:
+    for a in flat_args:
+        if isinstance(a, torch.Tensor):
+            return a.device.type
+    for a in gm.parameters():
+        return a.device.type
+    return "cpu"
 
 
 def _flatten_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list:
