@@ -267,6 +267,9 @@ def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, master_w
                 for a in _float_inputs(node):
                     req(a, Req(node.name, "fixed", io_label))
             continue
+        if not is_value and not node.users:  # runs for its effect only (guards, asserts): nothing to decide
+            nodes[node.name] = NodePlan(None, None, "no tensor result")
+            continue
         fins = _float_inputs(node)
         inputs[node.name] = [a.name for a in fins]
         module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None

@@ -62,7 +62,9 @@ FP32_OPS = _names("""
     multilabel_soft_margin_loss triplet_margin_loss triplet_margin_with_distance_loss multi_margin_loss
     poisson_nll_loss gaussian_nll_loss
     wrap_with_set_grad_enabled wrap_with_autocast wrap
+    shifted_window_attention _get_relative_position_bias _get_relative_position_bias_v2
 """)
+# (the last line: functions torchvision hides from tracing with torch.fx.wrap; they run whole, in float32)
 
 PROMOTE_OPS = _names("""
     add sub rsub mul div true_divide floor_divide truediv floordiv mod remainder fmod
@@ -88,7 +90,7 @@ FOLLOW_OPS = _names("""
     masked_select nonzero movedim moveaxis swapaxes diagonal tril triu unfold fill fill_ zero_
     as_strided expand_copy permute_copy view_copy clamp_min clamp_max nan_to_num
     ones zeros empty full arange rand randn randint scalar_tensor linspace eye tensor
-    sym_size size dim numel _assert_scalar sym_constrain_range_for_size
+    sym_size size dim numel _assert_scalar sym_constrain_range_for_size getattr stochastic_depth _patch_merging_pad
 """)
 
 # name of the dtype cast ops that the pass absorbs (float -> float casts only)
