@@ -108,7 +108,6 @@ def _strip_export_asserts(gm: fx.GraphModule) -> None:
 
 from dataclasses import dataclass  # noqa: E402
 
-from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 
@@ -143,79 +142,57 @@ def _info(v: Any) -> Any:
 
 
 class _Recorder(fx.Interpreter):
-    """Runs the graph, storing TensorInfo on every node and FLOPs on the tensor-core candidates."""
-
-    def __init__(self, gm: fx.GraphModule, meta: bool = False):
-        super().__init__(gm)
-        self.meta = meta
-        self._meta_state: dict[str, dict[str, torch.Tensor]] = {}
-
-    def get_attr(self, target, args, kwargs):
-        v = super().get_attr(target, args, kwargs)
-        return _to_meta(v) if self.meta and isinstance(v, torch.Tensor) else v
-
-    def call_module(self, target, args, kwargs):
-        if not self.meta:
-            return super().call_module(target, args, kwargs)
-        module = self.fetch_attr(target)
-        if target not in self._meta_state:
-            self._meta_state[target] = {k: _to_meta(v) for k, v in
-                                        list(module.named_parameters()) + list(module.named_buffers())}
-        return torch.func.functional_call(module, self._meta_state[target], tuple(args), dict(kwargs))
+    """Runs the graph, storing a TensorInfo on every node."""
 
     def run_node(self, n: fx.Node) -> Any:
-        if n.op == "call_module" or (n.op in ("call_function", "call_method") and op_name(n) in _COUNTED):
-            with FlopCounterMode(display=False) as fc:
-                out = super().run_node(n)
-            n.meta["autocastfx_flops"] = int(fc.get_total_flops())
-        else:
-            out = super().run_node(n)
-            n.meta["autocastfx_flops"] = 0
+        out = super().run_node(n)
         n.meta["autocastfx_info"] = _info(out)
         return out
 
 
-def _to_meta(v: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
-
-
 def propagate(gm: fx.GraphModule, args: tuple, kwargs: dict) -> Any:
-    """Run the graph once on fake copies of the inputs, recording TensorInfo and FLOPs on every node.
-
-    Falls back to a real run (buffers restored afterwards) when an op cannot run on fake tensors.
-    """
+    """Run the graph once, in float32 and without gradients, on the example inputs, recording the dtype and
+    shape of every value. Buffers (batch-norm statistics) and the random-number state are restored after,
+    so the run leaves no trace. A real run costs one forward pass; per node it is far cheaper than running
+    on meta or fake tensors, whose shape functions are Python."""
     flat_args = _flatten_inputs(gm, args, kwargs)
-    try:  # meta tensors: the cheapest way to learn dtypes, shapes and FLOPs
-        meta_args = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in flat_args]
-        out = _Recorder(gm, meta=True).run(*meta_args)
-        device = _device_of(flat_args, gm)
-        for n in gm.graph.nodes:  # the real device, for cast placement
-            info = n.meta.get("autocastfx_info")
-            if isinstance(info, TensorInfo) and info.device == "meta":
-                n.meta["autocastfx_info"] = TensorInfo(info.dtype, info.shape, device)
-        return out
-    except Exception:  # noqa: BLE001 - ops that mix devices or have no meta kernel: fake tensors
-        pass
+    saved = {k: v.detach().clone() for k, v in gm.state_dict(keep_vars=True).items()}
+    devices = sorted({a.device.index or 0 for a in flat_args if isinstance(a, torch.Tensor) and a.is_cuda})
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in flat_args]
-            return _Recorder(gm).run(*fake)
-    except Exception:  # noqa: BLE001 - data-dependent ops: run for real
-        saved = {k: v.detach().clone() for k, v in gm.state_dict().items()}
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            return _Recorder(gm).run(*flat_args)
+    finally:
+        with torch.no_grad():
+            for k, v in gm.state_dict(keep_vars=True).items():
+                if k in saved and v.shape == saved[k].shape:
+                    v.copy_(saved[k])
+
+
+def node_flops(gm: fx.GraphModule, node: fx.Node) -> int:
+    """FLOPs of one node (matmul/conv/attention, as torch.utils.flop_counter counts them), from the recorded
+    shapes, on meta tensors. Computed on demand by the report and cached in ``node.meta``."""
+    if "autocastfx_flops" in node.meta:
+        return node.meta["autocastfx_flops"]
+    flops = 0
+    if node.op in ("call_function", "call_method") and op_name(node) in _COUNTED:
+        def meta_of(a):
+            if not isinstance(a, fx.Node):
+                return a
+            info = a.meta.get("autocastfx_info")
+            if not isinstance(info, TensorInfo):
+                raise ValueError(f"no recorded tensor for {a.name}")
+            return torch.empty(info.shape, dtype=torch.float32 if info.is_float else info.dtype, device="meta")
         try:
-            with torch.no_grad():
-                return _Recorder(gm).run(*flat_args)
-        finally:
-            gm.load_state_dict(saved)
-
-
-def _device_of(flat_args: list, gm: fx.GraphModule) -> str:
-    for a in flat_args:
-        if isinstance(a, torch.Tensor):
-            return a.device.type
-    for a in gm.parameters():
-        return a.device.type
-    return "cpu"
+            args = fx.node.map_aggregate(node.args, meta_of)
+            kwargs = fx.node.map_aggregate(node.kwargs, meta_of)
+            fn = node.target if node.op == "call_function" else getattr(type(args[0]), node.target)
+            with FlopCounterMode(display=False) as fc:
+                fn(*args, **kwargs)
+            flops = int(fc.get_total_flops())
+        except Exception:  # noqa: BLE001 - an op without a meta kernel counts as unknown (0)
+            flops = 0
+    node.meta["autocastfx_flops"] = flops
+    return flops
 
 
 def _flatten_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list:

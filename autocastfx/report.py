@@ -8,6 +8,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .capture import node_flops as node_flops_of
+
 _SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", None: "-"}
 _CAST_BYTES = 6  # a cast between a 2-byte and a 4-byte float reads one and writes the other
 
@@ -87,6 +89,7 @@ def report(gm: fx.GraphModule) -> Report:
         d = node.meta.get("autocastfx")
         if d is None:
             continue
+        node_flops = node_flops_of(gm, node) if d.kind == "op" and d.op_class == "low" else 0
         rows.append(Row(node.name, node.op, _target(node), d.kind, d.op_class, _SHORT.get(d.dtype, str(d.dtype)),
                         d.reason, list(d.casts_in)))
         if d.kind == "cast":
@@ -94,10 +97,10 @@ def report(gm: fx.GraphModule) -> Report:
             cast_elems += d.numel
         elif d.kind == "op" and d.dtype is not None:
             per_dtype[_SHORT[d.dtype]] = per_dtype.get(_SHORT[d.dtype], 0) + 1
-        if d.kind == "op" and d.flops:
-            flops += d.flops
+        if node_flops:
+            flops += node_flops
             if d.dtype == info.dtype:
-                low_flops += d.flops
+                low_flops += node_flops
     plan = info.plan
     totals = {
         "capture": info.capture,

@@ -23,7 +23,6 @@ class Decision:
     reason: str
     casts_in: tuple[str, ...] = ()  # names of cast nodes feeding this node
     numel: int = 0                  # elements, for cast nodes: what they move
-    flops: int = 0
 
 
 def absorb_casts(gm: fx.GraphModule) -> list[str]:
@@ -109,7 +108,6 @@ def apply_plan(gm: fx.GraphModule, plan: CastPlan) -> None:
         if "autocastfx" in node.meta and node.meta["autocastfx"].kind == "cast":
             continue
         np_: NodePlan | None = plan.nodes.get(node.name)
-        flops = node.meta.get("autocastfx_flops", 0)
         dtype = None if np_ is None or np_.label is None else (low if np_.label == LOW else torch.float32)
         if np_ is not None and np_.fp32_out:
             node.kwargs = {**node.kwargs, "dtype": torch.float32}
@@ -117,7 +115,7 @@ def apply_plan(gm: fx.GraphModule, plan: CastPlan) -> None:
         if np_ is None:
             reason = "output" if node.op == "output" else "not a float tensor"
             node.meta["autocastfx"] = Decision(kind if node.op == "output" else "other", None, None, reason,
-                                               tuple(casts_in.get(node.name, ())), flops=flops)
+                                               tuple(casts_in.get(node.name, ())))
             continue
         reason = np_.reason
         if np_.op_class in (OpClass.FOLLOW, OpClass.PROMOTE, OpClass.NORM) and np_.label is not None:
@@ -125,6 +123,6 @@ def apply_plan(gm: fx.GraphModule, plan: CastPlan) -> None:
         if np_.fp32_out:
             reason += " -> dtype=torch.float32 on a low input"
         node.meta["autocastfx"] = Decision(kind, None if np_.op_class is None else np_.op_class.value, dtype,
-                                           reason, tuple(casts_in.get(node.name, ())), flops=flops)
+                                           reason, tuple(casts_in.get(node.name, ())))
     graph.lint()
     gm.recompile()
