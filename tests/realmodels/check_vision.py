@@ -39,6 +39,9 @@ def check(name, build, size):
         print(f"skip {name}: the float32 model's own output is not finite at random init")
         return True
     err, err_ac = rel(out, ref), rel(ac, ref)
+    if not torch.isfinite(ac).all() and torch.isfinite(out).all() and err < 2e-3:
+        print(f"ok   {name}: finite, error {err:.1e}; torch.autocast overflows to inf/nan here")
+        return True
     if not torch.isfinite(ac).all() and not torch.isfinite(out).all():
         print(f"note {name}: float16 overflows at random init, under torch.autocast as well (try bfloat16)")
         return True
