@@ -21,6 +21,7 @@ from .policy import FP32_OUT_OPS, OpClass, Policy, op_name
 
 LOW, FP32 = True, False   # label values
 _BIG = float(2**60)       # ties between a tuple value and its readers: never cut in practice
+_FLOW = nx.algorithms.flow.boykov_kolmogorov  # fastest of networkx's max-flow solvers on these sparse graphs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +121,7 @@ def solve_min_cut(p: Problem) -> dict[str, bool]:
             add_cap(x(b), x(a), _BIG)
     for n in p.free:
         g.add_node(n)
-    _, (s_side, _) = nx.minimum_cut(g, "S", "T")
+    _, (s_side, _) = nx.minimum_cut(g, "S", "T", flow_func=_FLOW)
     for n in p.free:
         labels[n] = n in s_side
     return labels
@@ -314,17 +315,19 @@ def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, master_w
 
     # parameters: free only when every reader takes them in its own label or as LOW
     tied = []
+    unfree: set[str] = set()
     for group in param_nodes.values():
         names = [n.name for n in group]
         pinned = any(r.kind == "fixed" and r.label == FP32 for n in names for r in reqs.get(n, []))
         if pinned:
             for n in names:
-                free.remove(n)
+                unfree.add(n)
                 fixed[n] = FP32
                 nodes[n] = NodePlan(None, FP32, "parameter read in float32: kept float32")
         elif len(names) > 1:
             tied.append(names)
 
+    free = [n for n in free if n not in unfree]
     problem = Problem(fixed, free, weight, reqs, multi, tied)
     order = [n.name for n in gm.graph.nodes]
     before = cast_cost(problem, naive_labels(problem, order, inputs, promote))
