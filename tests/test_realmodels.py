@@ -1,0 +1,35 @@
+"""Optional tier: real model libraries (run with `pytest -m slow`; skipped when a library is missing).
+
+torchvision and timm need `pip install torch==2.14.1 torchvision==0.29.1 timm` in a separate environment;
+transformers installs beside torch 2.13. See docs/realmodels.md.
+"""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent / "realmodels"
+pytestmark = pytest.mark.slow
+
+
+def _run(script, *args):
+    proc = subprocess.run([sys.executable, str(HERE / script), *args], capture_output=True, text=True,
+                          timeout=3600)
+    print(proc.stdout[-5000:])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_huggingface_bert_gpt2_llama():
+    pytest.importorskip("transformers")
+    _run("check_hf.py")
+
+
+def test_torchvision_classification_models():
+    pytest.importorskip("torchvision")
+    _run("check_vision.py")
+
+
+def test_timm_convnets_and_vits():
+    pytest.importorskip("timm")
+    _run("check_vision.py", "--timm")
