@@ -49,6 +49,7 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
         if "autocastfx" in gm.meta:
             how = gm.meta["autocastfx"].capture
             _weights.restore_masters(gm)     # start again from the float32 model
+            _rewrite.undo(gm)
             del gm.meta["autocastfx"]
         _check_params(gm)
         _capture.propagate(gm, args, kwargs)

@@ -1,6 +1,7 @@
 """Rewrite: carry out a CastPlan on the graph. Casts are real nodes, named for what they do."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
@@ -23,6 +24,23 @@ class Decision:
     reason: str
     casts_in: tuple[str, ...] = ()  # names of cast nodes feeding this node
     numel: int = 0                  # elements, for cast nodes: what they move
+    added_dtype_kwarg: bool = False # the pass set dtype=torch.float32 on this op
+
+
+def undo(gm: fx.GraphModule) -> None:
+    """Take out what a previous conversion put in (its cast nodes and dtype= arguments), in place."""
+    for node in list(gm.graph.nodes):
+        d = node.meta.pop("autocastfx", None)
+        if d is None:
+            continue
+        if d.kind == "cast":
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+        elif d.added_dtype_kwarg:
+            node.kwargs = {k: v for k, v in node.kwargs.items() if k != "dtype"}
+    gm.graph = copy.deepcopy(gm.graph)  # a fresh namespace: the casts' names are free again
+    gm.graph.lint()
+    gm.recompile()
 
 
 def absorb_casts(gm: fx.GraphModule) -> list[str]:
@@ -123,6 +141,7 @@ def apply_plan(gm: fx.GraphModule, plan: CastPlan) -> None:
         if np_.fp32_out:
             reason += " -> dtype=torch.float32 on a low input"
         node.meta["autocastfx"] = Decision(kind, None if np_.op_class is None else np_.op_class.value, dtype,
-                                           reason, tuple(casts_in.get(node.name, ())))
+                                           reason, tuple(casts_in.get(node.name, ())),
+                                           added_dtype_kwarg=np_.fp32_out)
     graph.lint()
     gm.recompile()
