@@ -1,7 +1,10 @@
 """Capture: model -> GraphModule. torch.fx.symbolic_trace first, torch.export (training IR) second."""
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
+import logging
 import traceback
 from typing import Any
 
@@ -63,7 +66,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy) -> tupl
 def capture_export(model: nn.Module, args: tuple, kwargs: dict, trace_error: BaseException | None = None
                    ) -> tuple[fx.GraphModule, str]:
     try:
-        ep = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+        with _quiet():  # torch.export prints graphs and shape warnings while it fails; the error says it all
+            ep = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
         gm = ep.module()
         _strip_export_asserts(gm)
         propagate(gm, args, kwargs)
@@ -79,6 +83,21 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict, trace_error: Bas
         "data-dependent Python control flow from forward (if x.sum() > 0: ...); or pass example_inputs "
         "that match forward's signature so the torch.export fallback can run."
     ) from export_error
+
+
+@contextlib.contextmanager
+def _quiet():
+    loggers = [logging.getLogger(n) for n in ("torch.fx.experimental.symbolic_shapes", "torch._export",
+                                               "torch.export", "torch._dynamo")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
 
 
 def _accepts_kwargs(gm: fx.GraphModule, kwargs: dict) -> bool:
