@@ -93,7 +93,7 @@ def _quiet():
     for lg in loggers:
         lg.setLevel(logging.ERROR)
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             yield
     finally:
         for lg, lv in zip(loggers, levels):
