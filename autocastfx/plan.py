@@ -206,6 +206,24 @@ def _accepts_dtype_kwarg(node: fx.Node) -> bool:
     return node.op in ("call_function", "call_method")
 
 
+_AVG_POOLS = {"adaptive_avg_pool1d": 1, "adaptive_avg_pool2d": 2, "adaptive_avg_pool3d": 3,
+              "_adaptive_avg_pool2d": 2, "_adaptive_avg_pool3d": 3}
+
+
+def global_pool_dims(node: fx.Node, module: nn.Module | None = None) -> tuple[int, ...] | None:
+    """The dims an adaptive average pooling averages away, when its output is 1 x ... x 1 (a global mean)."""
+    if module is not None:
+        k = {nn.AdaptiveAvgPool1d: 1, nn.AdaptiveAvgPool2d: 2, nn.AdaptiveAvgPool3d: 3}.get(type(module))
+    else:
+        k = _AVG_POOLS.get(op_name(node)) if node.op in ("call_function", "call_method") else None
+    info = node.meta.get("autocastfx_info")
+    if not k or not isinstance(info, TensorInfo) or len(info.shape) < k or node.kwargs:
+        return None
+    if any(s != 1 for s in info.shape[-k:]):
+        return None
+    return tuple(range(-k, 0))
+
+
 def module_path(node: fx.Node) -> str | None:
     """Qualified name of the innermost module a node came from."""
     if node.op == "call_module":
@@ -286,7 +304,9 @@ def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, master_w
         if cls is None:
             unclassified.append(f"{node.name} ({op_name(node) if module is None else type(module).__name__})")
             cls, reason = OpClass.FP32, "unclassified op: float32 (add it to the policy)"
-        if cls is OpClass.FP32_OUT and not _accepts_dtype_kwarg(node):
+        if cls is OpClass.FP32 and global_pool_dims(node, module) is not None:
+            cls, reason = OpClass.FP32_OUT, reason + ": global average pooling, as mean(dtype=float32)"
+        if cls is OpClass.FP32_OUT and not _accepts_dtype_kwarg(node) and global_pool_dims(node, module) is None:
             cls, reason = OpClass.FP32, reason + " (no dtype= argument: cast instead)"
         if cls is OpClass.LOW:
             fixed[node.name] = LOW

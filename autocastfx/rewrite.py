@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 
 from .capture import TensorInfo
-from .plan import LOW, CastPlan, NodePlan
+from .plan import LOW, CastPlan, NodePlan, global_pool_dims
 from .policy import CAST_OPS, OpClass, op_name
 
 _SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -128,6 +128,11 @@ def apply_plan(gm: fx.GraphModule, plan: CastPlan) -> None:
         np_: NodePlan | None = plan.nodes.get(node.name)
         dtype = None if np_ is None or np_.label is None else (low if np_.label == LOW else torch.float32)
         if np_ is not None and np_.fp32_out:
+            module = gm.get_submodule(node.target) if node.op == "call_module" else None
+            dims = global_pool_dims(node, module)
+            if dims is not None:  # adaptive average pooling to 1x1 is a mean, which takes dtype=
+                node.op, node.target = "call_function", torch.mean
+                node.args, node.kwargs = (node.args[0], dims), {"keepdim": True}
             node.kwargs = {**node.kwargs, "dtype": torch.float32}
         kind = {"placeholder": "input", "get_attr": "param", "output": "output"}.get(node.op, "op")
         if np_ is None:

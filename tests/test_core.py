@@ -1,0 +1,451 @@
+"""convert(): numerics, the policy seen at the aten level, casts, idempotence, options, errors."""
+import copy
+import dataclasses
+import itertools
+import json
+import random
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autocastfx
+from autocastfx.plan import FP32, LOW, Problem, Req, cast_cost, solve_min_cut
+from helpers import AtenRecorder
+from small_models import ALL, TinyGPT, TinyResNet, TinyViT, example
+
+LOW_DTYPES = [torch.float16, torch.bfloat16]
+GEMM_OPS = ("convolution", "mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention")
+
+
+def rel_err(a, ref):
+    return ((a.double() - ref).norm() / ref.norm()).item()
+
+
+def convert(model, inputs, **kw):
+    kw.setdefault("pad_multiple", 1)
+    return autocastfx.convert(model, inputs, **kw)
+
+
+# ---------------------------------------------------------------------------------------------- numerics
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", ALL)
+def test_eval_output_within_twice_autocast_error(name, dtype):
+    model, inputs = example(name)
+    model.eval()
+    ref = copy.deepcopy(model).double()(*[x.double() if x.is_floating_point() else x for x in inputs])
+    gm = convert(model, inputs, dtype=dtype)
+    with torch.no_grad():
+        ours = gm(*inputs)
+        with torch.autocast("cpu", dtype=dtype):
+            theirs = model(*inputs)
+    assert ours.dtype == torch.float32
+    e_ours, e_ac = rel_err(ours, ref), rel_err(theirs, ref)
+    print(f"{name} {dtype}: autocastfx {e_ours:.2e}  autocast {e_ac:.2e}")
+    assert e_ours <= 2 * e_ac + 1e-6, (e_ours, e_ac)
+
+
+# ------------------------------------------------------------------------------- the policy, at aten level
+
+def _train_ops(model, inputs, loss_fn, forward_only=None):
+    """Record forward+backward; ``forward_only``, if given, gets the forward's calls alone."""
+    rec = AtenRecorder()
+    with rec:
+        out = model(*inputs)
+        loss = loss_fn(out)
+        if forward_only is not None:
+            forward_only.extend(rec.calls)
+        loss.backward()
+    return rec, loss
+
+
+def _ce(out):
+    logits = out.flatten(0, -2) if out.dim() > 2 else out
+    return F.cross_entropy(logits, torch.zeros(logits.shape[0], dtype=torch.long))
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", ALL)
+def test_aten_policy_forward_and_backward(name, dtype):
+    model, inputs = example(name)
+    gm = convert(model, inputs, dtype=dtype)
+    fwd = []
+    rec, loss = _train_ops(gm, inputs, _ce, forward_only=fwd)
+    assert loss.dtype == torch.float32
+    gemms = rec.ops(*GEMM_OPS)
+    assert gemms, "no GEMM/conv recorded"
+    for c in gemms:
+        floats = [d for d in c.in_dtypes if d.is_floating_point]
+        assert floats and all(d == dtype for d in floats), (c.overload, c.in_dtypes)
+    for c in rec.ops("convolution_backward"):  # grad_output, input, weight
+        assert c.in_dtypes[:3] == [dtype] * 3, (c.overload, c.in_dtypes)
+    for c in rec.ops("_scaled_dot_product_flash_attention_for_cpu_backward"):  # grad, q, k, v (+ fp32 logsumexp)
+        assert c.in_dtypes[:4] == [dtype] * 4, (c.overload, c.in_dtypes)
+    # norms: parameters and statistics float32 (inputs may be low: the kernels compute in float32)
+    for c in rec.ops("native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
+                     "_native_batch_norm_legit_no_training", "native_layer_norm"):
+        assert all(d == torch.float32 for d in c.in_dtypes[1:]), (c.overload, c.in_dtypes)
+        assert all(d == torch.float32 for d in c.out_dtypes[1:]), (c.overload, c.out_dtypes)
+    for c in rec.ops("_softmax", "_log_softmax"):
+        assert c.in_dtypes[0] == torch.float32 and c.out_dtypes[0] == torch.float32, (c.overload, c.in_dtypes)
+    # forward reductions run in float32 (autograd's own gradient sums follow the gradient's dtype)
+    for c in [c for c in fwd if c.name in ("sum", "mean")]:
+        if c.out_dtypes and c.out_dtypes[0].is_floating_point and c.in_dtypes[0].is_floating_point:
+            assert c.out_dtypes[0] == torch.float32, (c.overload, c.in_dtypes, c.out_dtypes)
+    for c in rec.ops("nll_loss_forward", "nll_loss2d_forward"):
+        assert c.in_dtypes[0] == torch.float32
+
+
+def test_cast_bytes_forward_backward_below_autocast():
+    ratios = {}
+    for name in ALL:
+        model, inputs = example(name)
+        gm = convert(model, inputs)
+        ours, _ = _train_ops(gm, inputs, _ce)
+        ref = copy.deepcopy(model)
+        theirs = AtenRecorder()
+        with theirs:
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = ref(*inputs)
+            _ce(out.float()).backward()
+        ratios[name] = ours.cast_bytes() / theirs.cast_bytes()
+        print(f"{name}: cast bytes fwd+bwd autocastfx {ours.cast_bytes():,} ({len(ours.float_casts())} casts) "
+              f"autocast {theirs.cast_bytes():,} ({len(theirs.float_casts())} casts) ratio {ratios[name]:.2f}")
+    # Float32 global means (squeeze-excite) cost a full-size cast each in backward, where autocast keeps
+    # them in float16: the MobileNet-like model is the one that pays. The rest move far fewer bytes.
+    assert all(r < 1.0 for k, r in ratios.items() if k != "mobilenet"), ratios
+    assert ratios["mobilenet"] < 1.25, ratios
+    assert sum(ratios.values()) / len(ratios) < 0.5, ratios
+
+
+def test_master_weights_false_casts_each_parameter_once_per_forward():
+    model, inputs = example("gpt")  # tied embedding / LM head: one parameter, two readers
+    gm = convert(model, inputs, master_weights=False)
+    assert all(p.dtype == torch.float32 for p in gm.parameters())
+    assert autocastfx.master_parameters(gm) == []
+    wte = dict(gm.named_parameters())["wte.weight"]
+    rec = AtenRecorder()
+    with rec, torch.no_grad():
+        gm(*inputs)
+    casts_of_wte = [c for c in rec.float_casts() if c.in_shapes[0] == tuple(wte.shape)]
+    assert len(casts_of_wte) == 1
+    # the gradient reaches the float32 parameter
+    _ce(gm(*inputs)).backward()
+    assert wte.grad is not None and wte.grad.dtype == torch.float32
+
+
+def test_master_weights_true_stores_low_and_keeps_exact_masters():
+    model, inputs = example("resnet")
+    gm = convert(model, inputs)
+    params = dict(gm.named_parameters())
+    assert params["stem.weight"].dtype == torch.float16
+    assert params["bn.weight"].dtype == torch.float32  # norm parameters stay float32
+    masters = gm.meta["autocastfx"].masters
+    assert set(masters) >= {"stem.weight", "fc.weight", "fc.bias"}
+    orig = dict(model.named_parameters())
+    for name, m in masters.items():
+        assert m.dtype == torch.float32 and torch.equal(m, orig[name])  # unrounded
+        assert torch.equal(params[name], orig[name].half())
+    assert len(autocastfx.master_parameters(gm)) == len(masters)
+
+
+def test_keep_io_types():
+    model, inputs = example("vit")
+    assert convert(model, inputs)(*inputs).dtype == torch.float32
+    assert convert(model, inputs, keep_io_types=False)(*inputs).dtype == torch.float16
+
+
+def test_original_model_untouched():
+    model, inputs = example("resnet")
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    gm = convert(model, inputs)
+    gm(*inputs)  # the converted module updates its own statistics, not the model's
+    for k, v in model.state_dict().items():
+        assert v.dtype == before[k].dtype and torch.equal(v, before[k]), k
+    # convert's own example run leaves the converted module's statistics as they were
+    gm2 = convert(model, inputs)
+    assert torch.equal(gm2.bn.running_mean, before["bn.running_mean"])
+
+
+def test_train_eval_switch_works_on_traced_graph():
+    model, inputs = example("resnet")
+    gm = convert(model, inputs)
+    gm.eval()
+    a = gm(*inputs)
+    b = gm(*inputs)
+    assert torch.equal(a, b)
+    gm.train()
+    gm(*inputs)
+    assert not torch.equal(gm.bn.running_mean, torch.zeros(16))
+
+
+# ---------------------------------------------------------------------------------- cast plan properties
+
+def _casts(gm):
+    return [n for n in gm.graph.nodes if n.meta.get("autocastfx") and n.meta["autocastfx"].kind == "cast"]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_idempotent(name):
+    model, inputs = example(name)
+    gm = convert(model, inputs)
+    gm2 = convert(gm, inputs)
+    assert gm2.code == gm.code
+    torch.testing.assert_close(gm2(*inputs), gm(*inputs), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_no_cast_chains_and_one_cast_per_value_and_dtype(name):
+    model, inputs = example(name)
+    gm = convert(model, inputs)
+    casts = _casts(gm)
+    seen = set()
+    for c in casts:
+        src = c.args[0]
+        assert not (src.meta.get("autocastfx") and src.meta["autocastfx"].kind == "cast"), f"chain {src} -> {c}"
+        key = (src.name, c.args[1])
+        assert key not in seen, f"two casts of {key}"
+        seen.add(key)
+
+
+def test_integer_and_bool_tensors_never_cast():
+    model, inputs = example("gpt")
+    gm = convert(model, inputs)
+    for c in _casts(gm):
+        assert c.args[0].meta["autocastfx_info"].dtype.is_floating_point
+    rec = AtenRecorder()
+    with rec, torch.no_grad():
+        gm(*inputs)
+    for c in rec.calls:
+        if c.name in ("_to_copy", "to") and c.in_dtypes and not c.in_dtypes[0].is_floating_point:
+            assert not c.out_dtypes[0].is_floating_point, c  # ids/masks never become floats by our doing
+    emb = [c for c in rec.ops("embedding")]
+    assert emb and all(c.in_dtypes[1] == torch.int64 for c in emb)
+
+
+class UserCasts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.a(x.half().float())                       # a pointless round trip
+        p = F.softmax(h.float(), dim=-1).type_as(h)         # fairseq-style float softmax
+        q = p.to(torch.float32).to(dtype=torch.float16)
+        return self.b(q.float())
+
+
+def test_user_casts_absorbed():
+    m = UserCasts()
+    x = torch.randn(4, 16)
+    gm = convert(m, (x,))
+    info = gm.meta["autocastfx"]
+    assert len(info.absorbed) == 7
+    names = [n.name for n in _casts(gm)]
+    assert len(names) <= 3, names  # x down, softmax result down, (output up)
+    rec = AtenRecorder()
+    with rec, torch.no_grad():
+        gm(x)
+    # softmax(x, dtype=float32) on a CPU upcasts inside the op (CUDA's kernel reads half directly)
+    upcasts_in_ops = sum(1 for n in gm.graph.nodes if n.meta["autocastfx"].added_dtype_kwarg and "softmax" in str(n.target))
+    assert len(rec.float_casts()) == len(names) + upcasts_in_ops
+
+
+def _random_problem(rng, n_nodes):
+    fixed, free, weight, reqs = {}, [], {}, {}
+    names = [f"n{i}" for i in range(n_nodes)]
+    for i, n in enumerate(names):
+        kind = rng.random()
+        if i == 0 or kind < 0.35:
+            fixed[n] = rng.random() < 0.5
+        else:
+            free.append(n)
+        weight[n] = rng.randint(1, 9)
+    for i, n in enumerate(names[1:], 1):
+        for src in rng.sample(names[:i], k=min(i, rng.randint(1, 2))):
+            r = rng.random()
+            if n in free and r < 0.6:
+                req = Req(n, "same")
+            elif r < 0.9:
+                req = Req(n, "fixed", rng.random() < 0.5)
+            else:
+                req = Req(n, "any")
+            reqs.setdefault(src, []).append(req)
+    return Problem(fixed, free, weight, reqs)
+
+
+def test_min_cut_is_optimal_against_brute_force():
+    rng = random.Random(0)
+    for trial in range(150):
+        p = _random_problem(rng, rng.randint(2, 11))
+        labels = solve_min_cut(p)
+        got = cast_cost(p, labels)[0]
+        best = min(cast_cost(p, {**p.fixed, **dict(zip(p.free, bits))})[0]
+                   for bits in itertools.product([LOW, FP32], repeat=len(p.free)))
+        assert got == best, (trial, got, best, p)
+
+
+def test_hand_written_problem_shares_one_cast():
+    # x (fp32 input) is read by two LOW ops: one cast, not two; a free relu between LOW ops stays LOW
+    p = Problem(fixed={"x": FP32, "a": LOW, "b": LOW, "out": FP32}, free=["r"], weight={"x": 10, "a": 5, "r": 5},
+                reqs={"x": [Req("a", "fixed", LOW), Req("b", "fixed", LOW)], "a": [Req("r", "same")],
+                      "r": [Req("b", "fixed", LOW), Req("out", "fixed", FP32)]})
+    labels = solve_min_cut(p)
+    assert labels["r"] == LOW
+    assert cast_cost(p, labels) == (15, 2)
+
+
+def test_report_shows_casts_before_and_after():
+    model, inputs = example("mobilenet")
+    gm = convert(model, inputs)
+    t = autocastfx.report(gm).totals
+    assert t["casts"] <= t["casts_naive"] and t["cast_bytes"] <= t["cast_bytes_naive"]
+    assert t["casts"] == len(_casts(gm))
+
+
+# ------------------------------------------------------------------------------------------------ policy
+
+def test_policy_precedence_and_frozen():
+    model, inputs = example("vit")
+    base = autocastfx.Policy.default()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        base.node_names = {}
+    gm = convert(model, inputs)
+    target = next(n.name for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target))
+
+    def dtype_of(gm, name):
+        return next(n for n in gm.graph.nodes if n.name == name).meta["autocastfx"].dtype
+
+    assert dtype_of(gm, target) == torch.float16
+    by_glob = base.override(module_names={"blocks.*.attn*": "fp32"})
+    gm2 = convert(model, inputs, policy=by_glob)
+    assert dtype_of(gm2, target) == torch.float32
+    assert "module name" in next(n for n in gm2.graph.nodes if n.name == target).meta["autocastfx"].reason
+    # node name beats glob
+    gm3 = convert(model, inputs, policy=by_glob.override(node_names={target: "low"}))
+    assert dtype_of(gm3, target) == torch.float16
+    # module type beats op name; glob beats module type
+    t = base.override(module_types={nn.LayerNorm: "fp32"})
+    gm4 = convert(model, inputs, policy=t)
+    lns = [n for n in gm4.graph.nodes if n.op == "call_module" and "ln" in n.target]
+    assert lns and all(n.meta["autocastfx"].dtype == torch.float32 for n in lns)
+    gm5 = convert(model, inputs, policy=t.override(module_names={"ln": "norm"}))
+    assert [n for n in gm5.graph.nodes if n.target == "ln"][0].meta["autocastfx"].op_class == "norm"
+    with pytest.raises(ValueError, match="unknown op class"):
+        base.override(ops={"relu": "half"})
+
+
+def test_unclassified_op_is_fp32_with_warning():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.special.i0(self.l(x))
+
+    with pytest.warns(UserWarning, match="on no policy list"):
+        gm = convert(M(), (torch.randn(2, 8),))
+    t = autocastfx.report(gm).totals
+    assert t["unclassified"] and "i0" in t["unclassified"][0]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_every_op_of_the_test_models_is_classified(name):
+    model, inputs = example(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gm = convert(model, inputs)
+    assert autocastfx.report(gm).totals["unclassified"] == []
+
+
+# ------------------------------------------------------------------------------------- capture fallback
+
+class NeedsExport(nn.Module):
+    """nn.MultiheadAttention does not trace symbolically; the result is a dict holding a tuple."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.ln = nn.LayerNorm(16)
+
+    def forward(self, x):
+        y, w = self.attn(x, x, x)
+        return {"y": self.ln(y), "pair": (w, x.sum(-1))}
+
+
+def test_export_fallback_keeps_output_structure():
+    m = NeedsExport().eval()
+    x = torch.randn(2, 5, 16)
+    gm = convert(m, (x,))
+    assert autocastfx.report(gm).totals["capture"] == "torch.export"
+    out, ref = gm(x), m(x)
+    assert set(out) == {"y", "pair"} and isinstance(out["pair"], tuple)
+    assert rel_err(out["y"], ref["y"].double()) < 5e-3
+    assert autocastfx.report(gm).totals["unclassified"] == []
+    rec = AtenRecorder()
+    with rec, torch.no_grad():
+        gm(x)
+    assert all(d == torch.float16 for c in rec.ops("addmm", "bmm", "mm", "linear") for d in c.in_dtypes
+               if d.is_floating_point)
+
+
+# ------------------------------------------------------------------------------------------- bad input
+
+def test_bad_dtype():
+    with pytest.raises(ValueError, match="float16 or torch.bfloat16"):
+        convert(TinyResNet(), (torch.randn(1, 3, 8, 8),), dtype=torch.float64)
+
+
+def test_half_model_rejected():
+    with pytest.raises(ValueError, match="model.float"):
+        convert(TinyResNet().half(), (torch.randn(1, 3, 8, 8),))
+
+
+def test_meta_model_rejected():
+    with torch.device("meta"):
+        m = TinyResNet()
+    with pytest.raises(ValueError, match="meta device"):
+        convert(m, (torch.randn(1, 3, 8, 8),))
+
+
+def test_missing_inputs_and_bare_tensor():
+    with pytest.raises(ValueError, match="example_inputs"):
+        autocastfx.convert(TinyResNet())
+    with pytest.raises(TypeError, match=r"\(x,\)"):
+        autocastfx.convert(TinyResNet(), torch.randn(1, 3, 8, 8))
+    with pytest.raises(ValueError, match="pad_multiple"):
+        autocastfx.convert(TinyResNet(), (torch.randn(1, 3, 8, 8),), pad_multiple=0)
+
+
+def test_untraceable_model_error_names_both_causes_and_ways_out():
+    class Bad(nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:
+                return x.nonzero()
+            return x
+
+    with pytest.raises(autocastfx.CaptureError) as e:
+        convert(Bad(), (torch.randn(3),))
+    msg = str(e.value)
+    assert "symbolic_trace failed" in msg and "torch.export" in msg and "leaf" in msg and "submodule" in msg
+
+
+def test_report_table_and_json():
+    model, inputs = example("gpt")
+    gm = convert(model, inputs)
+    rep = autocastfx.report(gm)
+    text = str(rep)
+    assert "casts per forward" in text and "min-cut" in text
+    d = json.loads(rep.to_json())
+    assert d["totals"]["low_flop_share"] > 0.99
+    assert len(d["nodes"]) == len(gm.graph.nodes)
+    for n in gm.graph.nodes:
+        assert "autocastfx" in n.meta
+    gm.graph.lint()
