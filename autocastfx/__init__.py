@@ -5,7 +5,9 @@ from .plan import CastPlan
 from .policy import OpClass, Policy
 from .report import Report, report
 from .rewrite import Decision
+from .scaling import LossScaleError
+from .step import StepStats, TrainStep, train_step
 
 __all__ = ["convert", "report", "master_parameters", "Policy", "OpClass", "Report", "CastPlan", "Decision",
-           "ConvertInfo", "CaptureError"]
+           "ConvertInfo", "CaptureError", "train_step", "TrainStep", "StepStats", "LossScaleError"]
 __version__ = "0.1.0"

@@ -29,6 +29,9 @@ class ConvertInfo:
     absorbed: list[str]
     options: dict[str, Any]
     extra_totals: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # id() of each parameter of the model convert() was given -> its name: lets an optimizer built over the
+    # original model be re-pointed to the converted module's parameters and masters
+    source_params: dict[int, str] = dataclasses.field(default_factory=dict, repr=False)
 
 
 def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kwargs: dict | None = None,
@@ -63,6 +66,7 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
     _rewrite.apply_plan(gm, plan)
     gm.meta["autocastfx"] = ConvertInfo(
         dtype=dtype, policy=policy, capture=how, plan=plan, masters=masters, absorbed=absorbed,
+        source_params={id(p): n for n, p in model.named_parameters(remove_duplicate=False)},
         options=dict(pad_multiple=pad_multiple, master_weights=master_weights, keep_io_types=keep_io_types))
     return gm
 

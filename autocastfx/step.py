@@ -1,0 +1,358 @@
+"""The training step: generated Python source, compiled once, that carries out the whole mixed-precision recipe.
+
+    forward with low-precision weights, the loss in float32
+    backward of loss * scale
+    low-precision gradients into the float32 masters' .grad, unscaled and checked for inf/NaN in one fused pass
+    optional clipping by global norm; the optimizer steps the masters, skipped on the device on overflow
+    masters copied back into the low-precision weights in one fused copy; the scale updated on the device
+
+``print(step.code)`` shows exactly what runs: only the branches the options need are generated.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import textwrap
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from . import weights as _weights
+from .scaling import HISTORY, LossScaleError, ScalerConfig, ScaleState
+
+
+class _DynamicDefault(str):
+    """The default ``loss_scale``: "dynamic" for float16, off for bfloat16 (whose range needs no scaling)."""
+
+
+DYNAMIC = _DynamicDefault("dynamic")
+
+
+@dataclasses.dataclass
+class StepStats:
+    """Device tensors, read only when you ask (``summary()`` and ``history()`` copy them to the host)."""
+    scale: torch.Tensor
+    steps: torch.Tensor
+    skipped: torch.Tensor
+    overflow_history: torch.Tensor
+    scale_history: torch.Tensor
+    grad_norm: torch.Tensor | None
+
+    def summary(self) -> dict[str, Any]:
+        return {"scale": float(self.scale), "steps": int(self.steps), "skipped": int(self.skipped),
+                "grad_norm": None if self.grad_norm is None else float(self.grad_norm)}
+
+    def history(self) -> list[tuple[float, bool]]:
+        """(scale used, overflowed) for the last steps, oldest first (at most 1024)."""
+        n = int(self.steps)
+        idx = [(i % HISTORY) for i in range(max(0, n - HISTORY), n)]
+        scales, flows = self.scale_history.tolist(), self.overflow_history.tolist()
+        return [(scales[i], bool(flows[i])) for i in idx]
+
+
+def _call(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    return model(inputs)
+
+
+class TrainStep:
+    """``step(inputs, target) -> loss``; see :func:`train_step`."""
+
+    check_every = 100  # steps between the host reads that raise LossScaleError when stuck at min_scale
+
+    def __init__(self, model, loss_fn, optimizer, *, loss_scale, init_scale, growth_factor, backoff_factor,
+                 growth_interval, min_scale, hysteresis, on_overflow, max_retries, accum_steps, clip_grad_norm):
+        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        gm = model.module if ddp else model
+        info = getattr(gm, "meta", {}).get("autocastfx") if isinstance(getattr(gm, "meta", None), dict) else None
+        if info is None:
+            raise TypeError("train_step() needs the module autocastfx.convert() returned (or DistributedDataParallel "
+                            f"around it), got {type(gm).__name__}: convert the model first")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not callable(loss_fn):
+            raise TypeError("loss_fn must be callable as loss_fn(output, target)")
+        if on_overflow not in ("skip", "retry"):
+            raise ValueError(f"on_overflow must be 'skip' or 'retry', got {on_overflow!r}")
+        if not (isinstance(accum_steps, int) and accum_steps >= 1):
+            raise ValueError(f"accum_steps must be a positive int, got {accum_steps!r}")
+        if not (isinstance(max_retries, int) and max_retries >= 0):
+            raise ValueError(f"max_retries must be an int >= 0, got {max_retries!r}")
+        if on_overflow == "retry" and accum_steps > 1:
+            raise ValueError("on_overflow='retry' re-runs one batch and cannot re-run earlier micro-batches: "
+                             "use on_overflow='skip' with accum_steps > 1")
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be > 0 or None, got {clip_grad_norm!r}")
+        if isinstance(loss_scale, _DynamicDefault):
+            mode = "off" if info.dtype == torch.bfloat16 else "dynamic"
+        elif loss_scale is None:
+            mode = "off"
+        elif loss_scale == "dynamic":
+            mode = "dynamic"
+        elif isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool) and loss_scale > 0:
+            mode, init_scale = "static", float(loss_scale)
+        else:
+            raise ValueError(f"loss_scale must be 'dynamic', a positive number (static scale) or None, got {loss_scale!r}")
+        if on_overflow == "retry" and mode != "dynamic":
+            raise ValueError("on_overflow='retry' needs loss_scale='dynamic' (a fixed scale would overflow again)")
+
+        self.model, self.gm, self.loss_fn, self.optimizer = model, gm, loss_fn, optimizer
+        self.ddp, self.accum_steps, self.on_overflow = ddp, accum_steps, on_overflow
+        self.clip, self.max_retries = clip_grad_norm, max_retries
+        self.cfg = ScalerConfig(mode, init_scale, growth_factor, backoff_factor, growth_interval, min_scale, hysteresis)
+
+        pairs = _weights.master_pairs(gm)
+        self.names = list(info.masters)
+        self.lows = [lo for lo, _ in pairs]
+        self.masters = [m for _, m in pairs]
+        low_ids = {id(p) for p in self.lows}
+        self.fp32_params = [p for p in _unique(gm.parameters()) if p.requires_grad and id(p) not in low_ids]
+        device = (self.lows + self.fp32_params)[0].device if (self.lows or self.fp32_params) else torch.device("cpu")
+        for i, (lo, m) in enumerate(pairs):
+            if m.device != lo.device:
+                m.data = m.data.to(lo.device)
+        self.state = ScaleState(self.cfg, device)
+        self._repoint_optimizer(info)
+        self.fused = self._use_fused_skip()
+        with torch.no_grad():
+            for p in self.lows + self.fp32_params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self.master_grads = [torch.zeros_like(m) for m in self.masters]
+        self.grad_norm = torch.zeros((), device=device) if clip_grad_norm is not None else None
+        self.micro = 0
+        self._since_check = 0
+        self.code = self._generate()
+        namespace = {"torch": torch, "contextlib": contextlib, "self": self, "model": model, "loss_fn": loss_fn,
+                     "optimizer": optimizer, "S": self.state, "_call": _call}
+        exec(compile(self.code, "<autocastfx train_step>", "exec"), namespace)  # noqa: S102 - our own source
+        self._fn: Callable = namespace["train_step"]
+
+    # ------------------------------------------------------------------------------------------- set-up
+    def _repoint_optimizer(self, info) -> None:
+        """Point the optimizer's groups at the float32 masters (and the module's float32 parameters)."""
+        gm_params = dict(self.gm.named_parameters(remove_duplicate=False))
+        canonical: dict[int, str] = {}
+        for name, p in gm_params.items():
+            canonical.setdefault(id(p), name)
+        alias = {name: canonical[id(p)] for name, p in gm_params.items()}
+        master_by_name = dict(zip(self.names, self.masters))
+        master_ids = {id(m) for m in self.masters}
+        for group in self.optimizer.param_groups:
+            new = []
+            for p in group["params"]:
+                if id(p) in master_ids:
+                    target = p
+                else:
+                    name = canonical.get(id(p)) or info.source_params.get(id(p))
+                    if name is None:
+                        raise ValueError(
+                            f"the optimizer holds a tensor of shape {tuple(p.shape)} that is neither a parameter of "
+                            "the converted module nor of the model it was converted from: build the optimizer "
+                            "over gm.parameters() or over the original model's parameters")
+                    name = alias.get(name, name)
+                    target = master_by_name.get(name, gm_params.get(name))
+                if target is not p and p in self.optimizer.state:
+                    self.optimizer.state[target] = self.optimizer.state.pop(p)
+                if all(target is not q for q in new):
+                    new.append(target)
+            group["params"] = new
+
+    def _use_fused_skip(self) -> bool:
+        """Fused optimizers take ``found_inf`` and skip the update on the device; turn it on where it exists."""
+        opt = self.optimizer
+        if getattr(opt, "_step_supports_amp_scaling", False):
+            return True
+        if "fused" not in opt.defaults:
+            return False
+        for group in opt.param_groups:
+            group["fused"] = True
+            if "foreach" in group:
+                group["foreach"] = False
+            if group.get("differentiable"):
+                return False
+        opt.defaults["fused"] = True
+        opt._step_supports_amp_scaling = True
+        if isinstance(opt, torch.optim.SGD):
+            # a skipped first step would leave fused SGD's momentum buffers uninitialised: start them at zero
+            # (equal to PyTorch's first-step buffer when dampening == 0)
+            for group in opt.param_groups:
+                if group["momentum"] and not group["dampening"]:
+                    for p in group["params"]:
+                        opt.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+        return True
+
+    # ------------------------------------------------------------------------------------- the source
+    def _generate(self) -> str:
+        has_masters = bool(self.masters)
+        dyn = self.cfg.mode == "dynamic"
+        scaled = self.cfg.mode != "off"
+        accum = self.accum_steps
+        L: list[str] = []
+        add = L.append
+        doc = (f"loss scale {self.cfg.mode}" + (f" (init {self.cfg.init_scale:g})" if scaled else "")
+               + (f", hysteresis {self.cfg.hysteresis}" if dyn and self.cfg.hysteresis > 1 else "")
+               + (f", {accum} micro-batches per update" if accum > 1 else "")
+               + (f", clip grad norm {self.clip:g}" if self.clip is not None else "")
+               + (", retry on overflow" if self.on_overflow == "retry" else "")
+               + (", DistributedDataParallel" if self.ddp else ""))
+        add("def train_step(inputs, target):")
+        add(f'    """One mixed-precision training step: {doc}."""')
+        if accum > 1:
+            add(f"    last = self.micro % {accum} == {accum - 1}  # host counter: no device read")
+            if self.ddp:
+                add("    sync = contextlib.nullcontext() if last else model.no_sync()  # all-reduce on the last only")
+                add("    with sync:")
+                ind = "        "
+            else:
+                ind = "    "
+        else:
+            ind = "    "
+        loop = self.on_overflow == "retry"
+        if loop:
+            add(f"    for attempt in range({self.max_retries + 1}):")
+            ind = "        "
+        add(f"{ind}# 1. forward with low-precision weights; the loss in float32")
+        add(f"{ind}out = _call(model, inputs)")
+        add(f"{ind}loss = loss_fn(out, target).float()")
+        add(f"{ind}# 2. backward of loss * scale" + (f" / {accum}" if accum > 1 else ""))
+        factor = "S.scale" if scaled else None
+        if accum > 1:
+            factor = f"(S.scale / {accum})" if scaled else f"(1.0 / {accum})"
+        add(f"{ind}({'loss * ' + factor if factor else 'loss'}).backward()")
+        if accum > 1:
+            add("    self.micro += 1")
+            add("    if not last:")
+            add("        return loss.detach()")
+            ind = "    "
+        add(f"{ind}with torch.no_grad():")
+        ind2 = ind + "    "
+        add(f"{ind2}# 3. gradients into float32" + (" master .grad," if has_masters else ",")
+            + (" unscaled and" if scaled else "") + " checked for inf/NaN in one fused pass")
+        if has_masters:
+            add(f"{ind2}torch._foreach_copy_(self.master_grads, [p.grad for p in self.lows])")
+            add(f"{ind2}grads = self.master_grads + [p.grad for p in self.fp32_params]")
+        else:
+            add(f"{ind2}grads = [p.grad for p in self.fp32_params]")
+        add(f"{ind2}S.found_inf.zero_()")
+        add(f"{ind2}torch._amp_foreach_non_finite_check_and_unscale_(grads, S.found_inf, S.inv_scale)")
+        if self.ddp:
+            add(f"{ind2}torch.distributed.all_reduce(S.found_inf, op=torch.distributed.ReduceOp.MAX)  # one decision on every rank")
+        if loop:
+            add(f"{ind2}overflow = bool(S.found_inf)  # retry needs this one host read per attempt")
+            add(f"{ind}if not overflow or attempt == {self.max_retries}:")
+            add(f"{ind}    break")
+            add(f"{ind}with torch.no_grad():  # redo the batch at the lowered scale")
+            add(f"{ind}    S.record()")
+            add(f"{ind}    S.update_dynamic()")
+            add(f"{ind}    torch._foreach_zero_([p.grad for p in self.lows + self.fp32_params])")
+            ind, ind2 = "    ", "        "
+            add(f"{ind}with torch.no_grad():")
+        if has_masters:
+            add(f"{ind2}for m, g in zip(self.masters, self.master_grads):")
+            add(f"{ind2}    m.grad = g")
+        if self.clip is not None:
+            add(f"{ind2}# 4. clip by global norm, after unscaling (no host read)")
+            add(f"{ind2}self.grad_norm = torch.nn.utils.clip_grad_norm_(self.optimizer_params, {self.clip!r}, foreach=True)")
+        add(f"{ind2}# 5. optimizer step on the masters, skipped on overflow")
+        if self.fused:
+            add(f"{ind2}optimizer.grad_scale, optimizer.found_inf = None, S.found_inf  # fused kernel skips on the device")
+            add(f"{ind2}optimizer.step()")
+        else:
+            add(f"{ind2}if not bool(S.found_inf):  # this optimizer has no fused kernel: one host read to skip")
+            add(f"{ind2}    optimizer.step()")
+        if has_masters:
+            add(f"{ind2}torch._foreach_copy_(self.lows, self.masters)  # masters -> low-precision weights")
+        add(f"{ind2}torch._foreach_zero_([p.grad for p in self.lows + self.fp32_params])")
+        add(f"{ind2}# 6. scale update on the device")
+        add(f"{ind2}S.record()")
+        if dyn:
+            add(f"{ind2}S.update_dynamic()")
+        if dyn:
+            add(f"{ind}self._since_check += 1")
+            add(f"{ind}if self._since_check >= self.check_every:  # the one periodic host read")
+            add(f"{ind}    self._since_check = 0")
+            add(f"{ind}    S.check()")
+        add(f"{ind}return loss.detach()")
+        return textwrap.dedent("\n".join(L)) + "\n"
+
+    @property
+    def optimizer_params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    # ---------------------------------------------------------------------------------------- public
+    def __call__(self, inputs, target):
+        return self._fn(inputs, target)
+
+    @property
+    def stats(self) -> StepStats:
+        S = self.state
+        return StepStats(S.scale, S.steps, S.skipped, S.overflow_history, S.scale_history, self.grad_norm)
+
+    def check(self) -> None:
+        """Raise LossScaleError now if the scale is stuck at min_scale with gradients still overflowing."""
+        self.state.check()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything to resume bit for bit: scale state, masters, the module, the optimizer, the RNG."""
+        return {
+            "scaler": self.state.state_dict(),
+            "masters": {n: m.detach().clone() for n, m in zip(self.names, self.masters)},
+            "model": {k: v.clone() for k, v in self.gm.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "micro": self.micro,
+            "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        missing = {"scaler", "masters", "model", "optimizer"} - set(sd)
+        if missing:
+            raise KeyError(f"not a train_step state_dict: missing {sorted(missing)}")
+        if set(sd["masters"]) != set(self.names):
+            raise ValueError(f"the state_dict's masters {sorted(sd['masters'])[:5]} do not match this module's "
+                             f"{self.names[:5]}: was it saved from a step over the same converted model?")
+        self.gm.load_state_dict(sd["model"])
+        with torch.no_grad():
+            for n, m in zip(self.names, self.masters):
+                m.copy_(sd["masters"][n])
+            torch._foreach_copy_(self.lows, self.masters)
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self.state.load_state_dict(sd["scaler"])
+        self.micro = sd.get("micro", 0)
+        if sd.get("rng") is not None:
+            torch.set_rng_state(sd["rng"])
+        if sd.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(sd["cuda_rng"])
+
+
+def _unique(params):
+    seen = set()
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            yield p
+
+
+def train_step(gm, loss_fn, optimizer, *, loss_scale=DYNAMIC, init_scale=2.0**16, growth_factor=2.0,
+               backoff_factor=0.5, growth_interval=2000, min_scale=1.0, hysteresis=1, on_overflow="skip",
+               max_retries=8, accum_steps=1, clip_grad_norm=None) -> TrainStep:
+    """A generated, loss-scaled training step for a converted module (see the module docstring).
+
+    ``loss_scale``: "dynamic" (default for float16), a number for a static scale, or None (off; the default
+    for bfloat16). Dynamic scaling grows by ``growth_factor`` after ``growth_interval`` clean steps and backs off
+    by ``backoff_factor`` after ``hysteresis`` consecutive overflows; every overflowing step is skipped.
+    ``on_overflow="retry"`` redoes the batch at the lowered scale up to ``max_retries`` times.
+    ``accum_steps``: call the step once per micro-batch; the update happens on every ``accum_steps``-th call.
+    """
+    return TrainStep(gm, loss_fn, optimizer, loss_scale=loss_scale, init_scale=init_scale,
+                     growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval,
+                     min_scale=min_scale, hysteresis=hysteresis, on_overflow=on_overflow, max_retries=max_retries,
+                     accum_steps=accum_steps, clip_grad_norm=clip_grad_norm)
+
+
+__all__ = ["train_step", "TrainStep", "StepStats", "LossScaleError"]
