@@ -258,7 +258,7 @@ class TrainStep:
         if self.clip is not None:
             add(f"{ind2}# 4. clip by global norm, after unscaling (no host read)")
             add(f"{ind2}self.grad_norm = torch.nn.utils.clip_grad_norm_(self.optimizer_params, {self.clip!r}, foreach=True)")
-        add(f"{ind2}# 5. optimizer step on the masters, skipped on overflow")
+        add(f"{ind2}# 5. optimizer step on the {'masters' if has_masters else 'parameters'}, skipped on overflow")
         if self.fused:
             add(f"{ind2}optimizer.grad_scale, optimizer.found_inf = None, S.found_inf  # fused kernel skips on the device")
             add(f"{ind2}optimizer.step()")

@@ -1,0 +1,362 @@
+"""The generated training step: masters, scaling, skipping, clipping, accumulation, resume, no host syncs."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import autocastfx
+from small_models import TinyResNet
+
+SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "equal", "item"}
+
+
+class SyncCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.syncs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._opname in SYNC_OPS:
+            self.syncs.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class MLP(nn.Module):
+    def __init__(self, d=16, classes=4):
+        super().__init__()
+        self.fc1 = nn.Linear(d, 32)
+        self.ln = nn.LayerNorm(32)
+        self.fc2 = nn.Linear(32, classes)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.ln(self.fc1(x))))
+
+
+def data(n=8, d=16, classes=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+def setup(opt="sgd", model=None, **kw):
+    torch.manual_seed(0)
+    model = model or MLP()
+    x, y = data()
+    gm = autocastfx.convert(model, (x,), pad_multiple=1)
+    if opt == "sgd":
+        o = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    elif opt == "adamw":
+        o = torch.optim.AdamW(gm.parameters(), lr=1e-2, weight_decay=0.01)
+    else:
+        o = torch.optim.Adam(gm.parameters(), lr=1e-2)
+    step = autocastfx.train_step(gm, F.cross_entropy, o, **kw)
+    return gm, o, step, x, y
+
+
+def snapshot(gm, opt):
+    params = {n: p.detach().clone() for n, p in gm.named_parameters()}
+    masters = [m.detach().clone() for m in autocastfx.master_parameters(gm)]
+    state = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+             for i, s in enumerate(opt.state.values())}
+    return params, masters, state
+
+
+def same(a, b):
+    pa, ma, sa = a
+    pb, mb, sb = b
+    return (all(torch.equal(pa[k], pb[k]) for k in pa) and all(torch.equal(x, y) for x, y in zip(ma, mb))
+            and sa.keys() == sb.keys()
+            and all(torch.equal(sa[i][k], sb[i][k]) if torch.is_tensor(sa[i][k]) else sa[i][k] == sb[i][k]
+                    for i in sa for k in sa[i]))
+
+
+def inject(gm, when, value=float("inf")):
+    """Multiply one low-precision weight's gradient by inf/NaN on the calls listed in ``when``."""
+    p = dict(gm.named_parameters())["fc1.weight"]
+    count = {"n": 0}
+
+    def hook(g):
+        count["n"] += 1
+        return g * value if count["n"] - 1 in when else g
+
+    p.register_hook(hook)
+
+
+def test_code_has_only_the_branches_asked_for():
+    _, _, step, _, _ = setup(loss_scale=128.0)
+    assert "update_dynamic" not in step.code and "clip" not in step.code and "attempt" not in step.code
+    assert "_amp_foreach_non_finite_check_and_unscale_" in step.code and "_foreach_copy_" in step.code
+    _, _, step, _, _ = setup(clip_grad_norm=1.0, hysteresis=2)
+    assert "update_dynamic" in step.code and "clip_grad_norm_" in step.code and "hysteresis 2" in step.code
+    _, _, step, _, _ = setup(on_overflow="retry")
+    assert "for attempt in range(9)" in step.code
+    _, _, step, _, _ = setup(accum_steps=4)
+    assert "self.micro % 4 == 3" in step.code and "S.scale / 4" in step.code
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_static_scale_one_equals_hand_written_master_loop(opt):
+    gm, o, step, x, y = setup(opt, loss_scale=1.0)
+    # the reference: a plain FP32-master loop over a copy, same optimizer settings (fused, as the step uses)
+    gm_ref = copy.deepcopy(gm)
+    lows = [lo for lo, _ in autocastfx.weights.master_pairs(gm_ref)]
+    masters = [m for m in autocastfx.master_parameters(gm_ref)]
+    others = [p for p in gm_ref.parameters() if p.dtype == torch.float32]
+    cls, kw = (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-4)) if opt == "sgd" else \
+        (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.01))
+    ref_opt = cls(masters + others, fused=True, **kw)
+    for i in range(3):
+        xb, yb = data(seed=i)
+        step((xb,), yb)
+        for p in lows + others:
+            p.grad = None
+        F.cross_entropy(gm_ref(xb), yb).backward()
+        for lo, m in zip(lows, masters):
+            m.grad = lo.grad.float()
+        ref_opt.step()
+        with torch.no_grad():
+            for lo, m in zip(lows, masters):
+                lo.copy_(m)
+    for a, b in zip(autocastfx.master_parameters(gm), masters):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for (n, a), (_, b) in zip(gm.named_parameters(), gm_ref.named_parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam", "adamw"])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_overflow_skips_step_and_halves_scale(opt, bad):
+    gm, o, step, x, y = setup(opt, init_scale=1024.0)
+    inject(gm, when={1, 3}, value=bad)
+    step(x, y)  # a clean step first, so optimizer state exists
+    assert float(step.stats.scale) == 1024.0
+    before = snapshot(gm, o)
+    step(x, y)  # overflow
+    assert same(before, snapshot(gm, o)), "weights or optimizer state changed on a skipped step"
+    assert float(step.stats.scale) == 512.0 and int(step.stats.skipped) == 1
+    step(x, y)  # clean: weights move
+    assert not same(before, snapshot(gm, o))
+    before = snapshot(gm, o)
+    step(x, y)  # overflow again
+    assert same(before, snapshot(gm, o))
+    assert float(step.stats.scale) == 256.0 and int(step.stats.skipped) == 2
+    assert [f for _, f in step.stats.history()] == [False, True, False, True]
+
+
+def test_skipped_first_step_leaves_no_optimizer_state_garbage():
+    gm, o, step, x, y = setup("sgd", init_scale=1024.0)
+    inject(gm, when={0})
+    masters0 = [m.clone() for m in autocastfx.master_parameters(gm)]
+    step(x, y)
+    assert all(torch.equal(a, b) for a, b in zip(masters0, autocastfx.master_parameters(gm)))
+    for s in o.state.values():
+        assert torch.count_nonzero(s["momentum_buffer"]) == 0
+    step(x, y)
+    assert all(torch.isfinite(m).all() for m in autocastfx.master_parameters(gm))
+
+
+def test_growth_after_interval_and_hysteresis():
+    gm, o, step, x, y = setup(init_scale=64.0, growth_interval=3)
+    for _ in range(3):
+        step(x, y)
+    assert float(step.stats.scale) == 128.0
+    gm, o, step, x, y = setup(init_scale=64.0, hysteresis=2)
+    inject(gm, when={0, 2, 3})
+    step(x, y)   # overflow 1: tolerated, skipped
+    assert float(step.stats.scale) == 64.0 and int(step.stats.skipped) == 1
+    step(x, y)   # clean: resets the count
+    step(x, y)   # overflow 1 again: tolerated
+    assert float(step.stats.scale) == 64.0
+    step(x, y)   # overflow 2 in a row: back off
+    assert float(step.stats.scale) == 32.0 and int(step.stats.skipped) == 3
+
+
+def test_stuck_at_min_scale_raises_clear_error_and_keeps_weights():
+    gm, o, step, x, y = setup(init_scale=4.0, min_scale=1.0)
+    step.check_every = 1
+    inject(gm, when=set(range(100)))
+    masters0 = [m.clone() for m in autocastfx.master_parameters(gm)]
+    with pytest.raises(autocastfx.LossScaleError, match="min_scale"):
+        for _ in range(10):
+            step(x, y)
+    assert float(step.stats.scale) == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(masters0, autocastfx.master_parameters(gm)))
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+@pytest.mark.parametrize("kw", [{}, {"clip_grad_norm": 1.0}, {"loss_scale": 128.0}, {"hysteresis": 3}],
+                         ids=["dynamic", "clip", "static", "hysteresis"])
+def test_zero_host_syncs_per_step(opt, kw):
+    gm, o, step, x, y = setup(opt, **kw)
+    step(x, y)  # warm-up (lazy state)
+    inject(gm, when={1})
+    counter = SyncCounter()
+    with counter:
+        for _ in range(4):
+            loss = step(x, y)
+    assert counter.syncs == [], counter.syncs
+    assert isinstance(loss, torch.Tensor)
+    assert int(step.stats.skipped) == 1
+
+
+def test_gradscaler_syncs_for_comparison():
+    model = MLP()
+    x, y = data()
+    o = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    counter = SyncCounter()
+    with counter:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(o)
+        scaler.update()
+    assert len(counter.syncs) >= 1
+
+
+def test_resume_is_bit_identical():
+    gm, o, step, x, y = setup("adamw")
+    batches = [data(seed=i) for i in range(6)]
+    for xb, yb in batches:
+        step(xb, yb)
+    straight = [p.clone() for p in gm.parameters()]
+
+    gm2, o2, step2, _, _ = setup("adamw")
+    for xb, yb in batches[:3]:
+        step2(xb, yb)
+    sd = copy.deepcopy(step2.state_dict())
+    gm3, o3, step3, _, _ = setup("adamw")
+    step3.load_state_dict(sd)
+    for xb, yb in batches[3:]:
+        step3(xb, yb)
+    for a, b in zip(straight, gm3.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(autocastfx.master_parameters(gm), autocastfx.master_parameters(gm3)):
+        assert torch.equal(a, b)
+    assert float(step3.stats.scale) == float(step.stats.scale) and int(step3.stats.steps) == 6
+
+
+def test_accumulation_equals_one_larger_batch():
+    x, y = data(n=8)
+    gm_a, o_a, step_a, _, _ = setup("sgd", accum_steps=2, loss_scale=1024.0)
+    gm_b, o_b, step_b, _, _ = setup("sgd", loss_scale=1024.0)
+    m0 = [m.clone() for m in autocastfx.master_parameters(gm_a)]
+    step_a(x[:4], y[:4])
+    assert all(torch.equal(a, b) for a, b in zip(m0, autocastfx.master_parameters(gm_a))), "updated mid-accumulation"
+    step_a(x[4:], y[4:])
+    step_b(x, y)
+    for a, b, s in zip(autocastfx.master_parameters(gm_a), autocastfx.master_parameters(gm_b), m0):
+        torch.testing.assert_close(a - s, b - s, rtol=2e-2, atol=2e-5)
+    assert not torch.equal(autocastfx.master_parameters(gm_a)[0], m0[0])
+    assert int(step_a.stats.steps) == 1
+
+
+def test_overflow_in_any_micro_batch_skips_the_update():
+    x, y = data(n=8)
+    gm, o, step, _, _ = setup("sgd", accum_steps=2, init_scale=1024.0)
+    inject(gm, when={0})
+    m0 = [m.clone() for m in autocastfx.master_parameters(gm)]
+    step(x[:4], y[:4])
+    step(x[4:], y[4:])
+    assert all(torch.equal(a, b) for a, b in zip(m0, autocastfx.master_parameters(gm)))
+    assert float(step.stats.scale) == 512.0
+
+
+def test_retry_redoes_the_batch_at_lower_scale():
+    gm, o, step, x, y = setup("sgd", init_scale=1024.0, on_overflow="retry")
+    inject(gm, when={0})
+    m0 = [m.clone() for m in autocastfx.master_parameters(gm)]
+    step(x, y)
+    assert float(step.stats.scale) == 512.0
+    assert not torch.equal(m0[0], autocastfx.master_parameters(gm)[0]), "the retried batch should update"
+    assert [f for _, f in step.stats.history()] == [True, False]
+
+
+def test_clipping_bounds_the_update_by_the_global_norm():
+    torch.manual_seed(0)
+    x, y = data()
+    gm = autocastfx.convert(MLP(), (x,), pad_multiple=1)
+    o = torch.optim.SGD(gm.parameters(), lr=1.0)  # update == -clipped gradient
+    step = autocastfx.train_step(gm, F.cross_entropy, o, clip_grad_norm=0.01)
+    before = [p.clone() for g in o.param_groups for p in g["params"]]
+    step(x, y)
+    after = [p for g in o.param_groups for p in g["params"]]
+    update_norm = torch.stack([(a - b).norm() for a, b in zip(after, before)]).norm()
+    assert float(step.stats.grad_norm) > 0.05  # the norm before clipping
+    assert abs(float(update_norm) - 0.01) < 1e-4
+
+
+def test_optimizer_over_original_or_converted_parameters_and_scheduler():
+    gm, o, step, x, y = setup("sgd")  # built over the ORIGINAL model's parameters
+    opt_params = {id(p) for g in o.param_groups for p in g["params"]}
+    assert all(id(m) in opt_params for m in autocastfx.master_parameters(gm))
+    assert all(p.dtype == torch.float32 for g in o.param_groups for p in g["params"])
+    sched = torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.0)
+    step(x, y)
+    sched.step()  # lr is now 0: the next step leaves the masters where they are (apart from momentum)
+    for g in o.param_groups:
+        g["momentum"] = 0.0
+    m1 = [m.clone() for m in autocastfx.master_parameters(gm)]
+    step(x, y)
+    assert all(torch.equal(a, b) for a, b in zip(m1, autocastfx.master_parameters(gm)))
+
+
+def test_batchnorm_model_trains_and_low_weights_follow_masters():
+    torch.manual_seed(0)
+    model = TinyResNet()
+    x = torch.randn(4, 3, 8, 8)
+    y = torch.randint(0, 10, (4,))
+    gm = autocastfx.convert(model, (x,), pad_multiple=1)
+    o = torch.optim.SGD(gm.parameters(), lr=0.05, momentum=0.9)
+    step = autocastfx.train_step(gm, F.cross_entropy, o)
+    losses = [float(step(x, y)) for _ in range(8)]
+    assert losses[-1] < losses[0]
+    for lo, m in autocastfx.weights.master_pairs(gm):
+        assert lo.dtype == torch.float16 and torch.equal(lo, m.half())
+
+
+def test_bf16_defaults_to_no_scaling():
+    torch.manual_seed(0)
+    x, y = data()
+    gm = autocastfx.convert(MLP(), (x,), dtype=torch.bfloat16, pad_multiple=1)
+    step = autocastfx.train_step(gm, F.cross_entropy, torch.optim.SGD(gm.parameters(), lr=0.1))
+    assert "loss scale off" in step.code and float(step.stats.scale) == 1.0
+    step(x, y)
+    gm = autocastfx.convert(MLP(), (x,), dtype=torch.bfloat16, pad_multiple=1)
+    step = autocastfx.train_step(gm, F.cross_entropy, torch.optim.SGD(gm.parameters(), lr=0.1), loss_scale="dynamic")
+    assert "loss scale dynamic" in step.code
+
+
+def test_master_weights_false():
+    torch.manual_seed(0)
+    x, y = data()
+    gm = autocastfx.convert(MLP(), (x,), pad_multiple=1, master_weights=False)
+    o = torch.optim.Adam(gm.parameters(), lr=1e-2)
+    step = autocastfx.train_step(gm, F.cross_entropy, o)
+    assert "master" not in step.code.split('"""')[2]
+    w0 = gm.fc1.weight.clone()
+    step(x, y)
+    assert not torch.equal(w0, gm.fc1.weight) and gm.fc1.weight.dtype == torch.float32
+
+
+def test_bad_arguments():
+    torch.manual_seed(0)
+    x, y = data()
+    model = MLP()
+    gm = autocastfx.convert(model, (x,), pad_multiple=1)
+    o = torch.optim.SGD(gm.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="convert the model first"):
+        autocastfx.train_step(model, F.cross_entropy, o)
+    with pytest.raises(ValueError, match="loss_scale"):
+        autocastfx.train_step(gm, F.cross_entropy, o, loss_scale="big")
+    with pytest.raises(ValueError, match="retry"):
+        autocastfx.train_step(gm, F.cross_entropy, o, on_overflow="retry", accum_steps=2)
+    with pytest.raises(ValueError, match="backoff_factor"):
+        autocastfx.train_step(gm, F.cross_entropy, o, backoff_factor=2.0)
+    with pytest.raises(ValueError, match="neither a parameter"):
+        autocastfx.train_step(gm, F.cross_entropy, torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1))
+    step = autocastfx.train_step(gm, F.cross_entropy, torch.optim.SGD(gm.parameters(), lr=0.1))
+    with pytest.raises(KeyError, match="state_dict"):
+        step.load_state_dict({"scaler": {}})
