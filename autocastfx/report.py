@@ -81,6 +81,8 @@ def report(gm: fx.GraphModule) -> Report:
     info = getattr(gm, "meta", {}).get("autocastfx")
     if info is None:
         raise ValueError("report() needs a module made by autocastfx.convert()")
+    if info.plan is None and "saved_report" in info.extra_totals:  # loaded by autocastfx.load()
+        return info.extra_totals["saved_report"]
     rows = []
     per_dtype: dict[str, int] = {}
     casts = cast_elems = 0
@@ -118,5 +120,5 @@ def report(gm: fx.GraphModule) -> Report:
         "low_flop_share": (low_flops / flops) if flops else 0.0,
         "unclassified": list(plan.unclassified),
     }
-    totals.update(info.extra_totals)
+    totals.update({k: v for k, v in info.extra_totals.items() if k != "saved_report"})
     return Report(rows, totals)

@@ -1,0 +1,219 @@
+"""Export and save.
+
+``export(gm, path, example_inputs)``: a plain ``torch.export`` archive (.pt2) that loads with
+``torch.export.load(path).module()`` where autocastfx is not installed.
+
+``save(gm, path)`` / ``load(path)``: the converted module for resuming work: its program (a torch.export
+archive), its float32 masters, and its policy, options and report as JSON. Nothing in the file is unpickled
+as an arbitrary object: tensors load with ``torch.load(weights_only=True)``, everything else is JSON checked
+against the expected schema, and the program is torch.export's own serialized graph of aten operators.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import zipfile
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .api import ConvertInfo
+from .capture import TensorInfo
+from .policy import OpClass, Policy
+from .report import Report, Row
+
+FORMAT = "autocastfx.save"
+VERSION = 1
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class FormatError(ValueError):
+    """A file that is not a well-formed autocastfx save (truncated, tampered with, or something else)."""
+
+
+def _info(gm) -> ConvertInfo:
+    meta = getattr(gm, "meta", None)
+    info = meta.get("autocastfx") if isinstance(meta, dict) else None
+    if info is None:
+        raise TypeError(f"expected a module made by autocastfx.convert(), got {type(gm).__name__}")
+    return info
+
+
+def example_inputs_of(gm: fx.GraphModule) -> tuple[tuple, dict]:
+    """(args, kwargs) of zeros shaped like the example inputs convert() saw."""
+    flat = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        info = n.meta.get("autocastfx_info")
+        if not isinstance(info, TensorInfo):
+            raise ValueError(f"input {n.target!r} of the converted module was not a tensor at convert time: "
+                             "pass example_inputs explicitly")
+        flat.append(torch.zeros(info.shape, dtype=info.dtype,
+                                device=info.device if info.device != "meta" else "cpu"))
+    spec = getattr(gm, "_in_spec", None)
+    if spec is not None:
+        args, kwargs = torch.utils._pytree.tree_unflatten(flat, spec)
+        return tuple(args), dict(kwargs)
+    return tuple(flat), {}
+
+
+def export_program(gm: fx.GraphModule, example_inputs: tuple | None = None, example_kwargs: dict | None = None,
+                   dynamic_shapes: Any = None) -> torch.export.ExportedProgram:
+    _info(gm)
+    if example_inputs is None and example_kwargs is None:
+        example_inputs, example_kwargs = example_inputs_of(gm)
+    if isinstance(example_inputs, torch.Tensor):
+        raise TypeError("example_inputs must be a tuple of inputs: write (x,) instead of x")
+    return torch.export.export(gm, tuple(example_inputs or ()), dict(example_kwargs or {}),
+                               dynamic_shapes=dynamic_shapes, strict=False)
+
+
+def export(gm: fx.GraphModule, path: str | os.PathLike, example_inputs: tuple | None = None, *,
+           example_kwargs: dict | None = None, dynamic_shapes: Any = None) -> torch.export.ExportedProgram:
+    """Write a ``torch.export`` archive of the converted module; it needs only torch to load and run."""
+    ep = export_program(gm, example_inputs, example_kwargs, dynamic_shapes)
+    torch.export.save(ep, os.fspath(path))
+    return ep
+
+
+# --------------------------------------------------------------------------------------------- save/load
+
+def _policy_to_data(p: Policy) -> dict:
+    return {
+        "op_table": {k: v.value for k, v in p.op_table.items()},
+        "module_types": {f"{t.__module__}.{t.__qualname__}": v.value for t, v in p.module_types.items()},
+        "module_names": [[g, c.value] for g, c in p.module_names],
+        "node_names": {k: v.value for k, v in p.node_names.items()},
+    }
+
+
+def _policy_from_data(d: dict) -> Policy:
+    types = {}
+    for qual, c in d["module_types"].items():
+        mod, _, name = qual.rpartition(".")
+        if mod.startswith("torch.nn") and hasattr(nn, name):  # only torch.nn types are looked up, by name
+            types[getattr(nn, name)] = OpClass(c)
+    return Policy(op_table={k: OpClass(v) for k, v in d["op_table"].items()}, module_types=types,
+                  module_names=tuple((g, OpClass(c)) for g, c in d["module_names"]),
+                  node_names={k: OpClass(v) for k, v in d["node_names"].items()})
+
+
+def save(gm: fx.GraphModule, path: str | os.PathLike, example_inputs: tuple | None = None, *,
+         example_kwargs: dict | None = None) -> None:
+    """Save a converted module with its masters, policy, options and report (see the module docstring)."""
+    from .report import report
+    info = _info(gm)
+    ep = export_program(gm, example_inputs, example_kwargs)
+    program = io.BytesIO()
+    torch.export.save(ep, program)
+    masters = io.BytesIO()
+    torch.save({k: v.detach().cpu() for k, v in info.masters.items()}, masters)
+    meta = {
+        "format": FORMAT, "version": VERSION, "torch": torch.__version__,
+        "dtype": str(info.dtype).removeprefix("torch."), "capture": info.capture,
+        "options": info.options, "policy": _policy_to_data(info.policy),
+        "masters": sorted(info.masters), "report": report(gm).to_dict(),
+    }
+    with zipfile.ZipFile(os.fspath(path), "w", compression=zipfile.ZIP_STORED) as z:
+        z.writestr("meta.json", json.dumps(meta))
+        z.writestr("program.pt2", program.getvalue())
+        z.writestr("masters.pt", masters.getvalue())
+
+
+def _check(cond: bool, what: str, path) -> None:
+    if not cond:
+        raise FormatError(f"{path}: {what}; the file was changed or is not an autocastfx.save() file")
+
+
+def load(path: str | os.PathLike) -> fx.GraphModule:
+    """Load what :func:`save` wrote: the converted module with masters, policy and report.
+
+    Raises FormatError (a ValueError) for a truncated, tampered or foreign file; never unpickles code.
+    """
+    path = os.fspath(path)
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = set(z.namelist())
+            _check(names == {"meta.json", "program.pt2", "masters.pt"}, f"unexpected members {sorted(names)}", path)
+            bad = z.testzip()
+            _check(bad is None, f"member {bad} is corrupt (CRC mismatch)", path)
+            meta_bytes, program, masters_bytes = (z.read(n) for n in ("meta.json", "program.pt2", "masters.pt"))
+    except (zipfile.BadZipFile, EOFError, OSError) as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise FormatError(f"{path}: not a readable autocastfx save file ({e}); it may be truncated") from None
+    try:
+        meta = json.loads(meta_bytes)
+    except ValueError as e:
+        raise FormatError(f"{path}: meta.json is not valid JSON ({e})") from None
+    _check(isinstance(meta, dict) and meta.get("format") == FORMAT, "meta.json has no autocastfx format tag", path)
+    _check(meta.get("version") == VERSION, f"format version {meta.get('version')!r}, expected {VERSION}", path)
+    schema = {"dtype": str, "capture": str, "options": dict, "policy": dict, "masters": list, "report": dict}
+    for key, typ in schema.items():
+        _check(isinstance(meta.get(key), typ), f"meta.json field {key!r} missing or not a {typ.__name__}", path)
+    _check(meta["dtype"] in _DTYPES, f"dtype {meta['dtype']!r}", path)
+    _check(all(isinstance(n, str) for n in meta["masters"]), "master names are not strings", path)
+    try:
+        policy = _policy_from_data(meta["policy"])
+    except (KeyError, ValueError, TypeError, AttributeError) as e:
+        raise FormatError(f"{path}: the saved policy is malformed ({e})") from None
+    try:
+        masters = torch.load(io.BytesIO(masters_bytes), weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - weights_only refuses anything but tensors and plain containers
+        raise FormatError(f"{path}: masters.pt is not a plain tensor file ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200]})") from None
+    _check(isinstance(masters, dict) and sorted(masters) == sorted(meta["masters"])
+           and all(isinstance(v, torch.Tensor) and v.dtype == torch.float32 for v in masters.values()),
+           "masters.pt does not hold the float32 masters meta.json names", path)
+    try:
+        gm = torch.export.load(io.BytesIO(program)).module()
+    except Exception as e:  # noqa: BLE001
+        raise FormatError(f"{path}: program.pt2 does not load ({type(e).__name__}: {str(e)[:200]})") from None
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    low = _DTYPES[meta["dtype"]]
+    for name, m in masters.items():
+        _check(name in params and params[name].shape == m.shape and params[name].dtype == low,
+               f"master {name!r} does not match a {meta['dtype']} parameter of the program", path)
+    report_rows = [Row(**r) for r in meta["report"].get("nodes", [])]
+    info = ConvertInfo(dtype=low, policy=policy, capture=meta["capture"], plan=None,
+                       masters={k: nn.Parameter(v, requires_grad=params[k].requires_grad) for k, v in masters.items()},
+                       absorbed=[], options=meta["options"],
+                       extra_totals={"saved_report": Report(report_rows, meta["report"].get("totals", {}))})
+    gm.meta["autocastfx"] = info
+    return gm
+
+
+def model_explorer_overlay(gm: fx.GraphModule, ep: torch.export.ExportedProgram, graph_id: str = "main") -> dict:
+    """Node data for Google's Model Explorer over the exported program: each node coloured by compute dtype
+    (1 low, 0 float32, 0.5 follow/promote), with a sidecar of reasons and casts keyed by the same node ids."""
+    decisions = {n.name: n.meta["autocastfx"] for n in gm.graph.nodes if "autocastfx" in n.meta}
+    low = _info(gm).dtype
+    colour = {"low": "#f4a261", "fp32": "#4a90d9", "cast": "#e63946"}
+    results, notes = {}, {}
+    for node in ep.graph.nodes:
+        if node.op not in ("call_function",):
+            continue
+        sources = [s.name for s in node.meta.get("from_node", []) or []]
+        d = next((decisions[s] for s in sources if s in decisions), None)
+        if d is None:
+            continue
+        if d.kind == "cast":
+            value, bg = (1.0 if d.dtype == low else 0.0), colour["cast"]
+        elif d.dtype == low:
+            value, bg = 1.0, colour["low"]
+        elif d.dtype == torch.float32:
+            value, bg = 0.0, colour["fp32"]
+        else:
+            continue
+        results[node.name] = {"value": value, "bgColor": bg}
+        notes[node.name] = {"dtype": str(d.dtype).removeprefix("torch."), "class": d.op_class, "kind": d.kind,
+                            "reason": d.reason, "casts_in": list(d.casts_in), "source_node": sources[0]}
+    return {"node_data": {graph_id: {"results": results,
+                                     "thresholds": [{"value": 0.25, "bgColor": colour["fp32"]},
+                                                    {"value": 1.0, "bgColor": colour["low"]}]}},
+            "notes": notes}

@@ -1,0 +1,74 @@
+"""The autocastfx command line, through subprocesses, error cases included."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TESTS = Path(__file__).parent
+
+
+def run(*args, cwd=TESTS):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent)]))
+    return subprocess.run([sys.executable, "-m", "autocastfx", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=300)
+
+
+def test_inspect_text_and_json():
+    p = run("inspect", "small_models:TinyResNet", "--input", "2x3x16x16")
+    assert p.returncode == 0, p.stderr
+    assert "casts per forward" in p.stdout and "conv2d" in p.stdout
+    p = run("inspect", "small_models:TinyGPT", "--input", "2x16", "--input-dtype", "long", "--dtype", "bf16", "--json")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["totals"]["dtype"] == "bf16" and d["totals"]["capture"] == "torch.export"
+
+
+def test_export_writes_loadable_pt2(tmp_path):
+    out = tmp_path / "m.pt2"
+    p = run("export", "small_models:TinyResNet", "--input", "1x3x16x16", "-o", str(out))
+    assert p.returncode == 0, p.stderr
+    m = torch.export.load(out).module()
+    assert m(torch.randn(1, 3, 16, 16)).shape == (1, 10)
+
+
+def test_graph_dot_and_model_explorer(tmp_path):
+    p = run("graph", "small_models:TinyResNet", "--input", "1x3x16x16", "-o", str(tmp_path / "g.dot"))
+    assert p.returncode == 0, p.stderr
+    dot = (tmp_path / "g.dot").read_text()
+    assert dot.startswith("digraph") and "blocks.0" in dot and "#e63946" in dot  # casts drawn
+    p = run("graph", "small_models:TinyViT", "--input", "1x3x16x16", "-o", str(tmp_path / "v.svg"),
+            "--model-explorer")
+    assert p.returncode == 0, p.stderr
+    node_data = json.loads((tmp_path / "v.node_data.json").read_text())
+    names = {n.name for n in torch.export.load(tmp_path / "v.pt2").graph.nodes}
+    assert set(node_data["main"]["results"]) <= names
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz's dot is not installed")
+def test_graph_svg_rendered(tmp_path):
+    p = run("graph", "small_models:TinyDenseNet", "--input", "1x3x16x16", "-o", str(tmp_path / "g.svg"))
+    assert p.returncode == 0, p.stderr
+    assert "<svg" in (tmp_path / "g.svg").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["inspect", "small_models", "--input", "1x3"], "module.path:factory"),
+    (["inspect", "no_such_module:f", "--input", "1x3"], "cannot import"),
+    (["inspect", "small_models:Nope", "--input", "1x3"], "no attribute"),
+    (["inspect", "small_models:TinyResNet", "--input", "1xx3"], "bad --input shape"),
+    (["inspect", "small_models:TinyResNet"], "--input"),
+    (["inspect", "small_models:TinyResNet", "--input", "1x3x16x16", "--dtype", "fp8"], "bad --dtype"),
+    (["inspect", "small_models:TinyResNet", "--input", "1x3x16x16", "--input-dtype", "complex"], "--input-dtype"),
+    (["inspect", "small_models:ALL", "--input", "1x3"], "not callable"),
+    (["inspect", "small_models:TinyResNet", "--input", "1x5x16x16"], "error"),
+])
+def test_user_errors_one_line_exit_2(args, message):
+    p = run(*args)
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+    err = p.stderr.strip()
+    assert "Traceback" not in p.stderr and len(err.splitlines()) == 1 and message in err, err

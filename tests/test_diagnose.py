@@ -1,0 +1,83 @@
+"""calibrate() moves what overflows float16 back to float32; grad_histogram() places gradients in its range."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autocastfx
+from autocastfx.diagnose import calibrate, grad_histogram
+from helpers import AtenRecorder
+from small_models import example
+
+
+class Hot(nn.Module):
+    """One layer whose outputs exceed float16's range; log_softmax takes any input in float32."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.hot = nn.Linear(32, 32)
+        self.b = nn.Linear(16, 16)
+        with torch.no_grad():
+            self.hot.weight.mul_(1e3)
+
+    def forward(self, x):
+        return F.log_softmax(self.hot(torch.relu(self.a(x))), -1), self.b(x)
+
+
+def test_calibration_moves_only_the_overflowing_layer():
+    torch.manual_seed(0)
+    m = Hot()
+    x = torch.randn(4, 16) * 200
+    gm = autocastfx.convert(m, (x,), pad_multiple=1)
+    assert not torch.isfinite(gm(x)[0]).all()  # float16 overflows in `hot`
+    cal = calibrate(gm, [(torch.randn(4, 16) * 200,) for _ in range(3)])
+    out, ref = cal(x)[0], m(x)[0]
+    assert torch.isfinite(out).all()
+    assert ((out - ref).abs().max() / ref.abs().max()) < 1e-2
+    moved = cal.meta["autocastfx"].extra_totals["calibration"]
+    assert list(moved) == ["linear_1"]
+    row = next(r for r in autocastfx.report(cal).rows if r.name == "linear_1")
+    assert row.dtype == "fp32" and row.reason.startswith("calibration: |value| reaches")
+    # checked at the aten level: the hot matmul runs in float32, the others stay float16
+    rec = AtenRecorder()
+    with rec, torch.no_grad():
+        cal(x)
+    mm = rec.ops("addmm", "mm")
+    assert sorted(str(c.in_dtypes[1]) for c in mm) == ["torch.float16", "torch.float16", "torch.float32"]
+
+
+def test_calibration_keeps_a_healthy_model():
+    model, inputs = example("resnet")
+    model.eval()
+    gm = autocastfx.convert(model, inputs, pad_multiple=1)
+    cal = calibrate(gm, [inputs])
+    assert cal.meta["autocastfx"].extra_totals["calibration"] == {}
+    assert cal.code == gm.code
+
+
+def test_calibration_errors():
+    with pytest.raises(TypeError, match="convert"):
+        calibrate(nn.Linear(2, 2), [(torch.randn(1, 2),)])
+    model, inputs = example("resnet")
+    gm = autocastfx.convert(model, inputs, pad_multiple=1)
+    with pytest.raises(ValueError, match="at least one batch"):
+        calibrate(gm, [])
+
+
+def test_grad_histogram_shares_and_scale(tmp_path):
+    model, inputs = example("resnet")
+    y = torch.tensor([1, 2])
+    h = grad_histogram(model, inputs, F.cross_entropy, y)
+    assert abs(h.share_normal + h.share_subnormal + h.share_flushed + h.share_overflow - 1) < 0.02
+    assert sum(h.counts) + h.zeros == h.total
+    assert h.max_safe_scale * h.max_abs < 65504 <= 2 * h.max_safe_scale * h.max_abs
+    # a loss scaled down makes gradients tiny: more of them flush to zero
+    tiny = grad_histogram(model, inputs, lambda o, t: F.cross_entropy(o, t) * 2.0**-20, y)
+    assert tiny.share_flushed > h.share_flushed and tiny.scale_to_keep_999 > h.scale_to_keep_999
+    text = h.text()
+    assert "would become zero without scaling" in text and "largest safe power-of-two loss scale" in text
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "g.png").exists() is False
+    h.plot(str(tmp_path / "g.png"))
+    assert (tmp_path / "g.png").stat().st_size > 1000

@@ -1,0 +1,132 @@
+"""export(): a plain torch.export archive; save()/load(): no arbitrary unpickling, clear errors on bad files."""
+import io
+import json
+import os
+import pickle
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autocastfx
+from autocastfx.export import FormatError, export, load, model_explorer_overlay, save
+from small_models import example
+
+BLOCKER = "import sys; sys.modules['autocastfx'] = None\n"  # any `import autocastfx` now fails
+
+
+def _convert(name):
+    model, inputs = example(name)
+    model.eval()
+    return autocastfx.convert(model, inputs, pad_multiple=1), inputs
+
+
+@pytest.mark.parametrize("name", ["resnet", "vit"])
+def test_export_loads_without_autocastfx_bit_identical(name, tmp_path):
+    gm, inputs = _convert(name)
+    path = tmp_path / "m.pt2"
+    export(gm, path, inputs)
+    torch.save({"x": inputs[0], "y": gm(*inputs)}, tmp_path / "io.pt")
+    code = BLOCKER + (
+        "import torch\n"
+        "try:\n    import autocastfx\n    raise SystemExit('autocastfx importable')\nexcept ImportError:\n    pass\n"
+        f"m = torch.export.load({str(path)!r}).module()\n"
+        f"io = torch.load({str(tmp_path / 'io.pt')!r})\n"
+        "y = m(io['x'])\n"
+        "assert y.dtype == io['y'].dtype and torch.equal(y, io['y']), (y - io['y']).abs().max()\n"
+        "print('identical')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "identical" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+def test_save_load_round_trip_and_resume_training(tmp_path):
+    gm, inputs = _convert("resnet")
+    path = tmp_path / "m.acfx"
+    save(gm, path)
+    g2 = load(path)
+    assert torch.equal(g2(*inputs), gm(*inputs))
+    assert [m.tolist() for m in autocastfx.master_parameters(g2)] == \
+        [m.tolist() for m in autocastfx.master_parameters(gm)]
+    assert str(autocastfx.report(g2)) == str(autocastfx.report(gm))
+    assert g2.meta["autocastfx"].policy.op_table == gm.meta["autocastfx"].policy.op_table
+    # the loaded module trains with the generated step
+    step = autocastfx.train_step(g2, F.cross_entropy, torch.optim.SGD(g2.parameters(), lr=0.1))
+    x = torch.randn(2, 3, 16, 16)
+    m0 = [m.clone() for m in autocastfx.master_parameters(g2)]
+    step((x,), torch.tensor([1, 2]))
+    assert any(not torch.equal(a, b) for a, b in zip(m0, autocastfx.master_parameters(g2)))
+
+
+def _rewrite_member(src, dst, member, data):
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for n in zin.namelist():
+            zout.writestr(n, data if n == member else zin.read(n))
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ.get('EVIL_MARK', '/tmp/autocastfx_evil')}",))
+
+
+def test_tampered_pickle_is_refused_without_running_code(tmp_path, monkeypatch):
+    gm, _ = _convert("resnet")
+    good, bad = tmp_path / "good.acfx", tmp_path / "bad.acfx"
+    save(gm, good)
+    mark = tmp_path / "pwned"
+    monkeypatch.setenv("EVIL_MARK", str(mark))
+    buf = io.BytesIO()
+    pickle.dump({"stem.weight": _Evil()}, buf)
+    _rewrite_member(good, bad, "masters.pt", buf.getvalue())
+    with pytest.raises(FormatError, match="masters.pt is not a plain tensor file"):
+        load(bad)
+    assert not mark.exists()
+
+
+def test_tampered_meta_and_truncated_files(tmp_path):
+    gm, _ = _convert("resnet")
+    good = tmp_path / "good.acfx"
+    save(gm, good)
+    data = good.read_bytes()
+    trunc = tmp_path / "trunc.acfx"
+    trunc.write_bytes(data[: len(data) // 2])
+    with pytest.raises(FormatError, match="truncated|not a readable"):
+        load(trunc)
+    with zipfile.ZipFile(good) as z:
+        meta = json.loads(z.read("meta.json"))
+    meta["masters"] = ["stem.weight", "nonexistent"]
+    bad = tmp_path / "bad.acfx"
+    _rewrite_member(good, bad, "meta.json", json.dumps(meta).encode())
+    with pytest.raises(FormatError, match="masters"):
+        load(bad)
+    meta["format"] = "something else"
+    _rewrite_member(good, bad, "meta.json", json.dumps(meta).encode())
+    with pytest.raises(FormatError, match="format tag"):
+        load(bad)
+    _rewrite_member(good, bad, "meta.json", b"{not json")
+    with pytest.raises(FormatError, match="not valid JSON"):
+        load(bad)
+    with pytest.raises(FileNotFoundError):
+        load(tmp_path / "missing.acfx")
+
+
+def test_model_explorer_overlay_ids_match_exported_graph(tmp_path):
+    gm, inputs = _convert("vit")
+    ep = export(gm, tmp_path / "m.pt2", inputs)
+    overlay = model_explorer_overlay(gm, ep)
+    results = overlay["node_data"]["main"]["results"]
+    names = {n.name for n in torch.export.load(tmp_path / "m.pt2").graph.nodes}
+    assert results and set(results) <= names
+    lows = [k for k, v in results.items() if v["value"] == 1.0 and overlay["notes"][k]["kind"] == "op"]
+    assert any("linear" in k or "conv" in k for k in lows)
+    assert all(overlay["notes"][k]["reason"] for k in results)
+
+
+def test_onnx_export_optional(tmp_path):
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxscript")
+    gm, inputs = _convert("resnet")
+    torch.onnx.export(gm, inputs, str(tmp_path / "m.onnx"), dynamo=True)
+    assert (tmp_path / "m.onnx").stat().st_size > 0
