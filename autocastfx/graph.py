@@ -52,8 +52,10 @@ def to_dot(gm: fx.GraphModule, depth: int = 2, title: str | None = None) -> str:
              'fontsize=10]; edge [color="#888888", arrowsize=0.6];']
     if title:
         lines.append(f'  labelloc=t; label="{_esc(title)}"; fontname="Helvetica";')
-    legend = " | ".join(f"<{k}> {k}" for k in ("low", "fp32", "cast"))
-    lines.append(f'  legend [shape=record, style=filled, fillcolor=white, label="{{dtype | {legend}}}"];')
+    cells = "".join(f'<td bgcolor="{COLOURS[k]}">{name}</td>' for k, name in
+                    (("low", short[low]), ("fp32", "fp32"), ("cast", "cast")))
+    lines.append(f'  legend [shape=plaintext, style="", label=<<table border="0" cellborder="1" cellspacing="0">'
+                 f'<tr>{cells}</tr></table>>];')
     rep_of: dict[str, str] = {}
     groups: dict[str, list[fx.Node]] = defaultdict(list)
     for node in gm.graph.nodes:
@@ -81,7 +83,7 @@ def to_dot(gm: fx.GraphModule, depth: int = 2, title: str | None = None) -> str:
         casts = kinds.pop("cast", 0)
         kinds.pop("io", None)
         main = "low" if kinds.get("low", 0) >= kinds.get("fp32", 0) else "fp32"
-        counts = ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))
+        counts = ", ".join(f"{short[low] if k == 'low' else k} {v}" for k, v in sorted(kinds.items()))
         label = f"{g}\n{counts}" + (f"\ncasts {casts}" if casts else "")
         pen = f', color="{COLOURS["cast"]}", penwidth=2' if casts else ""
         lines.append(f'  "g_{_esc(g)}" [label="{_esc(label)}", fillcolor="{COLOURS[main]}"{pen}];')
