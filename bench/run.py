@@ -1,0 +1,103 @@
+"""CPU benchmark: autocastfx vs torch.autocast + GradScaler vs float32, counted per training step.
+
+    python bench/run.py [--quick]      (./run.sh bench)
+
+Prints one table per section and the machine it ran on. Figures that depend on speed are only the
+overhead-bound step time (one thread, a model whose kernels cost almost nothing) and conversion time.
+"""
+import argparse
+import datetime
+import os
+import platform
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from measure import Runner, convert_scaling, median_step_time  # noqa: E402
+from models import GPT2, ResNet50, TinyMLP, ViT, lm_loss, transformer_stack  # noqa: E402
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {datetime.date.today()}"
+
+
+def workloads(quick):
+    torch.manual_seed(0)
+    if quick:
+        return [("ResNet-50 (2x3x32x32)", ResNet50(classes=10, layers=(1, 1, 1, 1)), (torch.randn(2, 3, 32, 32),),
+                 torch.tensor([1, 2]), F.cross_entropy)]
+    return [
+        ("ResNet-50 (2x3x64x64)", ResNet50(), (torch.randn(2, 3, 64, 64),), torch.tensor([1, 2]), F.cross_entropy),
+        ("ViT-B/16 (2x3x64x64)", ViT(), (torch.randn(2, 3, 64, 64),), torch.tensor([1, 2]), F.cross_entropy),
+        ("GPT-2 124M (2x32 tokens)", GPT2(), (torch.randint(0, 50257, (2, 32)),),
+         torch.randint(0, 50257, (2, 32)), lm_loss),
+    ]
+
+
+RECIPES = [("fp32", "float32", {}), ("autocast", "autocast+GradScaler", {}),
+           ("autocast", "autocast+GS fused AdamW", {"fused": True}),
+           ("autocastfx", "autocastfx masters", {"master_weights": True, "pad_multiple": 1}),
+           ("autocastfx", "autocastfx no masters", {"master_weights": False, "pad_multiple": 1}),
+           ("autocastfx", "autocastfx masters pad8", {"master_weights": True, "pad_multiple": 8})]
+
+
+def mb(n):
+    return f"{n / 2**20:9.2f}"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="a small model only (seconds)")
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    print(f"machine: {machine()}\n")
+    print("Per training step (forward, backward, AdamW), counted at the aten level. MB = 2^20 bytes.")
+    head = (f"{'model':26} {'recipe':24} {'cast MB':>9} {'casts':>6} {'aten ops':>8} {'syncs':>5} "
+            f"{'saved MB':>9} {'params MB':>9} {'grads MB':>9} {'masters MB':>10} {'optim MB':>9}")
+    print(head)
+    print("-" * len(head))
+    results = {}
+    for name, model, inputs, target, loss in workloads(args.quick):
+        for recipe, label, kw in RECIPES:
+            c = Runner(recipe, model, inputs, target, loss, **kw).cost()
+            results[(name, label)] = c
+            print(f"{name:26} {label:24} {mb(c.cast_bytes)} {c.casts:6d} {c.ops:8d} {c.syncs:5d} "
+                  f"{mb(c.saved_bytes)} {mb(c.param_bytes)} {mb(c.grad_bytes)} {mb(c.master_bytes):>10} "
+                  f"{mb(c.optim_bytes)}", flush=True)
+    print()
+    for name, *_ in workloads(args.quick):
+        ac, fx = results[(name, "autocast+GradScaler")], results[(name, "autocastfx masters")]
+        print(f"{name}: cast bytes autocastfx/autocast = {fx.cast_bytes / max(ac.cast_bytes, 1):.2f}; "
+              f"saved-for-backward autocastfx/autocast = {fx.saved_bytes / max(ac.saved_bytes, 1):.2f}; "
+              f"host syncs {fx.syncs} vs {ac.syncs}")
+
+    print("\nOverhead-bound step (8 x [Linear 64, LayerNorm, GELU], batch 8, one thread), median of 300 steps:")
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    tiny, x, y = TinyMLP(), torch.randn(8, 64), torch.randint(0, 10, (8,))
+    times = {}
+    for recipe, label in (("floor", "hand-halved floor"), ("autocastfx", "autocastfx step"),
+                          ("autocast", "autocast+GradScaler")):
+        kw = {"pad_multiple": 1} if recipe == "autocastfx" else {"fused": True}
+        times[label] = median_step_time(Runner(recipe, tiny, (x,), y, **kw), steps=100 if args.quick else 300)
+        print(f"  {label:22} {times[label] * 1e6:9.1f} us   {times[label] / times['hand-halved floor']:.3f}x floor")
+
+    print("\nConversion cost: a stack of transformer blocks, convert() against torch.fx.symbolic_trace:")
+    depths = [40, 160] if args.quick else [40, 160, 640, 1850]
+    rows = convert_scaling(depths, transformer_stack, lambda: torch.randn(1, 4, 16))
+    print(f"  {'traced nodes':>12} {'converted nodes':>15} {'trace s':>8} {'convert s':>9} {'us/node':>8} {'ratio':>6}")
+    for n_trace, n_conv, t_trace, t_conv in rows:
+        print(f"  {n_trace:12d} {n_conv:15d} {t_trace:8.2f} {t_conv:9.2f} {t_conv / n_trace * 1e6:8.0f} "
+              f"{t_conv / t_trace:6.1f}")
+
+
+if __name__ == "__main__":
+    main()
