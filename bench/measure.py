@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_flatten
 
 import autocastfx
 
+INIT_SCALE = 2.0**10  # both scalers start where these models do not overflow: every measured step is a real update
 SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "equal", "item"}
 
 
@@ -84,12 +85,12 @@ class Runner:
         if recipe == "autocastfx":
             self.model = autocastfx.convert(model, inputs, **convert_kw)
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)  # the step turns fused on itself
-            self.step = autocastfx.train_step(self.model, loss_fn, self.opt)
+            self.step = autocastfx.train_step(self.model, loss_fn, self.opt, init_scale=INIT_SCALE)
             self.masters = autocastfx.master_parameters(self.model)
         elif recipe == "autocast":
             self.model = model
             self.opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=fused)
-            self.scaler = torch.amp.GradScaler("cpu")
+            self.scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
             self.step = self._autocast_step
         elif recipe == "fp32":
             self.model = model
