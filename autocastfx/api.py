@@ -10,6 +10,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import capture as _capture
+from . import padding as _padding
 from . import plan as _plan
 from . import rewrite as _rewrite
 from . import weights as _weights
@@ -61,13 +62,20 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
         gm, how = _capture.capture(model, args, kwargs, policy)   # runs propagate() on the example inputs
 
     absorbed = _rewrite.absorb_casts(gm)
+    pad_plan = None
+    if pad_multiple > 1:
+        pad_plan = _padding.plan_padding(gm, pad_multiple, policy.pad_max_growth)
+        if any(d.action == "pad" for d in pad_plan.decisions):
+            _padding.apply_padding(gm, pad_plan)
+            _capture.propagate(gm, args, kwargs)  # the padded values' shapes
     plan = _plan.build_plan(gm, policy, dtype, master_weights=master_weights, keep_io_types=keep_io_types)
     masters = _weights.store_low(gm, plan.low_params, dtype)
     _rewrite.apply_plan(gm, plan)
     gm.meta["autocastfx"] = ConvertInfo(
         dtype=dtype, policy=policy, capture=how, plan=plan, masters=masters, absorbed=absorbed,
         source_params={id(p): n for n, p in model.named_parameters(remove_duplicate=False)},
-        options=dict(pad_multiple=pad_multiple, master_weights=master_weights, keep_io_types=keep_io_types))
+        options=dict(pad_multiple=pad_multiple, master_weights=master_weights, keep_io_types=keep_io_types),
+        extra_totals={"padding": pad_plan.totals()} if pad_plan is not None else {})
     return gm
 
 

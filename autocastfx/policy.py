@@ -178,6 +178,7 @@ class Policy:
     module_names: tuple[tuple[str, OpClass], ...] = ()
     node_names: Mapping[str, OpClass] = dataclasses.field(default_factory=dict)
     leaf_modules: tuple[type, ...] = ()
+    pad_max_growth: float = 4.0   # padding a GEMM/conv may grow its FLOPs at most this much (cost gate)
 
     @classmethod
     def default(cls) -> "Policy":
@@ -185,7 +186,7 @@ class Policy:
 
     def override(self, *, ops: Mapping[str, Any] | None = None, module_types: Mapping[type, Any] | None = None,
                  module_names: Mapping[str, Any] | None = None, node_names: Mapping[str, Any] | None = None,
-                 leaf_modules: tuple[type, ...] = ()) -> "Policy":
+                 leaf_modules: tuple[type, ...] = (), pad_max_growth: float | None = None) -> "Policy":
         """A new Policy with these entries added (classes given as OpClass or its value, e.g. ``"fp32"``)."""
         def conv(d):
             return {k: _as_class(v) for k, v in (d or {}).items()}
@@ -196,6 +197,7 @@ class Policy:
             module_names=self.module_names + tuple(conv(module_names).items()),
             node_names={**self.node_names, **conv(node_names)},
             leaf_modules=self.leaf_modules + tuple(leaf_modules),
+            pad_max_growth=self.pad_max_growth if pad_max_growth is None else float(pad_max_growth),
         )
 
     def is_leaf(self, module: nn.Module) -> bool:

@@ -56,9 +56,15 @@ class Report:
                      f"model casts absorbed: {t['absorbed_casts']}")
         lines.append(f"matmul/conv FLOPs in low precision: {t['low_flop_share']:.1%} "
                      f"of {t['flops']:,} per forward")
-        for key in ("unclassified", "padding"):
-            if t.get(key):
-                lines.append(f"{key}: {t[key]}")
+        if t.get("unclassified"):
+            lines.append(f"unclassified: {t['unclassified']}")
+        pad = t.get("padding")
+        if pad:
+            lines.append(f"padding to multiples of {pad['multiple']}: misaligned GEMM/conv ops {pad['misaligned_before']} "
+                         f"-> {pad['misaligned_after']}, extra FLOPs {pad['extra_flops']:,}"
+                         + (f", kept padded across {len(pad['kept_padded'])} chains" if pad["kept_padded"] else ""))
+            for line in pad["padded"] + pad["skipped"]:
+                lines.append(f"  {line}")
         return "\n".join(lines)
 
 

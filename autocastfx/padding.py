@@ -1,0 +1,229 @@
+"""Tensor-core padding: channel and feature dims of convolutions and linears grown to a multiple of 8.
+
+Tensor cores run FP16/BF16 GEMMs and convolutions at full rate only when M, N and K are multiples of 8.
+For every convolution and linear whose weight is a parameter, the plan pads the weight's output and input
+dims with zeros *inside the graph* (``F.pad`` of the true-shaped parameter), pads the activation it reads
+when needed, and slices the result back to the true size. Zero rows and columns add nothing, so the result is
+exactly the unpadded one, forward and backward.
+
+Padding persists across a chain of zero-preserving ops (ReLU, GELU, SiLU, dropout, max pooling, ...): when a
+padded layer feeds another through such a chain, the padded channels (all zeros) flow on and neither the slice
+nor the next pad is emitted. Parameters keep their true shapes, so ``state_dict()``, the float32 masters and
+every optimizer see only true values: padded slices cannot drift away from zero.
+
+A cost gate skips dims whose padding would grow the GEMM by more than ``max_growth`` (default 4x: RGB's
+3 -> 8 input channels pads, a 1-channel input does not; when both dims together are over, one alone may pad); grouped and depthwise convolutions keep their group
+structure and are not padded. Every decision, padded or skipped, is in the report.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .capture import TensorInfo
+from .policy import op_name
+
+_CONV = {"conv1d": 1, "conv2d": 2, "conv3d": 3}
+_ZERO_PRESERVING = frozenset("""relu relu6 leaky_relu gelu silu hardswish mish tanh hardtanh elu selu celu
+    dropout dropout1d dropout2d dropout3d feature_dropout alpha_dropout max_pool1d max_pool2d max_pool3d
+    avg_pool1d avg_pool2d avg_pool3d identity contiguous clone softshrink hardshrink""".split())
+DEFAULT_MAX_GROWTH = 4.0
+
+
+@dataclasses.dataclass
+class PadDecision:
+    node: str
+    kind: str                  # "conv" | "linear"
+    out: tuple[int, int]       # (true, padded) output channels/features
+    inp: tuple[int, int]       # (true, padded) input channels/features
+    action: str                # "pad" | "skip" | "aligned"
+    reason: str
+    flops: int = 0             # FLOPs of the op, unpadded
+    extra_flops: int = 0
+
+
+@dataclasses.dataclass
+class PadPlan:
+    multiple: int
+    decisions: list[PadDecision]
+    persistent: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (producer, consumer) kept padded
+
+    def totals(self) -> dict:
+        gemm = [d for d in self.decisions]
+        before = sum(1 for d in gemm if d.out[0] % self.multiple or d.inp[0] % self.multiple)
+        after = sum(1 for d in gemm if (d.out[1] if d.action == "pad" else d.out[0]) % self.multiple
+                    or (d.inp[1] if d.action == "pad" else d.inp[0]) % self.multiple)
+        return {"multiple": self.multiple, "misaligned_before": before, "misaligned_after": after,
+                "padded": [f"{d.node}: {d.reason}" for d in self.decisions if d.action == "pad"],
+                "skipped": [f"{d.node}: {d.reason}" for d in self.decisions if d.action == "skip"],
+                "extra_flops": sum(d.extra_flops for d in self.decisions if d.action == "pad"),
+                "kept_padded": [f"{a} -> {b}" for a, b in self.persistent]}
+
+    def __str__(self) -> str:
+        t = self.totals()
+        lines = [f"PadPlan(multiple={self.multiple}: misaligned GEMM/conv ops {t['misaligned_before']} -> "
+                 f"{t['misaligned_after']}, extra FLOPs {t['extra_flops']:,})"]
+        lines += [f"  {d.node}: {d.reason}" for d in self.decisions if d.action != "aligned"]
+        return "\n".join(lines)
+
+
+def _up(n: int, m: int) -> int:
+    return int(math.ceil(n / m) * m)
+
+
+def _arg(node: fx.Node, i: int, name: str, default=None):
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def _weight_param(gm: fx.GraphModule, node: fx.Node):
+    w = _arg(node, 1, "weight")
+    if isinstance(w, fx.Node) and w.op == "get_attr":
+        info = w.meta.get("autocastfx_info")
+        if isinstance(info, TensorInfo):
+            return w, info
+    return None, None
+
+
+def plan_padding(gm: fx.GraphModule, multiple: int, max_growth: float = DEFAULT_MAX_GROWTH) -> PadPlan:
+    decisions = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = op_name(node)
+        kind = "conv" if name in _CONV else "linear" if name == "linear" else None
+        if kind is None:
+            continue
+        w, winfo = _weight_param(gm, node)
+        out_info = node.meta.get("autocastfx_info")
+        if w is None or not isinstance(out_info, TensorInfo):
+            continue
+        c_out, c_in = winfo.shape[0], winfo.shape[1]
+        flops = node.meta.get("autocastfx_flops") or 0
+        p_out, p_in = _up(c_out, multiple), _up(c_in, multiple)
+        d = PadDecision(node.name, kind, (c_out, p_out), (c_in, p_in), "aligned", "aligned")
+        if (p_out, p_in) == (c_out, c_in):
+            decisions.append(d)
+            continue
+        if kind == "conv" and _arg(node, 6, "groups", 1) != 1:
+            d.action, d.reason = "skip", (f"skip: grouped convolution (groups={_arg(node, 6, 'groups', 1)}) keeps "
+                                          "its group structure")
+            decisions.append(d)
+            continue
+        def dims(o, i):
+            return " ".join(f"{w} {a} -> {b}" for w, (a, b) in (("out", (c_out, o)), ("in", (c_in, i))) if a != b)
+
+        full = (p_out * p_in) / (c_out * c_in)
+        choice = next(((o, i) for o, i in ((p_out, p_in), (p_out, c_in), (c_out, p_in))
+                       if (o, i) != (c_out, c_in) and (o * i) / (c_out * c_in) <= max_growth), None)
+        over = f"skip {dims(p_out, p_in)}: +{full - 1:.0%} FLOPs over the {max_growth:g}x limit"
+        if choice is None:
+            d.action, d.reason = "skip", over
+        else:
+            o, i = choice
+            growth = (o * i) / (c_out * c_in)
+            d.out, d.inp = (c_out, o), (c_in, i)
+            d.action = "pad"
+            d.reason = f"pad {dims(o, i)}: tensor-core alignment (+{growth - 1:.0%} FLOPs)"
+            if (o, i) != (p_out, p_in):
+                d.reason += f"; the rest skipped ({over})"
+            d.extra_flops = int(flops * (growth - 1)) if flops else 0
+        d.flops = flops
+        decisions.append(d)
+    return PadPlan(multiple, decisions)
+
+
+def _channel_dim(kind: str) -> int:
+    return 1 if kind == "conv" else -1
+
+
+def _pad_spec(ndim: int, dim: int, extra: int) -> tuple[int, ...]:
+    """F.pad spec that appends ``extra`` zeros along ``dim`` of an ``ndim``-d tensor."""
+    dim = dim % ndim
+    spec = [0, 0] * (ndim - dim)
+    spec[-1] = extra
+    return tuple(spec)
+
+
+def apply_padding(gm: fx.GraphModule, plan: PadPlan) -> None:
+    """Rewrite the graph as the plan says (see the module docstring). Shapes are re-learnt by the caller."""
+    graph = gm.graph
+    by_name = {n.name: n for n in graph.nodes}
+    pads = {d.node: d for d in plan.decisions if d.action == "pad"}
+    padded_out: dict[fx.Node, tuple[str, int, int]] = {}  # node -> (kind, true, padded) for outputs left padded
+
+    def chain_source(value: fx.Node, kind: str):
+        """Follow single-user zero-preserving ops back to a padded producer of the same kind."""
+        path = []
+        v = value
+        slicers = {info[3]: k for k, info in padded_out.items()}
+        while v not in slicers:
+            if v.op != "call_function" and v.op != "call_method" and v.op != "call_module":
+                return None, []
+            if v.op == "call_module":
+                return None, []
+            if op_name(v) not in _ZERO_PRESERVING or len(v.users) != 1 or not v.args:
+                return None, []
+            src = v.args[0]
+            if not isinstance(src, fx.Node):
+                return None, []
+            path.append(v)
+            v = src
+        producer = slicers[v]
+        return (producer if padded_out[producer][0] == kind else None), path
+
+    for node in list(graph.nodes):
+        d = pads.get(node.name)
+        if d is None:
+            continue
+        x = node.args[0]
+        w_node, winfo = _weight_param(gm, node)
+        b = _arg(node, 2, "bias")
+        ch = _channel_dim(d.kind)
+        (c_out, p_out), (c_in, p_in) = d.out, d.inp
+        with graph.inserting_before(node):
+            wpad = (0, 0) * (len(winfo.shape) - 2) + (0, p_in - c_in, 0, p_out - c_out)
+            w_new = graph.call_function(F.pad, (w_node, wpad))
+            w_new._rename(f"pad_{w_node.name}")
+            new_args = list(node.args)
+            new_args[1] = w_new
+            if isinstance(b, fx.Node) and p_out != c_out:
+                b_new = graph.call_function(F.pad, (b, (0, p_out - c_out)))
+                b_new._rename(f"pad_{b.name}")
+                if len(new_args) > 2:
+                    new_args[2] = b_new
+                else:
+                    node.kwargs = {**node.kwargs, "bias": b_new}
+            if p_in != c_in:
+                src, path = chain_source(x, d.kind) if isinstance(x, fx.Node) else (None, [])
+                if src is not None and padded_out[src][2] == p_in:
+                    # the padded channels arrive already (all zeros): the chain reads the padded producer
+                    slicer = padded_out[src][3]
+                    if path:
+                        path[-1].replace_input_with(slicer, src)
+                    else:
+                        new_args[0] = src
+                    plan.persistent.append((src.name, node.name))
+                else:
+                    ndim = len(x.meta["autocastfx_info"].shape)
+                    x_new = graph.call_function(F.pad, (x, _pad_spec(ndim, ch, p_in - c_in)))
+                    x_new._rename(f"pad_{x.name}")
+                    new_args[0] = x_new
+            node.args = tuple(new_args)
+        if p_out != c_out:
+            with graph.inserting_after(node):
+                sl = graph.call_method("narrow", (node, ch, 0, c_out))
+            sl._rename(f"unpad_{node.name}")
+            node.replace_all_uses_with(sl, delete_user_cb=lambda u: u is not sl)
+            padded_out[node] = (d.kind, c_out, p_out, sl)
+    for _, _, _, slicer in padded_out.values():
+        if not slicer.users:  # every reader takes the padded value now
+            graph.erase_node(slicer)
+    del by_name
+    graph.lint()
+    gm.recompile()
