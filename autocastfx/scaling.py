@@ -62,18 +62,18 @@ class ScaleState:
         self.overflow_history = torch.zeros(HISTORY, dtype=torch.bool, device=device)
         self.scale_history = torch.zeros(HISTORY, **f32)
 
-    # --- the update, all on the device
+    # --- the update, all on the device (a handful of tiny kernels: this runs every step)
     def record(self) -> None:
         """Count the step and write it to the history (after found_inf is final, before the scale moves)."""
-        idx = (self.steps % HISTORY).view(1)
-        self.overflow_history.index_copy_(0, idx, (self.found_inf > 0).view(1))
-        self.scale_history.index_copy_(0, idx, self.scale.view(1))
-        self.skipped.add_((self.found_inf > 0).long())
+        flag = self.found_inf > 0
+        idx = self.steps % HISTORY
+        self.overflow_history.index_put_((idx,), flag)
+        self.scale_history.index_put_((idx,), self.scale)
+        self.skipped.add_(flag)
         self.steps.add_(1)
 
     def update_dynamic(self) -> None:
         cfg = self.cfg
-        self.stuck.logical_or_((self.found_inf > 0) & (self.scale <= cfg.min_scale))
         if cfg.hysteresis == 1:
             torch._amp_update_scale_(self.scale, self.growth_tracker, self.found_inf, cfg.growth_factor,
                                      cfg.backoff_factor, cfg.growth_interval)
@@ -89,11 +89,15 @@ class ScaleState:
             self.growth_tracker.copy_(torch.where(grow, torch.zeros_like(tracker), tracker))
             self.hysteresis_left.copy_(torch.where(back_off, torch.full_like(left, cfg.hysteresis), left))
         self.scale.clamp_(min=cfg.min_scale)
-        self.inv_scale.copy_(self.scale.double().reciprocal().float())
+        torch.reciprocal(self.scale, out=self.inv_scale)  # exact: scales are powers of two
 
     # --- host reads, on demand only
     def check(self) -> None:
-        if self.cfg.mode == "dynamic" and bool(self.stuck):
+        """Stuck: some step in the history overflowed although its scale was already at min_scale."""
+        if self.cfg.mode != "dynamic":
+            return
+        self.stuck.logical_or_((self.overflow_history & (self.scale_history <= self.cfg.min_scale)).any())
+        if bool(self.stuck):
             raise LossScaleError(
                 f"gradients still overflow with the loss scale at min_scale={self.cfg.min_scale}: the model "
                 "produces inf/NaN that no scale can fix. Try: a lower learning rate or warm-up; gradient "

@@ -119,10 +119,9 @@ class TrainStep:
         self._repoint_optimizer(info)
         self.fused = self._use_fused_skip()
         with torch.no_grad():
-            for p in self.lows + self.fp32_params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
             self.master_grads = [torch.zeros_like(m) for m in self.masters]
+            self.no_grad = [torch.zeros_like(p) for p in self.lows]  # stands in for a parameter the loss skipped
+        self.all_params = self.lows + self.fp32_params
         self.grad_norm = torch.zeros((), device=device) if clip_grad_norm is not None else None
         self.micro = 0
         self._since_check = 0
@@ -234,10 +233,11 @@ class TrainStep:
         add(f"{ind2}# 3. gradients into float32" + (" master .grad," if has_masters else ",")
             + (" unscaled and" if scaled else "") + " checked for inf/NaN in one fused pass")
         if has_masters:
-            add(f"{ind2}torch._foreach_copy_(self.master_grads, [p.grad for p in self.lows])")
-            add(f"{ind2}grads = self.master_grads + [p.grad for p in self.fp32_params]")
+            add(f"{ind2}torch._foreach_copy_(self.master_grads, [z if p.grad is None else p.grad "
+                f"for p, z in zip(self.lows, self.no_grad)])")
+            add(f"{ind2}grads = self.master_grads + [p.grad for p in self.fp32_params if p.grad is not None]")
         else:
-            add(f"{ind2}grads = [p.grad for p in self.fp32_params]")
+            add(f"{ind2}grads = [p.grad for p in self.fp32_params if p.grad is not None]")
         add(f"{ind2}S.found_inf.zero_()")
         add(f"{ind2}torch._amp_foreach_non_finite_check_and_unscale_(grads, S.found_inf, S.inv_scale)")
         if self.ddp:
@@ -249,7 +249,8 @@ class TrainStep:
             add(f"{ind}with torch.no_grad():  # redo the batch at the lowered scale")
             add(f"{ind}    S.record()")
             add(f"{ind}    S.update_dynamic()")
-            add(f"{ind}    torch._foreach_zero_([p.grad for p in self.lows + self.fp32_params])")
+            add(f"{ind}    for p in self.all_params:")
+            add(f"{ind}        p.grad = None")
             ind, ind2 = "    ", "        "
             add(f"{ind}with torch.no_grad():")
         if has_masters:
@@ -267,7 +268,8 @@ class TrainStep:
             add(f"{ind2}    optimizer.step()")
         if has_masters:
             add(f"{ind2}torch._foreach_copy_(self.lows, self.masters)  # masters -> low-precision weights")
-        add(f"{ind2}torch._foreach_zero_([p.grad for p in self.lows + self.fp32_params])")
+        add(f"{ind2}for p in self.all_params:  # gradients start afresh: the next backward writes, not adds")
+        add(f"{ind2}    p.grad = None")
         add(f"{ind2}# 6. scale update on the device")
         add(f"{ind2}S.record()")
         if dyn:
