@@ -174,3 +174,37 @@ def convert_scaling(depths, make, example):
         t_conv = time.perf_counter() - t
         rows.append((len(g.graph.nodes), len(gm.graph.nodes), t_trace, t_conv))
     return rows
+
+
+def accumulation_cast_bytes(model, inputs, target, loss_fn=F.cross_entropy, micro=4):
+    """Cast bytes per optimizer update with ``micro`` micro-batches: autocast re-casts the weights on every
+    micro-batch's forward and every backward; autocastfx copies the masters back once per update."""
+    out = {}
+    m1 = copy.deepcopy(model)
+    opt = torch.optim.AdamW(m1.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+
+    def autocast_update():
+        opt.zero_grad(set_to_none=True)
+        for _ in range(micro):
+            with torch.autocast("cpu", dtype=torch.float16):
+                o = m1(*inputs)
+            scaler.scale(loss_fn(o.float(), target) / micro).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    gm = autocastfx.convert(copy.deepcopy(model), inputs)
+    step = autocastfx.train_step(gm, loss_fn, torch.optim.AdamW(gm.parameters(), lr=1e-3), init_scale=INIT_SCALE,
+                                 accum_steps=micro)
+
+    def autocastfx_update():
+        for _ in range(micro):
+            step(inputs, target)
+
+    for name, fn in (("autocast+GradScaler", autocast_update), ("autocastfx", autocastfx_update)):
+        fn()
+        c = Counter()
+        with c:
+            fn()
+        out[name] = (c.cast_bytes, c.casts)
+    return out

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from measure import Runner, convert_scaling, median_step_time  # noqa: E402
+from measure import Runner, accumulation_cast_bytes, convert_scaling, median_step_time  # noqa: E402
 from models import GPT2, ResNet50, TinyMLP, ViT, lm_loss, transformer_stack  # noqa: E402
 
 
@@ -78,6 +78,13 @@ def main():
         print(f"{name}: cast bytes autocastfx/autocast = {fx.cast_bytes / max(ac.cast_bytes, 1):.2f}; "
               f"saved-for-backward autocastfx/autocast = {fx.saved_bytes / max(ac.saved_bytes, 1):.2f}; "
               f"host syncs {fx.syncs} vs {ac.syncs}")
+
+    print("\nCast bytes per optimizer update with 4 micro-batches (gradient accumulation):")
+    name, model, inputs, target, loss = workloads(args.quick)[0]
+    acc = accumulation_cast_bytes(model, inputs, target, loss, micro=4)
+    a, b = acc["autocast+GradScaler"], acc["autocastfx"]
+    print(f"  {name}: autocast+GradScaler {mb(a[0])} MB in {a[1]} casts; autocastfx {mb(b[0])} MB in {b[1]} casts; "
+          f"ratio {b[0] / max(a[0], 1):.2f}")
 
     print("\nOverhead-bound step (8 x [Linear 64, LayerNorm, GELU], batch 8, one thread), median of 300 steps:")
     torch.set_num_threads(1)
