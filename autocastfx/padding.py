@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .capture import TensorInfo
+from .capture import TensorInfo, node_flops
 from .policy import op_name
 
 _CONV = {"conv1d": 1, "conv2d": 2, "conv3d": 3}
@@ -104,7 +104,8 @@ def plan_padding(gm: fx.GraphModule, multiple: int, max_growth: float = DEFAULT_
         if w is None or not isinstance(out_info, TensorInfo):
             continue
         c_out, c_in = winfo.shape[0], winfo.shape[1]
-        flops = node.meta.get("autocastfx_flops") or 0
+        flops = node_flops(gm, node)
+        node.meta.pop("autocastfx_flops", None)  # the padded op's FLOPs are counted again after padding
         p_out, p_in = _up(c_out, multiple), _up(c_in, multiple)
         d = PadDecision(node.name, kind, (c_out, p_out), (c_in, p_in), "aligned", "aligned")
         if (p_out, p_in) == (c_out, c_in):
@@ -150,6 +151,51 @@ def _pad_spec(ndim: int, dim: int, extra: int) -> tuple[int, ...]:
     return tuple(spec)
 
 
+_BN_PADDED: dict[type, type] = {}
+
+
+def _padded_bn_class(cls: type) -> type:
+    """A subclass of the given BatchNorm type that runs on channel-padded inputs: its own parameters and
+    buffers keep their true shapes (state_dict unchanged); gamma and beta of the padded channels are zero, so
+    those channels stay exactly zero, and the running statistics of the true channels are updated in place."""
+    if cls not in _BN_PADDED:
+        def forward(self, x):
+            c, extra = self.num_features, self.padded_to - self.num_features
+            training = self.training or self.running_mean is None
+            if self.training and self.num_batches_tracked is not None:
+                self.num_batches_tracked.add_(1)
+            rm = F.pad(self.running_mean, (0, extra)) if self.running_mean is not None else None
+            rv = F.pad(self.running_var, (0, extra), value=1.0) if self.running_var is not None else None
+            y = F.batch_norm(x, rm, rv, F.pad(self.weight, (0, extra)), F.pad(self.bias, (0, extra)),
+                             training, self.momentum, self.eps)
+            if self.training and rm is not None:
+                with torch.no_grad():
+                    self.running_mean.copy_(rm[:c])
+                    self.running_var.copy_(rv[:c])
+            return y
+
+        _BN_PADDED[cls] = type(f"ChannelPadded{cls.__name__}", (cls,), {"forward": forward})
+    return _BN_PADDED[cls]
+
+
+def _bn_can_pad(module) -> bool:
+    return (isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.affine
+            and module.momentum is not None and type(module) in (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d,
+                                                                torch.nn.BatchNorm3d))
+
+
+def _pad_bn_module(gm: fx.GraphModule, target: str, padded_to: int) -> None:
+    bn = gm.get_submodule(target)
+    new = _padded_bn_class(type(bn))(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats)
+    new.weight, new.bias = bn.weight, bn.bias
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        setattr(new, name, getattr(bn, name))
+    new.padded_to = padded_to
+    new.train(bn.training)
+    owner, _, attr = target.rpartition(".")
+    setattr(gm.get_submodule(owner), attr, new)
+
+
 def apply_padding(gm: fx.GraphModule, plan: PadPlan) -> None:
     """Rewrite the graph as the plan says (see the module docstring). Shapes are re-learnt by the caller."""
     graph = gm.graph
@@ -166,8 +212,10 @@ def apply_padding(gm: fx.GraphModule, plan: PadPlan) -> None:
             if v.op != "call_function" and v.op != "call_method" and v.op != "call_module":
                 return None, []
             if v.op == "call_module":
-                return None, []
-            if op_name(v) not in _ZERO_PRESERVING or len(v.users) != 1 or not v.args:
+                if not (_bn_can_pad(gm.get_submodule(str(v.target))) and len(v.users) == 1 and v.args
+                        and isinstance(v.args[0], fx.Node)):
+                    return None, []
+            elif op_name(v) not in _ZERO_PRESERVING or len(v.users) != 1 or not v.args:
                 return None, []
             src = v.args[0]
             if not isinstance(src, fx.Node):
@@ -208,6 +256,9 @@ def apply_padding(gm: fx.GraphModule, plan: PadPlan) -> None:
                         path[-1].replace_input_with(slicer, src)
                     else:
                         new_args[0] = src
+                    for v in path:  # batch norms on the way now see padded channels
+                        if v.op == "call_module":
+                            _pad_bn_module(gm, str(v.target), p_in)
                     plan.persistent.append((src.name, node.name))
                 else:
                     ndim = len(x.meta["autocastfx_info"].shape)

@@ -186,3 +186,41 @@ def test_state_dict_round_trip_into_the_original_model():
     assert len(masters) > 0
     gm.eval(), gm2.eval()
     torch.testing.assert_close(gm(*inputs), gm2(*inputs))
+
+
+class ConvBNChain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.bn1 = nn.Conv2d(3, 13, 3, padding=1), nn.BatchNorm2d(13)
+        self.c2, self.bn2 = nn.Conv2d(13, 10, 3, padding=1), nn.BatchNorm2d(10)
+
+    def forward(self, x):
+        return self.bn2(self.c2(F.relu(self.bn1(self.c1(x))))).mean((2, 3))
+
+
+def test_padding_kept_through_batch_norm_with_true_running_statistics():
+    torch.manual_seed(0)
+    model, x = ConvBNChain(), torch.randn(4, 3, 8, 8)
+    g1 = autocastfx.convert(model, (x,), pad_multiple=1)
+    g8 = autocastfx.convert(model, (x,))
+    assert autocastfx.report(g8).totals["padding"]["kept_padded"] == ["conv2d -> conv2d_1"]
+    rec = AtenRecorder()
+    with rec:
+        for g in (g1, g8):
+            g.train()
+            out = g(x)
+            out.square().mean().backward()
+    assert torch.equal(g1(x), g8(x)) or ((g1(x) - g8(x)).norm() / g1(x).norm()) < 1e-3
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        a, b = getattr(g1.bn1, name), getattr(g8.bn1, name)
+        assert a.shape == b.shape
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(g8.bn1.weight.grad, g1.bn1.weight.grad, rtol=2e-3, atol=1e-5)
+    for g in (g1, g8):
+        g.eval()
+    assert ((g1(x) - g8(x)).norm() / g1(x).norm()) < 1e-3
+    assert list(g8.state_dict()) == list(g1.state_dict())
+    ConvBNChain().load_state_dict({k: v.float() for k, v in g8.state_dict().items()})
+    # the batch norm between the two convolutions really ran on 16 channels
+    bns = [c for c in rec.ops("native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional")]
+    assert any(c.in_shapes[0][1] == 16 for c in bns)
