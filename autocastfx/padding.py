@@ -44,6 +44,7 @@ class PadDecision:
     reason: str
     flops: int = 0             # FLOPs of the op, unpadded
     extra_flops: int = 0
+    extra_elements: int = 0    # more weight, input and output elements the padded op reads and writes
 
 
 @dataclasses.dataclass
@@ -61,6 +62,7 @@ class PadPlan:
                 "padded": [f"{d.node}: {d.reason}" for d in self.decisions if d.action == "pad"],
                 "skipped": [f"{d.node}: {d.reason}" for d in self.decisions if d.action == "skip"],
                 "extra_flops": sum(d.extra_flops for d in self.decisions if d.action == "pad"),
+                "extra_bytes": 2 * sum(d.extra_elements for d in self.decisions if d.action == "pad"),
                 "kept_padded": [f"{a} -> {b}" for a, b in self.persistent]}
 
     def __str__(self) -> str:
@@ -134,6 +136,10 @@ def plan_padding(gm: fx.GraphModule, multiple: int, max_growth: float = DEFAULT_
             if (o, i) != (p_out, p_in):
                 d.reason += f"; the rest skipped ({over})"
             d.extra_flops = int(flops * (growth - 1)) if flops else 0
+            x = node.args[0].meta.get("autocastfx_info") if isinstance(node.args[0], fx.Node) else None
+            d.extra_elements = (winfo.numel * (growth - 1) + out_info.numel * (o / c_out - 1)
+                                + (x.numel * (i / c_in - 1) if isinstance(x, TensorInfo) else 0))
+            d.extra_elements = int(d.extra_elements)
         d.flops = flops
         decisions.append(d)
     return PadPlan(multiple, decisions)

@@ -61,7 +61,7 @@ class Report:
         pad = t.get("padding")
         if pad:
             lines.append(f"padding to multiples of {pad['multiple']}: misaligned GEMM/conv ops {pad['misaligned_before']} "
-                         f"-> {pad['misaligned_after']}, extra FLOPs {pad['extra_flops']:,}"
+                         f"-> {pad['misaligned_after']}, extra FLOPs {pad['extra_flops']:,}, extra bytes {pad['extra_bytes']:,} (2-byte)"
                          + (f", kept padded across {len(pad['kept_padded'])} chains" if pad["kept_padded"] else ""))
             for line in pad["padded"] + pad["skipped"]:
                 lines.append(f"  {line}")

@@ -87,6 +87,7 @@ def test_padded_equals_unpadded_outputs_and_true_gradients(name):
     pad = autocastfx.report(g8).totals["padding"]
     assert pad["padded"], "nothing was padded"
     assert pad["misaligned_after"] < pad["misaligned_before"]
+    assert pad["extra_flops"] > 0 and pad["extra_bytes"] > 0
     o1, o8 = g1(*inputs), g8(*inputs)
     assert o1.dtype == o8.dtype and o1.shape == o8.shape
     assert ((o8 - o1).norm() / o1.norm()) < 1e-3
