@@ -10,7 +10,6 @@ against the expected schema, and the program is torch.export's own serialized gr
 """
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import os

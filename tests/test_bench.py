@@ -3,7 +3,6 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 from measure import Counter, Runner, convert_scaling, median_step_time  # noqa: E402

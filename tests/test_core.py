@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import autocastfx
 from autocastfx.plan import FP32, LOW, Problem, Req, cast_cost, solve_min_cut
 from helpers import AtenRecorder
-from small_models import ALL, TinyGPT, TinyResNet, TinyViT, example
+from small_models import ALL, TinyResNet, example
 
 LOW_DTYPES = [torch.float16, torch.bfloat16]
 GEMM_OPS = ("convolution", "mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",

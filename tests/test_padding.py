@@ -148,7 +148,6 @@ def test_twenty_steps_padded_equals_unpadded(opt):
     for pm in (1, 8):
         m = copy.deepcopy(model)
         x = torch.randn(8, 30)
-        y = torch.randint(0, 7, (8,))
         gm = autocastfx.convert(m, (x,), pad_multiple=pm)
         if opt == "adamw":
             o = torch.optim.AdamW(gm.parameters(), lr=1e-2, weight_decay=0.1)

@@ -25,8 +25,8 @@ def check(name, build, size):
     m = build().eval()
     x = torch.randn(1, 3, size, size)
     t = time.perf_counter()
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # unclassified ops are checked through the report below
         gm = autocastfx.convert(m, (x,))
     dt = time.perf_counter() - t
     with torch.no_grad():
