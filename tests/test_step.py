@@ -280,7 +280,7 @@ def test_clipping_bounds_the_update_by_the_global_norm():
     gm = autocastfx.convert(MLP(), (x,), pad_multiple=1)
     o = torch.optim.SGD(gm.parameters(), lr=1.0)  # update == -clipped gradient
     step = autocastfx.train_step(gm, F.cross_entropy, o, clip_grad_norm=0.01)
-    before = [p.clone() for g in o.param_groups for p in g["params"]]
+    before = [p.detach().clone() for g in o.param_groups for p in g["params"]]
     step(x, y)
     after = [p.detach() for g in o.param_groups for p in g["params"]]
     update_norm = torch.stack([(a - b).norm() for a, b in zip(after, before)]).norm()
