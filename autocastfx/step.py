@@ -134,10 +134,8 @@ class TrainStep:
     # ------------------------------------------------------------------------------------------- set-up
     def _repoint_optimizer(self, info) -> None:
         """Point the optimizer's groups at the float32 masters (and the module's float32 parameters)."""
-        gm_params = dict(self.gm.named_parameters(remove_duplicate=False))
-        canonical: dict[int, str] = {}
-        for name, p in gm_params.items():
-            canonical.setdefault(id(p), name)
+        gm_params, by_id = _weights.aliases(self.gm)
+        canonical = {i: names[0] for i, names in by_id.items()}
         alias = {name: canonical[id(p)] for name, p in gm_params.items()}
         master_by_name = dict(zip(self.names, self.masters))
         master_ids = {id(m) for m in self.masters}

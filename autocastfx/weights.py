@@ -12,12 +12,24 @@ import torch.fx as fx
 import torch.nn as nn
 
 
+def aliases(gm: nn.Module) -> tuple[dict[str, nn.Parameter], dict[int, list[str]]]:
+    """(every parameter name -> parameter, id(parameter) -> all its names, first one canonical): tied weights
+    appear under several names."""
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    by_id: dict[int, list[str]] = {}
+    for name, p in params.items():
+        by_id.setdefault(id(p), []).append(name)
+    return params, by_id
+
+
+def _set(gm: nn.Module, name: str, value: nn.Parameter) -> None:
+    owner, _, attr = name.rpartition(".")
+    setattr(gm.get_submodule(owner), attr, value)
+
+
 def store_low(gm: fx.GraphModule, names: list[str], dtype: torch.dtype) -> dict[str, nn.Parameter]:
     """Replace each named parameter (and every alias of it) by a ``dtype`` copy; return the float32 masters."""
-    by_id: dict[int, list[str]] = {}
-    for name, p in gm.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    params = dict(gm.named_parameters(remove_duplicate=False))
+    params, by_id = aliases(gm)
     masters: dict[str, nn.Parameter] = {}
     done: set[int] = set()
     for name in names:
@@ -25,13 +37,11 @@ def store_low(gm: fx.GraphModule, names: list[str], dtype: torch.dtype) -> dict[
         if id(p) in done:
             continue
         done.add(id(p))
-        aliases = by_id[id(p)]
+        names_of_p = by_id[id(p)]
         low = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
-        for alias in aliases:
-            owner, _, attr = alias.rpartition(".")
-            setattr(gm.get_submodule(owner), attr, low)
-        master = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
-        masters[aliases[0]] = master
+        for alias in names_of_p:
+            _set(gm, alias, low)
+        masters[names_of_p[0]] = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
     return masters
 
 
@@ -50,15 +60,11 @@ def master_pairs(gm: nn.Module) -> list[tuple[nn.Parameter, nn.Parameter]]:
 def restore_masters(gm: fx.GraphModule) -> None:
     """Put the float32 masters back into the module in place of their low-precision copies (in place)."""
     info = _info(gm)
-    by_id: dict[int, list[str]] = {}
-    for name, p in gm.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    params = dict(gm.named_parameters(remove_duplicate=False))
+    params, by_id = aliases(gm)
     for name, master in info.masters.items():
+        restored = nn.Parameter(master.detach().clone(), requires_grad=master.requires_grad)
         for alias in by_id[id(params[name])]:
-            owner, _, attr = alias.rpartition(".")
-            setattr(gm.get_submodule(owner), attr, nn.Parameter(master.detach().clone(),
-                                                               requires_grad=master.requires_grad))
+            _set(gm, alias, restored)
 
 
 def _info(gm: nn.Module):
