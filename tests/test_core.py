@@ -449,3 +449,12 @@ def test_report_table_and_json():
     for n in gm.graph.nodes:
         assert "autocastfx" in n.meta
     gm.graph.lint()
+
+
+def test_tied_weights_stay_tied_through_conversion_and_reconversion():
+    model, inputs = example("gpt")
+    gm = convert(model, inputs)
+    assert gm.wte.weight is gm.lm_head.weight and gm.wte.weight.dtype == torch.float16
+    assert len(gm.meta["autocastfx"].masters) == len({id(p) for p in gm.parameters() if p.dtype == torch.float16})
+    gm2 = convert(gm, inputs)
+    assert gm2.wte.weight is gm2.lm_head.weight
