@@ -2,6 +2,7 @@
 
     python bench/gpu.py                 # on a CUDA machine: ResNet-50, ViT-B/16, GPT-2 124M
     python bench/gpu.py --dry-run       # anywhere: tiny sizes, two steps each, checks the script itself
+                                        # (torch.compile rows included: needs a C++ compiler; --no-compile)
 
 Correctness first (the loss after 20 steps close to autocast's), then the median of CUDA-event timings after
 warm-up, and peak memory. Prints a Markdown table for docs/benchmarks.md.
@@ -55,27 +56,24 @@ def make_step(recipe, model, loss_fn, example, device):
     if recipe.startswith("autocast+"):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
         scaler = torch.amp.GradScaler(device)
-        fwd = torch.compile(model) if recipe.endswith("compile") else model
+        if recipe.endswith("compile"):
+            model.compile()
 
         def step(x, y):
             opt.zero_grad(set_to_none=True)
             with torch.autocast(device, dtype=torch.float16):
-                out = fwd(*x)
+                out = model(*x)
             loss = loss_fn(out.float(), y)
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
             return loss.detach()
         return step
-    gm = autocastfx.convert(model, example)
-    opt = torch.optim.AdamW(gm.parameters(), lr=1e-4)
-    fwd = torch.compile(gm) if recipe.endswith("compile") else gm
+    gm = autocastfx.convert(model, example)  # padding to multiples of 8 on (the default)
+    step = autocastfx.train_step(gm, loss_fn, torch.optim.AdamW(gm.parameters(), lr=1e-4))
     if recipe.endswith("compile"):
-        ts = autocastfx.train_step(gm, loss_fn, opt)
-        ts.model = fwd
-        ts._fn.__globals__["model"] = fwd
-        return ts
-    return autocastfx.train_step(gm, loss_fn, opt)
+        gm.compile()  # nn.Module.compile(): the same module, its forward compiled in place; the step stays eager
+    return step
 
 
 def timed(step, data, device, warmup, iters):
@@ -106,13 +104,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--only", default=None)
+    ap.add_argument("--only", default=None, help="run the workloads whose name contains this")
+    ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile rows")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"
     recipes = ["fp32", "fp32+tf32", "autocast+GradScaler", "autocast+GradScaler compile", "autocastfx",
                "autocastfx compile"]
-    if device == "cpu":
-        recipes = ["fp32", "autocast+GradScaler", "autocastfx"]
+    if args.no_compile:
+        recipes = [r for r in recipes if not r.endswith("compile")]
     warmup, iters, check_steps = (1, 2, 3) if args.dry_run else (10, args.iters, 20)
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run)"
     print(f"device: {name}, torch {torch.__version__}\n")
@@ -133,14 +132,22 @@ def main():
             t, peak = timed(step, data, device, warmup, iters)
             rows.append((recipe, t, peak))
             del step
+            torch._dynamo.reset()  # compiled code holds the module: let it go before the next recipe's peak
             if device == "cuda":
                 torch.cuda.empty_cache()
-        ref = dict((r, t) for r, t, _ in rows).get("autocast+GradScaler")
+        ref = {r: t for r, t, _ in rows}.get("autocast+GradScaler")
         for recipe, t, peak in rows:
             print(f"| {wname} | {recipe} | {t * 1e3:.1f} | {ref / t:.2f}x | {peak / 2**30:.2f} | {losses[recipe]:.4f} |")
-        a, b = losses.get("autocast+GradScaler"), losses.get("autocastfx")
-        if a is not None and b is not None and abs(a - b) > 0.05 * abs(a) + 1e-3:
-            print(f"| {wname} | CHECK | loss after {check_steps} steps differs: autocast {a:.4f}, autocastfx {b:.4f} | | | |")
+        for recipe in close_to_autocast(losses, check_steps):
+            print(f"| {wname} | CHECK FAILED | {recipe}: loss after {check_steps} steps {losses[recipe]:.4f}, "
+                  f"autocast {losses['autocast+GradScaler']:.4f} | | | |")
+
+
+def close_to_autocast(losses, steps, rtol=0.05):
+    """The mixed-precision recipes whose loss after the check steps is not within ``rtol`` of autocast+GradScaler's
+    (float32 rows are shown, not checked: they round differently by design)."""
+    a = losses["autocast+GradScaler"]
+    return [r for r, b in losses.items() if not r.startswith("fp32") and not abs(a - b) <= rtol * abs(a) + 1e-3]
 
 
 if __name__ == "__main__":

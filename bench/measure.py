@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import statistics
 import time
 
@@ -58,9 +59,18 @@ class StepCost:
     syncs: int
     saved_bytes: int
     param_bytes: int
-    grad_bytes: int
+    grad_bytes: int      # peak over the step: every parameter's and master's .grad, sampled as each lands and after
     master_bytes: int
     optim_bytes: int
+    live_bytes: int      # every tensor alive after the step (parameters, masters, gradients, optimizer and
+                         # scaler state, the step's own buffers), deduplicated by storage
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every tensor storage the Python heap holds right now (deduplicated by storage)."""
+    gc.collect()
+    # type(), not isinstance(): some module objects warn when their __class__ is read
+    return _bytes(o for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and not o.is_meta)
 
 
 def _bytes(ts) -> int:
@@ -80,6 +90,7 @@ class Runner:
 
     def __init__(self, recipe, model, inputs, target, loss_fn=F.cross_entropy, lr=1e-3, fused=None, **convert_kw):
         self.recipe, self.inputs, self.target, self.loss_fn = recipe, inputs, target, loss_fn
+        self._baseline = live_tensor_bytes()  # what was alive before this recipe existed (the source model, inputs)
         model = copy.deepcopy(model)
         self.masters = []
         if recipe == "autocastfx":
@@ -136,17 +147,48 @@ class Runner:
             self.run()
         c = Counter()
         saved = []
+        params = list({id(p): p for p in self.model.parameters()}.values())
+
+        def grads_now():
+            return _bytes([p.grad for p in params] + [m.grad for m in self.masters])
+        peak = [0]
+
+        def landed(_):  # a parameter's gradient is accumulated: sample every gradient alive now
+            peak[0] = max(peak[0], grads_now())
 
         def pack(t):
             saved.append(t)
             return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), c:
-            self.run()
-        params = list({id(p): p for p in self.model.parameters()}.values())
+        hooks = [p.register_post_accumulate_grad_hook(landed) for p in params if p.requires_grad]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), c:
+                loss = self.run()
+        finally:
+            for h in hooks:
+                h.remove()
+        peak[0] = max(peak[0], grads_now())
+        saved_bytes = _bytes(saved)
+        saved.clear()
+        del loss
         state = [v for s in self.opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        grads = [p.grad for p in params] + ([m.grad for m in self.masters] if self.masters else [])
-        return StepCost(c.cast_bytes, c.casts, c.ops, c.syncs, _bytes(saved), _bytes(params), _bytes(grads),
-                        _bytes(self.masters), _bytes(state))
+        return StepCost(c.cast_bytes, c.casts, c.ops, c.syncs, saved_bytes, _bytes(params), peak[0],
+                        _bytes(self.masters), _bytes(state), live_tensor_bytes() - self._baseline)
+
+
+def interleaved_step_times(runners: dict, rounds: int = 10, steps: int = 30, warmup: int = 20) -> dict:
+    """Median step time of each runner, the runners taking turns (``rounds`` blocks of ``steps`` each) so that
+    a slow spell of a shared machine falls on all of them alike."""
+    for r in runners.values():
+        for _ in range(warmup):
+            r.run()
+    times = {k: [] for k in runners}
+    for _ in range(rounds):
+        for k, r in runners.items():
+            for _ in range(steps):
+                t = time.perf_counter()
+                r.run()
+                times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def median_step_time(runner: Runner, steps: int = 200, warmup: int = 20) -> float:

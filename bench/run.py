@@ -10,12 +10,13 @@ import datetime
 import os
 import platform
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from measure import Runner, accumulation_cast_bytes, convert_scaling, median_step_time  # noqa: E402
+from measure import Runner, accumulation_cast_bytes, convert_scaling, interleaved_step_times  # noqa: E402
 from models import GPT2, ResNet50, TinyMLP, ViT, lm_loss, transformer_stack  # noqa: E402
 
 
@@ -57,11 +58,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a small model only (seconds)")
     args = ap.parse_args()
+    t0 = time.perf_counter()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     print(f"machine: {machine()}\n")
     print("Per training step (forward, backward, AdamW), counted at the aten level. MB = 2^20 bytes.")
     head = (f"{'model':26} {'recipe':24} {'cast MB':>9} {'casts':>6} {'aten ops':>8} {'syncs':>5} "
-            f"{'saved MB':>9} {'params MB':>9} {'grads MB':>9} {'masters MB':>10} {'optim MB':>9}")
+            f"{'saved MB':>9} {'params MB':>9} {'grads MB':>9} {'masters MB':>10} {'optim MB':>9} {'live MB':>9}")
     print(head)
     print("-" * len(head))
     results = {}
@@ -71,7 +73,7 @@ def main():
             results[(name, label)] = c
             print(f"{name:26} {label:24} {mb(c.cast_bytes)} {c.casts:6d} {c.ops:8d} {c.syncs:5d} "
                   f"{mb(c.saved_bytes)} {mb(c.param_bytes)} {mb(c.grad_bytes)} {mb(c.master_bytes):>10} "
-                  f"{mb(c.optim_bytes)}", flush=True)
+                  f"{mb(c.optim_bytes)} {mb(c.live_bytes)}", flush=True)
     print()
     for name, *_ in workloads(args.quick):
         ac, fx = results[(name, "autocast+GradScaler")], results[(name, "autocastfx masters")]
@@ -86,16 +88,22 @@ def main():
     print(f"  {name}: autocast+GradScaler {mb(a[0])} MB in {a[1]} casts; autocastfx {mb(b[0])} MB in {b[1]} casts; "
           f"ratio {b[0] / max(a[0], 1):.2f}")
 
-    print("\nOverhead-bound step (8 x [Linear 64, LayerNorm, GELU], batch 8, one thread), median of 300 steps:")
+    rounds, steps = (4, 25) if args.quick else (12, 50)
+    print(f"\nOverhead-bound step (8 x [Linear 64, LayerNorm, GELU], batch 8, one thread, fused AdamW everywhere): "
+          f"median of {rounds * steps} steps each, the recipes taking turns in {rounds} rounds:")
     torch.set_num_threads(1)
     torch.manual_seed(0)
     tiny, x, y = TinyMLP(), torch.randn(8, 64), torch.randint(0, 10, (8,))
-    times = {}
-    for recipe, label in (("floor", "hand-halved floor"), ("autocastfx", "autocastfx step"),
-                          ("autocast", "autocast+GradScaler")):
-        kw = {"pad_multiple": 1} if recipe == "autocastfx" else {"fused": True}
-        times[label] = median_step_time(Runner(recipe, tiny, (x,), y, **kw), steps=100 if args.quick else 300)
-        print(f"  {label:22} {times[label] * 1e6:9.1f} us   {times[label] / times['hand-halved floor']:.3f}x floor")
+    labels = {"floor": "hand-halved floor", "autocastfx": "autocastfx step", "autocast": "autocast+GradScaler",
+              "fp32": "float32 (reference)"}
+    runners = {k: Runner(k, tiny, (x,), y, **({"pad_multiple": 1} if k == "autocastfx" else {"fused": True}))
+               for k in labels}
+    counts = {k: r.cost() for k, r in runners.items()}
+    times = interleaved_step_times(runners, rounds=rounds, steps=steps)
+    print(f"  {'recipe':22} {'median us':>10} {'x floor':>8} {'+us vs floor':>12} {'aten ops':>8} {'casts':>6}")
+    for k, label in labels.items():
+        print(f"  {label:22} {times[k] * 1e6:10.1f} {times[k] / times['floor']:8.3f} "
+              f"{(times[k] - times['floor']) * 1e6:12.1f} {counts[k].ops:8d} {counts[k].casts:6d}")
 
     print("\nConversion cost: a stack of transformer blocks, convert() against torch.fx.symbolic_trace:")
     depths = [40, 160] if args.quick else [40, 160, 640, 1850]
@@ -104,6 +112,7 @@ def main():
     for n_trace, n_conv, t_trace, t_conv in rows:
         print(f"  {n_trace:12d} {n_conv:15d} {t_trace:8.2f} {t_conv:9.2f} {t_conv / n_trace * 1e6:8.0f} "
               f"{t_conv / t_trace:6.1f}")
+    print(f"\nwhole run: {time.perf_counter() - t0:.0f} s")
 
 
 if __name__ == "__main__":
