@@ -64,6 +64,7 @@ class StepCost:
     optim_bytes: int
     live_bytes: int      # every tensor alive after the step (parameters, masters, gradients, optimizer and
                          # scaler state, the step's own buffers), deduplicated by storage
+    skipped: bool = False  # the counted step overflowed and skipped its update (read outside the counted step)
 
 
 def live_tensor_bytes() -> int:
@@ -160,6 +161,7 @@ class Runner:
             saved.append(t)
             return t
         hooks = [p.register_post_accumulate_grad_hook(landed) for p in params if p.requires_grad]
+        scale_before = self.scaler.get_scale() if self.recipe == "autocast" else None
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), c:
                 loss = self.run()
@@ -167,12 +169,18 @@ class Runner:
             for h in hooks:
                 h.remove()
         peak[0] = max(peak[0], grads_now())
+        if self.recipe == "autocast":
+            skipped = self.scaler.get_scale() < scale_before  # GradScaler backs off only on an overflow
+        elif self.recipe == "autocastfx":
+            skipped = self.step.stats.history()[-1][1]
+        else:
+            skipped = False
         saved_bytes = _bytes(saved)
         saved.clear()
         del loss
         state = [v for s in self.opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         return StepCost(c.cast_bytes, c.casts, c.ops, c.syncs, saved_bytes, _bytes(params), peak[0],
-                        _bytes(self.masters), _bytes(state), live_tensor_bytes() - self._baseline)
+                        _bytes(self.masters), _bytes(state), live_tensor_bytes() - self._baseline, skipped)
 
 
 def interleaved_step_times(runners: dict, rounds: int = 10, steps: int = 30, warmup: int = 20) -> dict:

@@ -74,6 +74,9 @@ def main():
             print(f"{name:26} {label:24} {mb(c.cast_bytes)} {c.casts:6d} {c.ops:8d} {c.syncs:5d} "
                   f"{mb(c.saved_bytes)} {mb(c.param_bytes)} {mb(c.grad_bytes)} {mb(c.master_bytes):>10} "
                   f"{mb(c.optim_bytes)} {mb(c.live_bytes)}", flush=True)
+    skipped = [k for k, c in results.items() if c.skipped]
+    print("every counted step was a real update (no overflow)" if not skipped else
+          "counted steps that overflowed and skipped the update: " + ", ".join(" / ".join(k) for k in skipped))
     print()
     for name, *_ in workloads(args.quick):
         ac, fx = results[(name, "autocast+GradScaler")], results[(name, "autocastfx masters")]
