@@ -10,6 +10,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import capture as _capture
+from . import modes as _modes
 from . import padding as _padding
 from . import plan as _plan
 from . import rewrite as _rewrite
@@ -61,6 +62,7 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
         _check_params(model)
         gm, how = _capture.capture(model, args, kwargs, policy)   # runs propagate() on the example inputs
 
+    _modes.record(gm, model)  # flags that came from self.training follow gm.train()/gm.eval() from now on
     absorbed = _rewrite.absorb_casts(gm)
     pad_plan = None
     if pad_multiple > 1:
@@ -76,6 +78,7 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
         source_params={id(p): n for n, p in model.named_parameters(remove_duplicate=False)},
         options=dict(pad_multiple=pad_multiple, master_weights=master_weights, keep_io_types=keep_io_types),
         extra_totals={"padding": pad_plan.totals()} if pad_plan is not None else {})
+    _modes.install(gm)
     return gm
 
 

@@ -67,7 +67,7 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict, trace_error: Bas
                    ) -> tuple[fx.GraphModule, str]:
     try:
         with _quiet():  # torch.export prints graphs and shape warnings while it fails; the error says it all
-            ep = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+            ep = _export(model, tuple(args), dict(kwargs))
         gm = ep.module()
         _strip_export_asserts(gm)
         propagate(gm, args, kwargs)
@@ -83,6 +83,41 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict, trace_error: Bas
         "data-dependent Python control flow from forward (if x.sum() > 0: ...); or pass example_inputs "
         "that match forward's signature so the torch.export fallback can run."
     ) from export_error
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict):
+    """torch.export with every input dim free to vary where the model allows it (``Dim.AUTO``), so that a
+    converted model takes other batch sizes and sequence lengths than the example's; a static export when the
+    dynamic one fails (a model whose code needs concrete sizes)."""
+    try:
+        spec = _auto_dynamic_shapes(model, args, kwargs)
+        return torch.export.export(model, args, kwargs, dynamic_shapes=spec, strict=False)
+    except Exception:  # noqa: BLE001 - the static export below reports its own failure
+        return torch.export.export(model, args, kwargs, strict=False)
+
+
+def _auto_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict:
+    import inspect
+
+    auto = torch.export.Dim.AUTO
+
+    def spec(v):
+        if isinstance(v, torch.Tensor):
+            return {i: auto for i in range(v.dim())} if v.dim() else None
+        if isinstance(v, (tuple, list)):
+            return type(v)(spec(x) for x in v)
+        if isinstance(v, dict):
+            return {k: spec(x) for k, x in v.items()}
+        return None
+
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    out = {}
+    for name, value in bound.arguments.items():
+        kind = inspect.signature(model.forward).parameters[name].kind
+        out[name] = (tuple(spec(x) for x in value) if kind is inspect.Parameter.VAR_POSITIONAL
+                     else {k: spec(x) for k, x in value.items()} if kind is inspect.Parameter.VAR_KEYWORD
+                     else spec(value))
+    return out
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .capture import TensorInfo
+from . import kernels as _kernels
 from .policy import FP32_OUT_OPS, OpClass, Policy, op_name
 
 LOW, FP32 = True, False   # label values
@@ -308,6 +309,16 @@ def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, master_w
             cls, reason = OpClass.FP32_OUT, reason + ": global average pooling, as mean(dtype=float32)"
         if cls is OpClass.FP32_OUT and not _accepts_dtype_kwarg(node) and global_pool_dims(node, module) is None:
             cls, reason = OpClass.FP32, reason + " (no dtype= argument: cast instead)"
+        if cls is OpClass.NORM:
+            mixed_ok, why = _kernels.norm_form(op_name(node) if module is None else None, module)
+            reason = f"{reason}; {why}"
+            if not mixed_ok:
+                cls = OpClass.FP32
+        elif cls is OpClass.LOW and module is not None and not _kernels.norm_form(None, module)[0]:
+            # a leaf module's parameters are not graph values the plan can cast: low input, float32 weight
+            cls, reason = OpClass.FP32, (f"{reason}: asked for low, but its float32 parameters live inside the "
+                                         f"module and {_kernels.rule_for(None, module).op} on CUDA rejects the mix; "
+                                         "float32 form")
         if cls is OpClass.LOW:
             fixed[node.name] = LOW
             for a in fins:
@@ -360,9 +371,10 @@ def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, master_w
             np_.label = labels[name]
         if np_.op_class is OpClass.FP32_OUT:
             np_.fp32_out = any(labels.get(i) == LOW for i in inputs.get(name, []))
+    free_set = set(problem.free)
     for group in param_nodes.values():
         for n in group:
-            if n.name in problem.free:
+            if n.name in free_set:
                 lab = labels[n.name]
                 nodes[n.name].reason = ("parameter stored in low precision, float32 master kept" if lab == LOW
                                         else "parameter, kept float32")

@@ -119,7 +119,10 @@ def test_cast_bytes_forward_backward_below_autocast():
     # them in float16: the MobileNet-like model is the one that pays. The rest move far fewer bytes.
     assert all(r < 1.0 for k, r in ratios.items() if k != "mobilenet"), ratios
     assert ratios["mobilenet"] < 1.25, ratios
-    assert sum(ratios.values()) / len(ratios) < 0.5, ratios
+    # LayerNorm runs in float32 (CUDA rejects a float16 input with float32 parameters, autocastfx/kernels.py):
+    # the transformers pay a cast on each side of every norm, as autocast does, and still move under half its bytes
+    assert ratios["vit"] < 0.5 and ratios["gpt"] < 0.5, ratios
+    assert sum(ratios.values()) / len(ratios) < 0.6, ratios
 
 
 def test_master_weights_false_casts_each_parameter_once_per_forward():
@@ -336,7 +339,9 @@ def test_policy_precedence_and_frozen():
     lns = [n for n in gm4.graph.nodes if n.op == "call_module" and "ln" in n.target]
     assert lns and all(n.meta["autocastfx"].dtype == torch.float32 for n in lns)
     gm5 = convert(model, inputs, policy=t.override(module_names={"ln": "norm"}))
-    assert [n for n in gm5.graph.nodes if n.target == "ln"][0].meta["autocastfx"].op_class == "norm"
+    ln = [n for n in gm5.graph.nodes if n.target == "ln"][0].meta["autocastfx"]
+    # the glob won; the CUDA contract then gives LayerNorm its float32 form (autocastfx/kernels.py)
+    assert "module name 'ln'" in ln.reason and "rejects" in ln.reason and ln.dtype == torch.float32
     with pytest.raises(ValueError, match="unknown op class"):
         base.override(ops={"relu": "half"})
 

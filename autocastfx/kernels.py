@@ -1,0 +1,130 @@
+"""What the CUDA kernels accept, as data with its evidence: the contract the cast plan obeys.
+
+The CPU kernels of PyTorch accept almost any mix of dtypes, so a plan that calls ``native_layer_norm`` with a
+float16 activation and float32 parameters runs on the CPU and fails on the first CUDA forward. Each rule below
+says, for one aten op as it is dispatched, whether CUDA accepts a low-precision activation with float32
+parameters; where it does not, which arguments must share one dtype. ``build_plan`` reads these rules to pick
+the form each norm runs in, and ``tests/test_contract.py`` checks every aten call of every test model against
+them on the CPU, forward and backward, so a change that would break CUDA fails in CI without a GPU.
+
+Evidence is either a measurement (device, torch version, date, what happened) or the reason a rule holds
+without one. Re-measure when a GPU is at hand (``tests/test_gpu.py::test_cuda_norm_kernels_match_contract``
+checks every rule against the device it runs on).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch.nn as nn
+
+_H100 = "H100 80GB, torch 2.11.0+cu130, 2026-11-22 (float16 activation, float32 weight and bias)"
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelRule:
+    """One aten op on CUDA. ``same_dtype``: positions of the tensor arguments that must share one dtype
+    (empty when the kernel accepts mixed dtypes). ``graph_ops`` / ``modules``: the graph-level op names and leaf
+    module types that dispatch to it, so the plan can apply the rule before anything runs."""
+    op: str
+    accepts_mixed: bool
+    same_dtype: tuple[int, ...]
+    evidence: str
+    graph_ops: frozenset[str] = frozenset()
+    modules: tuple[type, ...] = ()
+    measured: bool = True
+
+
+def _ops(text: str) -> frozenset[str]:
+    return frozenset(text.split())
+
+
+CUDA_RULES: tuple[KernelRule, ...] = (
+    KernelRule("native_layer_norm", False, (0, 2, 3),
+               f'{_H100}: RuntimeError "expected scalar type Half but found Float"; the CPU kernel accepts it',
+               _ops("layer_norm native_layer_norm"), (nn.LayerNorm,)),
+    KernelRule("native_layer_norm_backward", False, (0, 1, 5, 6),
+               "the backward of native_layer_norm: grad, input, weight and bias in one dtype "
+               "(mean and rstd are float32 accumulators in every form)"),
+    KernelRule("native_group_norm", False, (0, 1, 2),
+               f'{_H100}: RuntimeError "expected scalar type Half but found Float"; the CPU kernel accepts it',
+               _ops("group_norm native_group_norm"), (nn.GroupNorm,)),
+    KernelRule("native_group_norm_backward", False, (0, 1, 4),
+               "the backward of native_group_norm: grad, input and weight in one dtype"),
+    KernelRule("native_batch_norm", True, (),
+               f"{_H100}: BatchNorm1d/BatchNorm2d accept it in train and eval (cuDNN mixed mode), output float16",
+               _ops("batch_norm native_batch_norm _native_batch_norm_legit _native_batch_norm_legit_no_training "
+                    "_native_batch_norm_legit_functional cudnn_batch_norm _batch_norm_with_update "
+                    "_batch_norm_no_update"),
+               (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)),
+    KernelRule("instance_norm", True, (),
+               f"{_H100}: InstanceNorm2d(affine=True) accepts it (runs as batch_norm over N*C channels)",
+               _ops("instance_norm"), (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)),
+    KernelRule("rms_norm", True, (),
+               f"{_H100}: nn.RMSNorm accepts it (the composite upcasts inside and returns the input dtype)",
+               _ops("rms_norm"), tuple(t for t in (getattr(nn, "RMSNorm", None),) if t is not None)),
+    KernelRule("batch_norm_elemt", True, (),
+               "SyncBatchNorm's CUDA kernels (batch_norm_stats, batch_norm_elemt) take float32 parameters and "
+               "statistics with a float16 input, as mixed-precision data-parallel training needs; not yet "
+               "measured here", _ops(""), (nn.SyncBatchNorm,), measured=False),
+)
+
+# Step-level rule, not a graph op: the fused optimizers take parameters and gradients of one dtype.
+FUSED_OPTIMIZER_RULE = KernelRule(
+    "_fused_adamw_", False, (0, 1),
+    f"{_H100}: torch._fused_adamw_ with float32 params and float16 grads raises; the step gives the float32 "
+    "masters float32 gradients", _ops("_fused_adamw_ _fused_adam_ _fused_sgd_ _fused_adagrad_"))
+
+RULES_BY_OP: dict[str, KernelRule] = {r.op: r for r in CUDA_RULES}
+for _name in FUSED_OPTIMIZER_RULE.graph_ops:
+    RULES_BY_OP[_name] = dataclasses.replace(FUSED_OPTIMIZER_RULE, op=_name)
+
+
+def rule_for(op_name: str | None, module: nn.Module | None = None) -> KernelRule | None:
+    """The CUDA rule a graph node (by bare op name, or by its leaf module) dispatches to, if any."""
+    if module is not None:
+        for r in CUDA_RULES:
+            if r.modules and isinstance(module, r.modules):
+                return r
+        return None
+    if op_name is None:
+        return None
+    for r in CUDA_RULES:
+        if op_name in r.graph_ops:
+            return r
+    return None
+
+
+def norm_form(op_name: str | None, module: nn.Module | None = None) -> tuple[bool, str]:
+    """(mixed allowed, why) for a norm: mixed means a low-precision activation with float32 parameters and
+    statistics; otherwise the norm runs whole in float32 and the plan places the casts around it."""
+    r = rule_for(op_name, module)
+    if r is None:
+        return True, "norm: follows its input; parameters and statistics float32"
+    if r.accepts_mixed:
+        return True, f"norm: follows its input, float32 parameters and statistics ({r.op} accepts mixed dtypes on CUDA)"
+    return False, (f"norm in float32: CUDA {r.op} rejects a low-precision input with float32 parameters, so it "
+                   "runs on float32 input, parameters and statistics")
+
+
+def violations(op: str, args: tuple, dtype_of) -> list[str]:
+    """The ways one aten call breaks the contract: ``dtype_of(arg)`` gives a tensor argument's dtype or None.
+
+    Tensor lists (the fused optimizers' params and grads) are compared element by element."""
+    r = RULES_BY_OP.get(op)
+    if r is None or r.accepts_mixed:
+        return []
+    groups: list[list] = []
+    for i in r.same_dtype:
+        if i >= len(args):
+            continue
+        a = args[i]
+        groups.append(list(a) if isinstance(a, (list, tuple)) else [a])
+    out = []
+    width = max((len(g) for g in groups), default=0)
+    for k in range(width):
+        ds = {dtype_of(g[k if len(g) > 1 else 0]) for g in groups if g}
+        ds.discard(None)
+        if len(ds) > 1:
+            out.append(f"{op}: arguments {r.same_dtype} (item {k}) have dtypes {sorted(map(str, ds))}; "
+                       f"CUDA needs one dtype ({r.evidence})")
+    return out

@@ -1,0 +1,172 @@
+"""train() and eval() on every converted module, whatever captured it.
+
+A captured graph bakes the mode the model was in: ``torch.export`` writes ``aten.dropout(x, p, True)`` and
+``aten.batch_norm(..., True, ...)`` with literal flags (and its ``ep.module()`` refuses ``.train()``/``.eval()``
+outright), and symbolic tracing writes ``F.dropout(x, p, training=True)`` for a ``training=self.training``
+argument. Leaf modules (nn.Dropout, nn.BatchNorm2d as ``call_module`` nodes) switch by themselves.
+
+At capture, :func:`record` marks every node whose flag equals the training mode of the module that issued it
+(read from the original model through ``nn_module_stack``): those flags came from ``self.training``. A literal
+that differs from its module's mode was written on purpose and is left alone. :func:`install` gives the
+converted module ``train(mode)``/``eval()`` methods that set the marked flags, stop or restart the
+``num_batches_tracked`` increment that export writes beside each batch norm, and recompile, then switch the
+leaf modules as ``nn.Module.train`` does. PyTorch's own helpers for exported programs
+(``move_exported_model_to_train/eval``) lived in ``torch.ao.quantization.pt2e`` and are gone from current
+releases; the rewrite here is the same idea on flags, with no pattern matching.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+_aten = torch.ops.aten
+
+
+@dataclasses.dataclass(frozen=True)
+class ModeArg:
+    """Where a node keeps its training flag: a positional index or a keyword, or a target swap."""
+    kind: str                      # "flag" | "counter" | "swap"
+    index: int | None = None
+    keyword: str | None = None
+    train_target: object = None    # for "swap": the target in training mode ...
+    eval_target: object = None     # ... and in eval mode
+
+
+def _flag_positions() -> dict:
+    """Callable -> (positional index, keyword) of its training flag."""
+    table = {
+        _aten.dropout.default: (2, "train"),
+        _aten.feature_dropout.default: (2, "train"),
+        _aten.alpha_dropout.default: (2, "train"),
+        _aten.feature_alpha_dropout.default: (2, "train"),
+        _aten.batch_norm.default: (5, "training"),
+        _aten.native_batch_norm.default: (5, "training"),
+        _aten._native_batch_norm_legit.default: (5, "training"),
+        F.dropout: (2, "training"), F.dropout1d: (2, "training"), F.dropout2d: (2, "training"),
+        F.dropout3d: (2, "training"), F.alpha_dropout: (2, "training"), F.feature_alpha_dropout: (2, "training"),
+        F.batch_norm: (5, "training"),
+        torch.dropout: (2, "train"), torch.batch_norm: (5, "training"),
+    }
+    return table
+
+
+_FLAGS = _flag_positions()
+# batch norm ops whose mode is their target, not an argument (same signature both ways)
+_SWAPS = {}
+if hasattr(_aten, "_batch_norm_with_update") and hasattr(_aten, "_batch_norm_no_update"):
+    _SWAPS = {_aten._batch_norm_with_update.default: (_aten._batch_norm_with_update.default,
+                                                       _aten._batch_norm_no_update.default),
+              _aten._batch_norm_no_update.default: (_aten._batch_norm_with_update.default,
+                                                     _aten._batch_norm_no_update.default)}
+_METHOD_FLAGS = {"dropout": (1, "training")}  # x.dropout(p, training) is rare; kept for completeness
+
+
+def _owner_training(node: fx.Node, model: nn.Module) -> bool:
+    """The training flag of the module that issued ``node`` (the root when the graph does not say)."""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        if isinstance(path, str):
+            path = path.removeprefix("L['self'].").replace("L__self___", "")
+            try:
+                return model.get_submodule(path).training if path else model.training
+            except AttributeError:
+                pass
+    return model.training
+
+
+def _get(node: fx.Node, index: int, keyword: str):
+    if keyword in node.kwargs:
+        return node.kwargs[keyword]
+    if index < len(node.args):
+        return node.args[index]
+    return None
+
+
+def record(gm: fx.GraphModule, model: nn.Module) -> int:
+    """Mark the mode-dependent nodes of a freshly captured graph; returns how many were marked."""
+    marked = 0
+    for node in gm.graph.nodes:
+        mark = None
+        if "autocastfx_mode" in node.meta:  # marked at an earlier capture (a converted module converted again)
+            continue
+        if node.op == "call_function" and node.target in _FLAGS:
+            index, keyword = _FLAGS[node.target]
+            value = _get(node, index, keyword)
+            if isinstance(value, bool) and value == _owner_training(node, model):
+                mark = ModeArg("flag", index, keyword)
+        elif node.op == "call_function" and node.target in _SWAPS:
+            train_t, eval_t = _SWAPS[node.target]
+            if (node.target is train_t) == _owner_training(node, model):
+                mark = ModeArg("swap", train_target=train_t, eval_target=eval_t)
+        elif (node.op == "call_function" and node.target is _aten.add_.Tensor and node.args
+              and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr"
+              and str(node.args[0].target).endswith("num_batches_tracked") and node.args[1] == 1
+              and model.training):
+            mark = ModeArg("counter", 1, "other")
+        elif node.op == "call_method" and node.target in _METHOD_FLAGS:
+            index, keyword = _METHOD_FLAGS[node.target]
+            value = _get(node, index, keyword)
+            if isinstance(value, bool) and value == _owner_training(node, model):
+                mark = ModeArg("flag", index, keyword)
+        if mark is not None:
+            node.meta["autocastfx_mode"] = mark
+            marked += 1
+    gm.training = model.training
+    return marked
+
+
+def set_mode(gm: fx.GraphModule, mode: bool) -> fx.GraphModule:
+    """Switch the marked flags and the leaf modules to ``mode``; recompile only when a flag changed."""
+    if not isinstance(mode, bool):
+        raise ValueError(f"training mode is expected to be boolean, got {type(mode).__name__}")
+    changed = False
+    for node in gm.graph.nodes:
+        mark: ModeArg | None = node.meta.get("autocastfx_mode")
+        if mark is None:
+            continue
+        if mark.kind == "swap":
+            target = mark.train_target if mode else mark.eval_target
+            if node.target is not target:
+                node.target, changed = target, True
+            continue
+        value = (1 if mode else 0) if mark.kind == "counter" else mode
+        if mark.keyword in node.kwargs:
+            if node.kwargs[mark.keyword] != value or type(node.kwargs[mark.keyword]) is not type(value):
+                node.kwargs = {**node.kwargs, mark.keyword: value}
+                changed = True
+        elif mark.index < len(node.args):
+            if node.args[mark.index] != value or type(node.args[mark.index]) is not type(value):
+                args = list(node.args)
+                args[mark.index] = value
+                node.args, changed = tuple(args), True
+        else:
+            node.kwargs, changed = {**node.kwargs, mark.keyword: value}, True
+    if changed:
+        gm.recompile()
+    nn.Module.train(gm, mode)  # leaf modules (call_module nodes) and every .training flag
+    return gm
+
+
+def _train(self, mode: bool = True):
+    return set_mode(self, mode)
+
+
+def _eval(self):
+    return set_mode(self, False)
+
+
+def install(gm: fx.GraphModule) -> None:
+    """Give ``gm`` working ``train()``/``eval()`` (replacing torch.export's methods that raise)."""
+    gm.train = types.MethodType(_train, gm)
+    gm.eval = types.MethodType(_eval, gm)
+
+
+def mode_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes whose behaviour follows ``gm.training`` (for the report and tests)."""
+    return [n for n in gm.graph.nodes if "autocastfx_mode" in n.meta]
