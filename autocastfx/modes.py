@@ -17,8 +17,6 @@ releases; the rewrite here is the same idea on flags, with no pattern matching.
 from __future__ import annotations
 
 import dataclasses
-import types
-
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -153,18 +151,32 @@ def set_mode(gm: fx.GraphModule, mode: bool) -> fx.GraphModule:
     return gm
 
 
-def _train(self, mode: bool = True):
-    return set_mode(self, mode)
+class _Switchable:
+    """Mixed into the converted module's class, so that copies keep working modes: ``copy.deepcopy`` of a
+    GraphModule builds a fresh class over the first base whose qualified name does not end in
+    ``GraphModuleImpl``, which is the one made here."""
+
+    def train(self, mode: bool = True):
+        return set_mode(self, mode)
+
+    def eval(self):
+        return set_mode(self, False)
 
 
-def _eval(self):
-    return set_mode(self, False)
+_BASES: dict[type, type] = {}
 
 
 def install(gm: fx.GraphModule) -> None:
-    """Give ``gm`` working ``train()``/``eval()`` (replacing torch.export's methods that raise)."""
-    gm.train = types.MethodType(_train, gm)
-    gm.eval = types.MethodType(_eval, gm)
+    """Give ``gm`` working ``train()``/``eval()``, replacing torch.export's methods that raise."""
+    base = next(c for c in type(gm).__mro__ if c.__qualname__.split(".")[-1] != "GraphModuleImpl")
+    if not issubclass(base, _Switchable):
+        if base not in _BASES:
+            _BASES[base] = type(f"Converted{base.__name__.lstrip('_')}", (_Switchable, base), {})
+        base = _BASES[base]
+    gm.__dict__.pop("train", None)  # ep.module() sets instance attributes that raise NotImplementedError
+    gm.__dict__.pop("eval", None)
+    gm.__class__ = type("GraphModuleImpl", (base,), {})  # GraphModule keeps forward on a class of its own
+    gm.recompile()
 
 
 def mode_nodes(gm: fx.GraphModule) -> list[fx.Node]:

@@ -1,0 +1,180 @@
+"""gm.train() / gm.eval() on every converted module, whatever captured it."""
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autocastfx
+from autocastfx import modes
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+
+
+torch.export.register_dataclass(Output)  # as transformers registers its ModelOutput classes as pytrees
+
+
+class HFLikeLM(nn.Module):
+    """Shaped like a Hugging Face decoder: embeddings, dropout, pre-LayerNorm blocks, a causal mask built with
+    torch.ones(t, t) (which symbolic tracing cannot do, so it goes through torch.export), a dataclass output and
+    the loss computed inside from ``labels=``."""
+
+    def __init__(self, vocab=64, d=32, heads=4, layers=2, p=0.3):
+        super().__init__()
+        self.heads = heads
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(32, d)
+        self.drop = nn.Dropout(p)
+        self.ln1 = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
+        self.qkv = nn.ModuleList(nn.Linear(d, 3 * d) for _ in range(layers))
+        self.proj = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+        self.ln2 = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
+        self.fc = nn.ModuleList(nn.Linear(d, 4 * d) for _ in range(layers))
+        self.out = nn.ModuleList(nn.Linear(4 * d, d) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.p = p
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        b, t = input_ids.shape
+        x = self.drop(self.wte(input_ids) + self.wpe(torch.arange(t, device=input_ids.device)))
+        causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
+        mask = causal if attention_mask is None else causal & attention_mask[:, None, None, :].bool()
+        for i in range(len(self.qkv)):
+            q, k, v = self.qkv[i](self.ln1[i](x)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+            att = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+            att = F.dropout(att.masked_fill(~mask, float("-inf")).softmax(-1), self.p, training=self.training)
+            x = x + self.drop(self.proj[i]((att @ v).transpose(1, 2).reshape(b, t, -1)))
+            x = x + self.drop(self.out[i](F.gelu(self.fc[i](self.ln2[i](x)))))
+        logits = self.head(self.ln_f(x))
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+        return Output(logits, loss)
+
+
+class BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.drop = nn.Dropout(0.5)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(self.drop(F.relu(self.bn(self.conv(x))).mean((2, 3))))
+
+
+def _ids(b=2, t=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 64, (b, t), generator=g)
+
+
+def test_exported_hf_like_model_switches_modes():
+    torch.manual_seed(0)
+    model = HFLikeLM()
+    ids = _ids()
+    gm = autocastfx.convert(model, (ids,), example_kwargs={"attention_mask": torch.ones_like(ids)})
+    assert gm.meta["autocastfx"].capture == "torch.export"
+    assert gm.training and len(modes.mode_nodes(gm)) >= 1 + 2 * 2  # F.dropout inside each block at least
+    ref = copy.deepcopy(model).eval()
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0
+    for _ in range(2):  # eval, then train, then eval again: the same answers
+        assert gm.eval() is gm and not gm.training
+        expected = ref(ids, attention_mask=mask).logits
+        got = gm(ids, attention_mask=mask).logits
+        assert torch.equal(got, gm(ids, attention_mask=mask).logits)  # no dropout in eval
+        err = ((got.double() - expected.double()).norm() / expected.double().norm()).item()
+        assert err < 2e-3, err
+        gm.train()
+        assert gm.training
+        a, b = gm(ids, attention_mask=mask).logits, gm(ids, attention_mask=mask).logits
+        assert not torch.equal(a, b)  # dropout is on
+        assert (a.float() - got.float()).abs().max() > 1e-2
+    # the loss computed inside the model from labels= still comes back as the model's own output type
+    gm.eval()
+    out = gm(ids, attention_mask=mask, labels=ids) if "labels" in str(gm.code) else None
+    if out is not None:
+        assert isinstance(out, Output) and out.loss.dtype == torch.float32
+
+
+def test_exported_batch_norm_model_updates_running_stats_only_in_train_mode():
+    torch.manual_seed(0)
+    model = BNNet()
+    x = torch.randn(4, 3, 6, 6)
+    gm, how = autocastfx.capture.capture_export(copy.deepcopy(model), (x,), {})
+    gm = autocastfx.convert(gm, (x,))
+    assert how == "torch.export"
+    buffers = dict(gm.named_buffers())
+    rm, nbt = buffers["bn.running_mean"], buffers["bn.num_batches_tracked"]
+    before = rm.clone(), nbt.clone()
+    gm.train()
+    gm(x)
+    assert not torch.equal(rm, before[0]) and int(nbt) == int(before[1]) + 1
+    model.train()(x)  # the float32 model takes the same step, so the running statistics agree
+    torch.testing.assert_close(rm, model.bn.running_mean, rtol=1e-2, atol=1e-3)
+    gm.eval()
+    model.eval()
+    frozen = rm.clone(), nbt.clone()
+    for _ in range(2):
+        out = gm(x)
+        assert torch.equal(rm, frozen[0]) and torch.equal(nbt, frozen[1])
+        torch.testing.assert_close(out.float(), model(x), rtol=1e-2, atol=2e-3)
+        assert torch.equal(out, gm(x))
+
+
+def test_traced_functional_dropout_follows_the_mode_and_literals_stay():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            always_on = F.dropout(x, 0.5, training=True)     # written on purpose: MC dropout
+            return self.fc(F.dropout(x, 0.5, training=self.training)) + 0 * always_on
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    gm = autocastfx.convert(M().eval(), (x,))
+    assert gm.meta["autocastfx"].capture == "symbolic_trace"
+    assert not gm.training and len(modes.mode_nodes(gm)) == 1  # the literal True is not the module's mode
+    assert torch.equal(gm(x), gm(x))
+    gm.train()
+    assert not torch.equal(gm(x), gm(x))
+    gm.eval()
+    assert torch.equal(gm(x), gm(x))
+
+
+def test_modes_survive_deepcopy_reconversion_and_training_steps():
+    torch.manual_seed(0)
+    model = HFLikeLM()
+    ids = _ids()
+    gm = autocastfx.convert(model, (ids,))
+    gm2 = copy.deepcopy(gm)
+    gm2.eval()
+    assert not gm2.training and gm.training
+    assert torch.equal(gm2(ids).logits, gm2(ids).logits)
+    gm3 = autocastfx.convert(gm2, (ids,))  # converting a converted module again
+    gm3.train()
+    assert not torch.equal(gm3(ids).logits, gm3(ids).logits)
+    step = autocastfx.train_step(gm, lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()),
+                                 torch.optim.AdamW(gm.parameters(), lr=1e-3))
+    for _ in range(2):
+        gm.train()
+        loss = step((ids,), ids)
+        gm.eval()
+        with torch.no_grad():
+            gm(ids)
+    assert torch.isfinite(loss)
+
+
+def test_train_rejects_non_bool():
+    gm = autocastfx.convert(BNNet(), (torch.randn(2, 3, 4, 4),))
+    with pytest.raises(ValueError, match="boolean"):
+        gm.train("yes")
