@@ -1,0 +1,264 @@
+"""run.sh's set-up decisions: which environment it installs into and which torch, on fake machines.
+
+`./run.sh env` prints the decisions and changes nothing, so most checks run it against interpreters built
+for the case: the real Python binary started with PYTHONHOME pointing at a copy of its standard library
+(symlinks) that may carry PEP 668's EXTERNALLY-MANAGED marker or lack ensurepip, and a stand-in `torch`
+package of a chosen version and build on its path. `nvidia-smi` is a script on PATH. One test makes a real
+.venv and installs the package into it.
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE_PYTHON = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+GPU_LISTED = "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0b2f7a4e-0000-0000-0000-000000000000)"
+DRIVER_GPUS = Path("/proc/driver/nvidia/gpus")
+
+
+def checkout(tmp_path):
+    """A directory holding only run.sh: enough for `./run.sh env`, and with no .venv of its own."""
+    co = tmp_path / "checkout"
+    co.mkdir()
+    shutil.copy2(ROOT / "run.sh", co / "run.sh")
+    return co
+
+
+def stub_nvidia_smi(tmp_path, gpu):
+    """nvidia-smi as on a machine with one GPU, or as on one whose driver does not answer."""
+    stubs = tmp_path / "stubs"
+    stubs.mkdir(exist_ok=True)
+    script = f"echo '{GPU_LISTED}'" if gpu else \
+        "echo 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver.'; exit 9"
+    (stubs / "nvidia-smi").write_text(f"#!/bin/sh\n{script}\n")
+    (stubs / "nvidia-smi").chmod(0o755)
+    return stubs
+
+
+def fake_torch(tmp_path, version, cuda=None):
+    """A directory with a stand-in `torch` package: just the version and build that run.sh reads."""
+    d = tmp_path / f"torch-{version}-{cuda or 'cpu'}"
+    (d / "torch").mkdir(parents=True)
+    (d / "torch" / "__init__.py").write_text(f"from . import version\n__version__ = {version!r}\n")
+    (d / "torch" / "version.py").write_text(f"cuda = {cuda!r}\n")
+    return d
+
+
+def fake_python(tmp_path, *, managed, torch_dir=None, venv_module=True):
+    """A wrapper that starts the real Python over a symlinked copy of its standard library, so the copy
+    can carry the EXTERNALLY-MANAGED marker (or lose ensurepip/venv) and only `torch_dir` is on its path."""
+    stdlib = Path(sysconfig.get_path("stdlib"))
+    home = tmp_path / "home"
+    lib = home / "lib" / stdlib.name
+    lib.mkdir(parents=True)
+    skip = {"site-packages", "dist-packages", "EXTERNALLY-MANAGED"} | (set() if venv_module else {"venv", "ensurepip"})
+    for entry in stdlib.iterdir():
+        if entry.name not in skip:
+            (lib / entry.name).symlink_to(entry)
+    if managed:
+        (lib / "EXTERNALLY-MANAGED").write_text("[externally-managed]\nError=use apt\n")
+    wrapper = tmp_path / "bin" / "python3"
+    wrapper.parent.mkdir()
+    path = f"PYTHONPATH={torch_dir} " if torch_dir else ""
+    wrapper.write_text(f'#!/bin/sh\nPYTHONHOME={home} {path}exec {BASE_PYTHON} "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def run_sh(co, *args, stubs=None, **env):
+    """Run ./run.sh with none of this session's environment choices leaking in."""
+    clean = {k: v for k, v in os.environ.items()
+             if k not in {"VIRTUAL_ENV", "PYTHON", "PYTHONHOME", "PYTHONPATH", "AUTOCASTFX_TORCH"}}
+    clean["PATH"] = os.pathsep.join(([str(stubs)] if stubs else []) + ["/usr/bin", "/bin"])
+    clean.update({k: str(v) for k, v in env.items()})
+    return subprocess.run(["./run.sh", *args], cwd=co, env=clean, capture_output=True, text=True, timeout=120)
+
+
+def decisions(co, **kw):
+    proc = run_sh(co, "env", **kw)
+    assert proc.returncode == 0, proc.stderr
+    return dict(line.split("=", 1) for line in proc.stdout.splitlines())
+
+
+def no_driver_gpus():
+    return not (DRIVER_GPUS.is_dir() and any(DRIVER_GPUS.iterdir()))
+
+
+def test_externally_managed_python_gets_an_isolated_venv(tmp_path):
+    torch_dir = fake_torch(tmp_path, "2.13.0+cpu")
+    co = checkout(tmp_path)
+    managed = fake_python(tmp_path / "managed", managed=True, torch_dir=torch_dir)
+    d = decisions(co, PYTHON=managed, stubs=stub_nvidia_smi(tmp_path, gpu=False))
+    assert d["python_kind"] == "externally-managed"
+    assert d["env"] == str(co / ".venv") and d["env_action"] == "create"
+    assert d["system_site_packages"] == "no"      # its torch fits, but its packages are not shared
+    assert d["torch_found"] == "none" and d["torch_action"] == "install"
+    assert not (co / ".venv").exists()            # `env` changes nothing
+    # The same interpreter without the marker: the marker alone is what keeps .venv isolated.
+    plain = fake_python(tmp_path / "plain", managed=False, torch_dir=torch_dir)
+    d = decisions(co, PYTHON=plain, stubs=stub_nvidia_smi(tmp_path, gpu=False))
+    assert d["python_kind"] == "plain" and d["env"] == str(co / ".venv")
+    assert d["system_site_packages"] == "yes" and d["torch_action"] == "keep"
+
+
+def test_no_venv_module_names_the_fix(tmp_path):
+    co = checkout(tmp_path)
+    py = fake_python(tmp_path, managed=True, venv_module=False)
+    proc = run_sh(co, "test", PYTHON=py)
+    assert proc.returncode == 1
+    assert "apt-get install python3-venv" in proc.stderr and "activate" in proc.stderr
+    assert not (co / ".venv").exists()
+
+
+@pytest.mark.parametrize("torch_version, cuda, gpu, override, site, want, action", [
+    (None, None, False, "", "no", "cpu", "install"),                  # nothing to reuse
+    ("2.13.0+cpu", None, False, "", "yes", "cpu", "keep"),            # reused: no download
+    ("2.13.0", "13.0", False, "", "yes", "cpu", "keep"),              # a CUDA build runs on the CPU too
+    ("2.5.1", None, False, "", "no", "cpu", "install"),               # outside >=2.11,<3
+    ("2.13.0+cpu", None, True, "", "no", "cuda", "install"),          # a CPU build would waste the GPU
+    ("2.11.0+cu130", "13.0", True, "", "yes", "cuda", "keep"),
+    ("2.13.0+cpu", None, False, "torch==2.11.0", "no", "pip", "install"),
+])
+def test_plain_python_shares_only_a_torch_that_suits(tmp_path, torch_version, cuda, gpu, override, site, want,
+                                                     action):
+    if not gpu and not no_driver_gpus():
+        pytest.skip("this machine's kernel driver lists an NVIDIA GPU")
+    torch_dir = fake_torch(tmp_path, torch_version, cuda) if torch_version else None
+    co = checkout(tmp_path)
+    py = fake_python(tmp_path, managed=False, torch_dir=torch_dir)
+    d = decisions(co, PYTHON=py, stubs=stub_nvidia_smi(tmp_path, gpu), AUTOCASTFX_TORCH=override)
+    assert (d["python_kind"], d["env"], d["env_action"]) == ("plain", str(co / ".venv"), "create")
+    assert (d["system_site_packages"], d["torch_want"], d["torch_action"]) == (site, want, action)
+    assert d["torch_found"] == (torch_version if site == "yes" else "none")
+
+
+def make_venv(path, torch_dir=None):
+    """A real virtual environment (without pip: fast), optionally holding a stand-in torch."""
+    subprocess.run([str(BASE_PYTHON), "-m", "venv", "--without-pip", str(path)], check=True, timeout=120)
+    if torch_dir:
+        site = next(path.glob("lib/python3*/site-packages"))
+        shutil.copytree(torch_dir / "torch", site / "torch")
+    return path
+
+
+def test_active_venv_is_used_as_is(tmp_path):
+    co = checkout(tmp_path)
+    venv = make_venv(tmp_path / "active", fake_torch(tmp_path, "2.12.0+cpu"))
+    stubs = stub_nvidia_smi(tmp_path, gpu=False)
+    by_activation = decisions(co, VIRTUAL_ENV=venv, stubs=stubs)
+    by_python = decisions(co, PYTHON=venv / "bin" / "python", stubs=stubs)
+    for d in by_activation, by_python:
+        assert (d["python_kind"], d["env"], d["env_action"]) == ("venv", str(venv), "use-active")
+        assert (d["torch_found"], d["torch_action"]) == ("2.12.0+cpu", "keep")
+    assert not (co / ".venv").exists()
+
+
+def test_active_venv_without_torch_gets_one(tmp_path):
+    co = checkout(tmp_path)
+    venv = make_venv(tmp_path / "active")
+    d = decisions(co, VIRTUAL_ENV=venv, stubs=stub_nvidia_smi(tmp_path, gpu=True))
+    assert (d["env"], d["torch_found"], d["torch_action"], d["torch_want"]) == (str(venv), "none", "install", "cuda")
+
+
+def test_stale_virtual_env_variable_is_named(tmp_path):
+    proc = run_sh(checkout(tmp_path), "test", VIRTUAL_ENV=tmp_path / "gone")
+    assert proc.returncode == 1
+    assert f"VIRTUAL_ENV={tmp_path / 'gone'} has no bin/python" in proc.stderr and "deactivate" in proc.stderr
+
+
+@pytest.mark.parametrize("gpu, override, want", [
+    (True, "", "cuda"),
+    (False, "", "cpu"),
+    (True, "cpu", "cpu"),
+    (False, "cuda", "cuda"),
+])
+def test_gpu_decides_the_torch_build(tmp_path, gpu, override, want):
+    if not gpu and not no_driver_gpus():
+        pytest.skip("this machine's kernel driver lists an NVIDIA GPU")
+    co = checkout(tmp_path)
+    venv = make_venv(tmp_path / "active")
+    d = decisions(co, VIRTUAL_ENV=venv, stubs=stub_nvidia_smi(tmp_path, gpu), AUTOCASTFX_TORCH=override)
+    assert (d["nvidia_gpu"], d["torch_want"], d["torch_action"]) == ("yes" if gpu else "no", want, "install")
+
+
+@pytest.mark.parametrize("torch_version, cuda, gpu, override, action", [
+    ("2.13.0+cpu", None, True, "", "keep"),         # an installed torch is not replaced unasked...
+    ("2.13.0+cpu", None, True, "cuda", "replace"),  # ...but is when the other build is asked for
+    ("2.13.0", "13.0", False, "cpu", "replace"),
+    ("2.13.0", "13.0", False, "cuda", "keep"),
+])
+def test_installed_torch_replaced_only_when_asked(tmp_path, torch_version, cuda, gpu, override, action):
+    if not gpu and not no_driver_gpus():
+        pytest.skip("this machine's kernel driver lists an NVIDIA GPU")
+    co = checkout(tmp_path)
+    venv = make_venv(tmp_path / "active", fake_torch(tmp_path, torch_version, cuda))
+    d = decisions(co, VIRTUAL_ENV=venv, stubs=stub_nvidia_smi(tmp_path, gpu), AUTOCASTFX_TORCH=override)
+    assert d["torch_action"] == action
+    if gpu and not override:
+        assert "AUTOCASTFX_TORCH=cuda" in d["torch_why"]  # says how to get a build that uses the GPU
+
+
+def test_readme_and_ci_name_the_same_commands(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", readme, re.S).group(1)
+    commands = [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
+    assert commands == ["./run.sh demo", "./run.sh test"]
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.startswith("#")]
+    assert ci[-1] == "./run.sh test"
+    assert os.access(ROOT / "run.sh", os.X_OK) and os.access(ROOT / ".ci" / "run", os.X_OK)
+    proc = run_sh(checkout(tmp_path), "nonsense")
+    assert proc.returncode == 2 and "usage: ./run.sh demo|test|bench" in proc.stderr
+
+
+def base_torch_that_suits():
+    """The base interpreter, when run.sh would make a .venv over it that reuses its torch."""
+    probe = subprocess.run([str(BASE_PYTHON), "-c",
+                            "import os, sysconfig, torch; print(torch.__version__, torch.__file__,"
+                            " os.path.isfile(os.path.join(sysconfig.get_path('stdlib'), 'EXTERNALLY-MANAGED')))"],
+                           capture_output=True, text=True, timeout=120)
+    if probe.returncode != 0:
+        return None, None
+    version, torch_file, managed = probe.stdout.split()
+    major, minor = (int(p) for p in version.split("+")[0].split(".")[:2])
+    suits = managed == "False" and (2, 11) <= (major, minor) < (3, 0)
+    return (version, Path(torch_file)) if suits else (None, None)
+
+
+def test_setup_makes_a_venv_that_reuses_the_base_torch(tmp_path):
+    """For real: ./run.sh setup in a copy of the checkout, over the base interpreter."""
+    version, torch_in_base = base_torch_that_suits()
+    if version is None:
+        pytest.skip(f"{BASE_PYTHON} has no torch to reuse, or is externally managed")
+    if not no_driver_gpus():
+        pytest.skip("on a GPU machine only a CUDA torch is reused")
+    co = tmp_path / "checkout"
+    co.mkdir()
+    for name in ("run.sh", "pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, co / name)
+    shutil.copytree(ROOT / "autocastfx", co / "autocastfx", ignore=shutil.ignore_patterns("__pycache__"))
+    base_site = Path(subprocess.run([str(BASE_PYTHON), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                                    capture_output=True, text=True, check=True).stdout.strip())
+    before = {p.name for p in base_site.iterdir()}
+
+    proc = run_sh(co, "setup", PYTHON=BASE_PYTHON, stubs=stub_nvidia_smi(tmp_path, gpu=False))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "include-system-site-packages = true" in (co / ".venv" / "pyvenv.cfg").read_text()
+    check = subprocess.run([str(co / ".venv" / "bin" / "python"), "-c",
+                            "import autocastfx, torch; print(autocastfx.__file__); print(torch.__file__)"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    package_file, torch_file = check.stdout.split()
+    assert Path(package_file).is_relative_to(co)
+    assert Path(torch_file) == torch_in_base          # reused, not downloaded again
+    venv_site = next((co / ".venv").glob("lib/python3*/site-packages"))
+    installed = {p.name for p in venv_site.iterdir()}
+    assert "autocastfx-0.1.0.dist-info" in installed  # pip wrote into .venv...
+    assert not (set(p.name for p in base_site.iterdir()) - before) & installed  # ...and nothing into the base
+    d = decisions(co, PYTHON=BASE_PYTHON, stubs=stub_nvidia_smi(tmp_path, gpu=False))
+    assert (d["env_action"], d["torch_found"], d["torch_action"]) == ("reuse", version, "keep")
