@@ -225,6 +225,24 @@ def global_pool_dims(node: fx.Node, module: nn.Module | None = None) -> tuple[in
     return tuple(range(-k, 0))
 
 
+def _target_name(node: fx.Node) -> str:
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _builds_structure(node: fx.Node) -> bool:
+    """A call that only packs values into a container: a namedtuple, a dataclass (Hugging Face's ModelOutput
+    is one), or the dict/tuple/list constructors. Not an op: no warning, and it follows what it packs."""
+    t = node.target
+    if node.op != "call_function":
+        return False
+    if t in (tuple, list, dict):
+        return True
+    if not isinstance(t, type):
+        return False
+    return ((issubclass(t, tuple) and hasattr(t, "_fields")) or dataclasses.is_dataclass(t)
+            or any(b.__name__ == "ModelOutput" for b in t.__mro__))
+
+
 def module_path(node: fx.Node) -> str | None:
     """Qualified name of the innermost module a node came from."""
     if node.op == "call_module":
@@ -302,6 +320,8 @@ def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, master_w
             else:
                 nodes[node.name] = NodePlan(cls, None, reason or "no float inputs")
             continue
+        if cls is None and _builds_structure(node):
+            cls, reason = OpClass.FOLLOW, f"builds the output structure ({_target_name(node)}): not an op"
         if cls is None:
             unclassified.append(f"{node.name} ({op_name(node) if module is None else type(module).__name__})")
             cls, reason = OpClass.FP32, "unclassified op: float32 (add it to the policy)"
@@ -389,8 +409,13 @@ def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, master_w
             if d != labels[u]:
                 casts.append((u, d))
     if unclassified:
-        warnings.warn("autocastfx: ops on no policy list run in float32: " + ", ".join(unclassified[:20])
-                      + (" ..." if len(unclassified) > 20 else "")
+        per_op: dict[str, int] = {}
+        for u in unclassified:
+            op = u[u.rindex("(") + 1:-1]
+            per_op[op] = per_op.get(op, 0) + 1
+        names = [f"{op} ({n} nodes)" if n > 1 else op for op, n in per_op.items()]
+        warnings.warn("autocastfx: ops on no policy list run in float32: " + ", ".join(names[:20])
+                      + (" ..." if len(names) > 20 else "")
                       + ". Classify them with Policy.default().override(ops={name: 'follow'|'low'|...}).",
                       stacklevel=3)
     return CastPlan(low, nodes, reqs, casts, low_params, unclassified, before, after, weight)

@@ -58,13 +58,27 @@ class Report:
                      f"of {t['flops']:,} per forward")
         if t.get("unclassified"):
             lines.append(f"unclassified: {t['unclassified']}")
+        if t.get("opaque_calls"):
+            lines.append("opaque calls (functions hidden from tracing):")
+            lines.extend(f"  {line}" for line in t["opaque_calls"])
         pad = t.get("padding")
         if pad:
             lines.append(f"padding to multiples of {pad['multiple']}: misaligned GEMM/conv ops {pad['misaligned_before']} "
                          f"-> {pad['misaligned_after']}, extra FLOPs {pad['extra_flops']:,}, extra bytes {pad['extra_bytes']:,} (2-byte)"
                          + (f", kept padded across {len(pad['kept_padded'])} chains" if pad["kept_padded"] else ""))
+            if pad.get("target"):
+                lines.append(f"  gate: {pad['gate']}, for {pad['target']}")
             for line in pad["padded"] + pad["skipped"]:
                 lines.append(f"  {line}")
+        lay = t.get("layout")
+        if lay:
+            lines.append(f"layout: {lay['memory_format']} ({lay['reason']})")
+            if lay["memory_format"] == "channels_last":
+                lines.append(f"  convolution weights stored channels_last: {lay['params_channels_last']}; inputs "
+                             f"converted once: {', '.join(lay['inputs']) or 'none'}")
+                for key, label in (("to_channels_last", "to channels_last"), ("to_contiguous", "to contiguous"),
+                                   ("reshape_copies", "reshape copy")):
+                    lines += [f"  {label}: {v}" for v in lay[key]]
         return "\n".join(lines)
 
 
