@@ -5,12 +5,14 @@ A captured graph bakes the mode the model was in: ``torch.export`` writes ``aten
 outright), and symbolic tracing writes ``F.dropout(x, p, training=True)`` for a ``training=self.training``
 argument. Leaf modules (nn.Dropout, nn.BatchNorm2d as ``call_module`` nodes) switch by themselves.
 
-At capture, :func:`record` marks every node whose flag equals the training mode of the module that issued it
-(read from the original model through ``nn_module_stack``): those flags came from ``self.training``. A literal
-that differs from its module's mode was written on purpose and is left alone. :func:`install` gives the
-converted module ``train(mode)``/``eval()`` methods that set the marked flags, stop or restart the
-``num_batches_tracked`` increment that export writes beside each batch norm, and recompile, then switch the
-leaf modules as ``nn.Module.train`` does. PyTorch's own helpers for exported programs
+The model is captured from a copy in training mode (``capture.capture``), so every flag that comes from
+``self.training`` reads True in the graph and an attention's ``dropout_p=p if self.training else 0.0`` shows
+its ``p``. :func:`record` marks those nodes (a literal ``training=False`` is left alone; a literal
+``training=True`` cannot be told from ``self.training`` and follows the mode too), then gives each one the mode
+of the module that issued it (``nn_module_stack``), so a frozen batch norm in a training model stays frozen.
+:func:`install` gives the converted module ``train(mode)``/``eval()`` methods that set the marked flags, stop
+or restart the ``num_batches_tracked`` increment that export writes beside each batch norm, and recompile,
+then switch the leaf modules as ``nn.Module.train`` does. PyTorch's own helpers for exported programs
 (``move_exported_model_to_train/eval``) lived in ``torch.ao.quantization.pt2e`` and are gone from current
 releases; the rewrite here is the same idea on flags, with no pattern matching.
 """
@@ -33,6 +35,8 @@ class ModeArg:
     keyword: str | None = None
     train_target: object = None    # for "swap": the target in training mode ...
     eval_target: object = None     # ... and in eval mode
+    train_value: object = None     # for "value": the argument in training mode (a dropout probability) ...
+    eval_value: object = None      # ... and in eval mode (0.0)
 
 
 def _flag_positions() -> dict:
@@ -62,6 +66,11 @@ if hasattr(_aten, "_batch_norm_with_update") and hasattr(_aten, "_batch_norm_no_
               _aten._batch_norm_no_update.default: (_aten._batch_norm_with_update.default,
                                                      _aten._batch_norm_no_update.default)}
 _METHOD_FLAGS = {"dropout": (1, "training")}  # x.dropout(p, training) is rare; kept for completeness
+if hasattr(F, "multi_head_attention_forward"):
+    _FLAGS[F.multi_head_attention_forward] = (13, "training")
+# attention whose dropout probability modules write as ``p if self.training else 0.0`` (Hugging Face, timm)
+_DROPOUT_P = {_aten.scaled_dot_product_attention.default: (4, "dropout_p"),
+              F.scaled_dot_product_attention: (4, "dropout_p")}
 
 
 def _owner_training(node: fx.Node, model: nn.Module) -> bool:
@@ -87,7 +96,16 @@ def _get(node: fx.Node, index: int, keyword: str):
 
 
 def record(gm: fx.GraphModule, model: nn.Module) -> int:
-    """Mark the mode-dependent nodes of a freshly captured graph; returns how many were marked."""
+    """Mark the mode-dependent nodes of a freshly captured graph, then give the graph the modes ``model`` has
+    (module by module); returns how many nodes were marked.
+
+    A graph captured from a training-mode copy (``capture`` does that where it can) has every flag that came
+    from ``self.training`` set to True; otherwise each flag is compared with its own module's mode."""
+    captured_training = gm.meta.pop("autocastfx_captured_training", None)
+
+    def mode_at_capture(node):
+        return True if captured_training else _owner_training(node, model)
+
     marked = 0
     for node in gm.graph.nodes:
         mark = None
@@ -96,26 +114,39 @@ def record(gm: fx.GraphModule, model: nn.Module) -> int:
         if node.op == "call_function" and node.target in _FLAGS:
             index, keyword = _FLAGS[node.target]
             value = _get(node, index, keyword)
-            if isinstance(value, bool) and value == _owner_training(node, model):
+            if isinstance(value, bool) and value == mode_at_capture(node):
                 mark = ModeArg("flag", index, keyword)
+        elif node.op == "call_function" and node.target in _DROPOUT_P:
+            index, keyword = _DROPOUT_P[node.target]
+            value = _get(node, index, keyword)
+            if isinstance(value, float) and value > 0 and mode_at_capture(node):
+                mark = ModeArg("value", index, keyword, train_value=value, eval_value=0.0)
         elif node.op == "call_function" and node.target in _SWAPS:
             train_t, eval_t = _SWAPS[node.target]
-            if (node.target is train_t) == _owner_training(node, model):
+            if (node.target is train_t) == mode_at_capture(node):
                 mark = ModeArg("swap", train_target=train_t, eval_target=eval_t)
         elif (node.op == "call_function" and node.target is _aten.add_.Tensor and node.args
               and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr"
               and str(node.args[0].target).endswith("num_batches_tracked") and node.args[1] == 1
-              and model.training):
+              and mode_at_capture(node)):
             mark = ModeArg("counter", 1, "other")
         elif node.op == "call_method" and node.target in _METHOD_FLAGS:
             index, keyword = _METHOD_FLAGS[node.target]
             value = _get(node, index, keyword)
-            if isinstance(value, bool) and value == _owner_training(node, model):
+            if isinstance(value, bool) and value == mode_at_capture(node):
                 mark = ModeArg("flag", index, keyword)
         if mark is not None:
             node.meta["autocastfx_mode"] = mark
             marked += 1
-    gm.training = model.training
+    # the modes the model has, module by module (a frozen batch norm in a training model stays frozen)
+    for node in gm.graph.nodes:
+        if "autocastfx_mode" in node.meta:
+            _set_node(node, node.meta["autocastfx_mode"], _owner_training(node, model))
+    originals = dict(model.named_modules())
+    for name, sub in gm.named_modules():
+        if name in originals:
+            sub.training = originals[name].training
+    gm.recompile()
     return marked
 
 
@@ -126,29 +157,39 @@ def set_mode(gm: fx.GraphModule, mode: bool) -> fx.GraphModule:
     changed = False
     for node in gm.graph.nodes:
         mark: ModeArg | None = node.meta.get("autocastfx_mode")
-        if mark is None:
-            continue
-        if mark.kind == "swap":
-            target = mark.train_target if mode else mark.eval_target
-            if node.target is not target:
-                node.target, changed = target, True
-            continue
-        value = (1 if mode else 0) if mark.kind == "counter" else mode
-        if mark.keyword in node.kwargs:
-            if node.kwargs[mark.keyword] != value or type(node.kwargs[mark.keyword]) is not type(value):
-                node.kwargs = {**node.kwargs, mark.keyword: value}
-                changed = True
-        elif mark.index < len(node.args):
-            if node.args[mark.index] != value or type(node.args[mark.index]) is not type(value):
-                args = list(node.args)
-                args[mark.index] = value
-                node.args, changed = tuple(args), True
-        else:
-            node.kwargs, changed = {**node.kwargs, mark.keyword: value}, True
+        if mark is not None:
+            changed |= _set_node(node, mark, mode)
     if changed:
         gm.recompile()
     nn.Module.train(gm, mode)  # leaf modules (call_module nodes) and every .training flag
     return gm
+
+
+def _set_node(node: fx.Node, mark: ModeArg, mode: bool) -> bool:
+    """Write one node's mode; True if it changed."""
+    if mark.kind == "swap":
+        target = mark.train_target if mode else mark.eval_target
+        if node.target is target:
+            return False
+        node.target = target
+        return True
+    value = {"counter": 1 if mode else 0, "value": mark.train_value if mode else mark.eval_value}.get(mark.kind, mode)
+    if mark.keyword in node.kwargs:
+        old = node.kwargs[mark.keyword]
+        if old == value and type(old) is type(value):
+            return False
+        node.kwargs = {**node.kwargs, mark.keyword: value}
+        return True
+    if mark.index < len(node.args):
+        old = node.args[mark.index]
+        if old == value and type(old) is type(value):
+            return False
+        args = list(node.args)
+        args[mark.index] = value
+        node.args = tuple(args)
+        return True
+    node.kwargs = {**node.kwargs, mark.keyword: value}
+    return True
 
 
 class _Switchable:

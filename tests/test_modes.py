@@ -136,19 +136,66 @@ def test_traced_functional_dropout_follows_the_mode_and_literals_stay():
             self.fc = nn.Linear(16, 16)
 
         def forward(self, x):
-            always_on = F.dropout(x, 0.5, training=True)     # written on purpose: MC dropout
-            return self.fc(F.dropout(x, 0.5, training=self.training)) + 0 * always_on
+            never = F.dropout(x, 0.5, training=False)        # written on purpose: never drops
+            return self.fc(F.dropout(x, 0.5, training=self.training)) + never
 
     torch.manual_seed(0)
     x = torch.randn(4, 16)
-    gm = autocastfx.convert(M().eval(), (x,))
+    model = M().eval()
+    gm = autocastfx.convert(model, (x,))
     assert gm.meta["autocastfx"].capture == "symbolic_trace"
-    assert not gm.training and len(modes.mode_nodes(gm)) == 1  # the literal True is not the module's mode
+    assert not gm.training and len(modes.mode_nodes(gm)) == 1  # the literal False is not a mode
+    assert torch.equal(gm(x), gm(x))
+    gm.train()
+    a, b = gm(x), gm(x)
+    assert not torch.equal(a, b)
+    model.train()
+    torch.manual_seed(1)
+    ref = model(x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(gm(x).float(), ref, rtol=1e-2, atol=1e-2)  # same mask: only one dropout draws
+    gm.eval()
+    assert torch.equal(gm(x), gm(x))
+
+
+def test_attention_dropout_probability_follows_the_mode():
+    """``dropout_p=self.p if self.training else 0.0`` (Hugging Face, timm): the model is captured in training
+    mode, so the probability is known even when the model was converted in eval mode."""
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4).unbind(0)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=0.5 if self.training else 0.0)
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 16)
+    gm = autocastfx.convert(Attn().eval(), (x,))
+    (node,) = modes.mode_nodes(gm)
+    assert node.meta["autocastfx_mode"].train_value == 0.5
     assert torch.equal(gm(x), gm(x))
     gm.train()
     assert not torch.equal(gm(x), gm(x))
     gm.eval()
     assert torch.equal(gm(x), gm(x))
+
+
+def test_frozen_batch_norm_in_a_training_model_stays_frozen():
+    torch.manual_seed(0)
+    model = BNNet().train()
+    model.bn.eval()  # frozen statistics, as in fine-tuning
+    x = torch.randn(4, 3, 6, 6)
+    for how in ("trace", "export"):
+        if how == "export":
+            gm, _ = autocastfx.capture.capture_export(copy.deepcopy(model), (x,), {})
+            gm = autocastfx.convert(gm, (x,))
+        else:
+            gm = autocastfx.convert(model, (x,))
+        rm = dict(gm.named_buffers())["bn.running_mean"].clone()
+        gm(x)
+        assert torch.equal(dict(gm.named_buffers())["bn.running_mean"], rm), how
 
 
 def test_modes_survive_deepcopy_reconversion_and_training_steps():
