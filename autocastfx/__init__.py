@@ -1,6 +1,7 @@
 """autocastfx: any PyTorch model as an explicit mixed-precision torch.fx program."""
 from .api import ConvertInfo, convert, master_parameters
 from .capture import CaptureError
+from .checks import StepError
 from .diagnose import GradHistogram, calibrate, grad_histogram
 from .export import FormatError, export, load, save
 from .plan import CastPlan
@@ -11,6 +12,6 @@ from .scaling import LossScaleError
 from .step import StepStats, TrainStep, train_step
 
 __all__ = ["convert", "report", "master_parameters", "Policy", "OpClass", "Report", "CastPlan", "Decision",
-           "ConvertInfo", "CaptureError", "train_step", "TrainStep", "StepStats", "LossScaleError",
+           "ConvertInfo", "CaptureError", "train_step", "TrainStep", "StepStats", "LossScaleError", "StepError",
            "export", "save", "load", "FormatError", "calibrate", "grad_histogram", "GradHistogram"]
 __version__ = "0.1.0"

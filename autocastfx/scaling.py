@@ -1,15 +1,29 @@
 """Loss-scale state on the device: static or dynamic scaling, growth, back-off, hysteresis, history.
 
-Every update is a tensor operation; nothing reads a value back to the host. ``check()`` is the one place that
-does (on demand, or every ``check_every`` steps), to raise the "stuck at min_scale" error.
+Every update is a tensor operation; nothing reads a value back to the host. The "stuck at min_scale" flag is
+kept on the device too; ``poll()`` reads a host copy of it after each step without waiting for that step (on
+the CPU the flag is host memory already; on CUDA each step starts a non-blocking copy into pinned memory and
+the next call reads it), so ``LossScaleError`` comes within two steps and costs no device sync.
+``check()`` reads the flag itself, on demand.
+
+``init_scale="auto"``: the first update runs at a low probe scale; its unscaled gradients' largest magnitude
+gives the largest power of two that keeps them under the low dtype's maximum with a safety margin, computed on
+the device, and the scale jumps there. That update is applied (it is finite), so none is wasted on overflows.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
 HISTORY = 1024  # steps of overflow and scale history kept on the device (a ring buffer)
+# init_scale="auto": the chosen scale keeps the first update's largest gradient AUTO_MARGIN times under the low
+# dtype's maximum (activation gradients and later steps' gradients can be larger: docs/training.md has the
+# measurements behind 8). It is at most AUTO_MAX_SCALE, the usual fixed start: above it, dynamic scaling grows
+# by itself after growth_interval clean steps, so "auto" never starts higher than 2^16 would.
+AUTO_MARGIN = 2.0**3
+AUTO_MAX_SCALE = 2.0**16
 
 
 class LossScaleError(FloatingPointError):
@@ -19,18 +33,26 @@ class LossScaleError(FloatingPointError):
 @dataclasses.dataclass
 class ScalerConfig:
     mode: str                   # "dynamic" | "static" | "off"
-    init_scale: float = 2.0**16
+    init_scale: float | str = 2.0**16   # a number, or "auto" (dynamic only)
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
     min_scale: float = 1.0
     hysteresis: int = 1
+    low_max: float = 65504.0    # the low dtype's largest finite value: what "auto" keeps gradients under
 
     def __post_init__(self):
         if self.mode not in ("dynamic", "static", "off"):
             raise ValueError(f"loss scale mode {self.mode!r}")
-        if not self.init_scale > 0:
-            raise ValueError(f"init_scale must be > 0, got {self.init_scale}")
+        if isinstance(self.init_scale, str):
+            if self.init_scale != "auto":
+                raise ValueError(f"init_scale must be a positive number or 'auto', got {self.init_scale!r}")
+            if self.mode == "static":
+                raise ValueError("init_scale='auto' goes with loss_scale='dynamic'; a static scale is the number "
+                                 "given as loss_scale")
+        elif isinstance(self.init_scale, bool) or not isinstance(self.init_scale, (int, float)) \
+                or not self.init_scale > 0 or not math.isfinite(self.init_scale):
+            raise ValueError(f"init_scale must be a positive number or 'auto', got {self.init_scale!r}")
         if self.mode == "dynamic":
             if not self.growth_factor > 1:
                 raise ValueError(f"growth_factor must be > 1, got {self.growth_factor}")
@@ -40,8 +62,20 @@ class ScalerConfig:
                 raise ValueError(f"growth_interval must be a positive int, got {self.growth_interval!r}")
             if not (isinstance(self.hysteresis, int) and self.hysteresis >= 1):
                 raise ValueError(f"hysteresis must be an int >= 1, got {self.hysteresis!r}")
-            if not 0 < self.min_scale <= self.init_scale:
+            if not 0 < self.min_scale <= (AUTO_MAX_SCALE if self.auto else self.init_scale):
                 raise ValueError(f"min_scale must be in (0, init_scale], got {self.min_scale}")
+
+    @property
+    def auto(self) -> bool:
+        return self.init_scale == "auto"
+
+    @property
+    def first_scale(self) -> float:
+        """The scale of the first step. "auto" probes at 1 (or min_scale if higher): gradients of a float32 loss
+        overflow float16 at scale 1 only in a model that no loss scale can train."""
+        if self.mode == "off":
+            return 1.0
+        return max(1.0, self.min_scale) if self.auto else float(self.init_scale)
 
 
 class ScaleState:
@@ -51,7 +85,7 @@ class ScaleState:
         self.cfg = cfg
         f32 = dict(dtype=torch.float32, device=device)
         i32 = dict(dtype=torch.int32, device=device)
-        self.scale = torch.full((), cfg.init_scale if cfg.mode != "off" else 1.0, **f32)
+        self.scale = torch.full((), cfg.first_scale, **f32)
         self.inv_scale = self.scale.double().reciprocal().float()
         self.growth_tracker = torch.zeros((), **i32)
         self.hysteresis_left = torch.full((), cfg.hysteresis, **i32)
@@ -61,6 +95,15 @@ class ScaleState:
         self.stuck = torch.zeros((), dtype=torch.bool, device=device)
         self.overflow_history = torch.zeros(HISTORY, dtype=torch.bool, device=device)
         self.scale_history = torch.zeros(HISTORY, **f32)
+        self.auto_pending = cfg.auto and cfg.mode == "dynamic"  # host flag: the first update sets the scale
+        # the host's view of `stuck`: the flag itself on the CPU; elsewhere a (pinned) host copy, refreshed by
+        # every update without waiting, and read one step later
+        self.stuck_host = None if device.type == "cpu" else torch.zeros(
+            (), dtype=torch.bool, pin_memory=device.type == "cuda")
+        self._stuck_view = (self.stuck if self.stuck_host is None else self.stuck_host).numpy()
+        self._events = [torch.cuda.Event(), torch.cuda.Event()] if device.type == "cuda" else None
+        self._recorded = [False, False]
+        self._turn = 0
 
     # --- the update, all on the device (a handful of tiny kernels: this runs every step)
     def record(self) -> None:
@@ -74,6 +117,10 @@ class ScaleState:
 
     def update_dynamic(self) -> None:
         cfg = self.cfg
+        # stuck: an overflow although the scale already is at its minimum (sticky; poll() and check() read it)
+        self.stuck.logical_or_((self.found_inf > 0).logical_and_(self.scale <= cfg.min_scale))
+        if self.stuck_host is not None:
+            self.stuck_host.copy_(self.stuck, non_blocking=self._events is not None)
         if cfg.hysteresis == 1:
             torch._amp_update_scale_(self.scale, self.growth_tracker, self.found_inf, cfg.growth_factor,
                                      cfg.backoff_factor, cfg.growth_interval)
@@ -91,25 +138,64 @@ class ScaleState:
         self.scale.clamp_(min=cfg.min_scale)
         torch.reciprocal(self.scale, out=self.inv_scale)  # exact: scales are powers of two
 
-    # --- host reads, on demand only
-    def check(self) -> None:
-        """Stuck: some step in the history overflowed although its scale was already at min_scale."""
+    def update_auto(self, grads: list[torch.Tensor]) -> None:
+        """The first update of init_scale="auto": after the usual update (an overflow backs off as always), jump to
+        the largest power of two that keeps ``grads`` (unscaled) AUTO_MARGIN times under the low dtype's maximum,
+        between min_scale and AUTO_MAX_SCALE. On the device: no host read."""
+        self.update_dynamic()
+        cfg = self.cfg
+        if grads:
+            amax = torch.stack(torch._foreach_norm(grads, float("inf"))).max()
+        else:
+            amax = torch.zeros((), dtype=torch.float32, device=self.scale.device)
+        safe = torch.exp2(torch.floor(torch.log2(cfg.low_max / (amax.float() * AUTO_MARGIN))))
+        safe = safe.clamp_(min=cfg.min_scale, max=AUTO_MAX_SCALE)
+        self.scale.copy_(torch.where(self.found_inf > 0, self.scale, safe))
+        torch.reciprocal(self.scale, out=self.inv_scale)
+        self.auto_pending = False
+
+    # --- host reads
+    def poll(self) -> None:
+        """Raise LossScaleError if a finished step found the scale stuck. On the CPU this reads the flag's memory
+        (no kernel, no sync); on CUDA the copy that the previous step started, after waiting for that step only,
+        while this one stays queued: the error comes within two steps and no step waits on its own work."""
         if self.cfg.mode != "dynamic":
             return
-        self.stuck.logical_or_((self.overflow_history & (self.scale_history <= self.cfg.min_scale)).any())
-        if bool(self.stuck):
-            raise LossScaleError(
-                f"gradients still overflow with the loss scale at min_scale={self.cfg.min_scale}: the model "
-                "produces inf/NaN that no scale can fix. Try: a lower learning rate or warm-up; gradient "
-                "clipping (clip_grad_norm=1.0); autocastfx.calibrate() to move overflowing layers to float32; "
-                "dtype=torch.bfloat16; or check the data and the loss for inf/NaN. Skipped updates left the "
-                "weights untouched.")
+        if self._events is not None:
+            now, before = self._turn, self._turn ^ 1
+            self._events[now].record()
+            self._recorded[now] = True
+            self._turn = before
+            if not self._recorded[before]:
+                return
+            self._events[before].synchronize()
+        if bool(self._stuck_view):
+            self._raise()
+
+    def check(self) -> None:
+        """Read the device flag now (one host sync) and raise LossScaleError if the scale is stuck."""
+        if self.cfg.mode == "dynamic" and bool(self.stuck):
+            self._raise()
+
+    def _raise(self) -> None:
+        raise LossScaleError(
+            f"gradients still overflow with the loss scale at min_scale={self.cfg.min_scale}: the model "
+            "produces inf/NaN that no scale can fix. Try: a lower learning rate or warm-up; gradient "
+            "clipping (clip_grad_norm=1.0); autocastfx.calibrate() to move overflowing layers to float32; "
+            "dtype=torch.bfloat16; or check the data and the loss for inf/NaN. Skipped updates left the "
+            "weights untouched.")
 
     def state_dict(self) -> dict:
-        return {k: getattr(self, k).clone() for k in ("scale", "growth_tracker", "hysteresis_left", "steps",
-                                                       "skipped", "stuck", "overflow_history", "scale_history")}
+        sd = {k: getattr(self, k).clone() for k in ("scale", "growth_tracker", "hysteresis_left", "steps",
+                                                     "skipped", "stuck", "overflow_history", "scale_history")}
+        sd["auto_pending"] = self.auto_pending
+        return sd
 
     def load_state_dict(self, sd: dict) -> None:
         for k, v in sd.items():
-            getattr(self, k).copy_(v)
+            if k != "auto_pending":
+                getattr(self, k).copy_(v)
+        self.auto_pending = bool(sd.get("auto_pending", False))
         self.inv_scale.copy_(self.scale.double().reciprocal().float())
+        if self.stuck_host is not None:
+            self.stuck_host.copy_(self.stuck)

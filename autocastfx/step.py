@@ -6,7 +6,9 @@
     optional clipping by global norm; the optimizer steps the masters, skipped on the device on overflow
     masters copied back into the low-precision weights in one fused copy; the scale updated on the device
 
-``print(step.code)`` shows exactly what runs: only the branches the options need are generated.
+``print(step.code)`` shows exactly what runs: only the branches the options need are generated. Around it,
+``TrainStep.__call__`` does the host-side work: the first call with a new input signature is checked and
+guarded (autocastfx.checks), and after every call a host copy of the "stuck at min_scale" flag is read.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from . import weights as _weights
+from .checks import InputChecker, StepError, check_grad_mode, check_loss, signature
 from .scaling import HISTORY, LossScaleError, ScalerConfig, ScaleState
 
 
@@ -60,9 +63,7 @@ def _call(model: nn.Module, inputs: Any) -> Any:
 
 
 class TrainStep:
-    """``step(inputs, target) -> loss``; see :func:`train_step`."""
-
-    check_every = 100  # steps between the host reads that raise LossScaleError when stuck at min_scale
+    """``step(inputs, *targets) -> loss``; see :func:`train_step`."""
 
     def __init__(self, model, loss_fn, optimizer, *, loss_scale, init_scale, growth_factor, backoff_factor,
                  growth_interval, min_scale, hysteresis, on_overflow, max_retries, accum_steps, clip_grad_norm):
@@ -75,7 +76,7 @@ class TrainStep:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not callable(loss_fn):
-            raise TypeError("loss_fn must be callable as loss_fn(output, target)")
+            raise TypeError("loss_fn must be callable as loss_fn(output, *targets)")
         if on_overflow not in ("skip", "retry"):
             raise ValueError(f"on_overflow must be 'skip' or 'retry', got {on_overflow!r}")
         if not (isinstance(accum_steps, int) and accum_steps >= 1):
@@ -99,11 +100,14 @@ class TrainStep:
             raise ValueError(f"loss_scale must be 'dynamic', a positive number (static scale) or None, got {loss_scale!r}")
         if on_overflow == "retry" and mode != "dynamic":
             raise ValueError("on_overflow='retry' needs loss_scale='dynamic' (a fixed scale would overflow again)")
+        if init_scale == "auto" and mode == "off":
+            init_scale = 2.0**16  # no scaling: the value is never used
 
         self.model, self.gm, self.loss_fn, self.optimizer = model, gm, loss_fn, optimizer
         self.ddp, self.accum_steps, self.on_overflow = ddp, accum_steps, on_overflow
         self.clip, self.max_retries = clip_grad_norm, max_retries
-        self.cfg = ScalerConfig(mode, init_scale, growth_factor, backoff_factor, growth_interval, min_scale, hysteresis)
+        self.cfg = ScalerConfig(mode, init_scale, growth_factor, backoff_factor, growth_interval, min_scale, hysteresis,
+                                low_max=torch.finfo(info.dtype).max)
 
         pairs = _weights.master_pairs(gm)
         self.names = list(info.masters)
@@ -112,47 +116,57 @@ class TrainStep:
         low_ids = {id(p) for p in self.lows}
         self.fp32_params = [p for p in _unique(gm.parameters()) if p.requires_grad and id(p) not in low_ids]
         device = (self.lows + self.fp32_params)[0].device if (self.lows or self.fp32_params) else torch.device("cpu")
-        for i, (lo, m) in enumerate(pairs):
+        repointed = self._repointed_groups(info)  # raises before anything is changed
+        for lo, m in pairs:
             if m.device != lo.device:
                 m.data = m.data.to(lo.device)
         self.state = ScaleState(self.cfg, device)
-        self._repoint_optimizer(info)
+        self._repoint_optimizer(repointed)
         self.fused = self._use_fused_skip()
         with torch.no_grad():
             self.master_grads = [torch.zeros_like(m) for m in self.masters]
-            self.no_grad = [torch.zeros_like(p) for p in self.lows]  # stands in for a parameter the loss skipped
         self.all_params = self.lows + self.fp32_params
         self.grad_norm = torch.zeros((), device=device) if clip_grad_norm is not None else None
         self.micro = 0
-        self._since_check = 0
+        self.checker = InputChecker(gm, device)  # host-side checks of each new input signature
         self.code = self._generate()
         namespace = {"torch": torch, "contextlib": contextlib, "self": self, "model": model, "loss_fn": loss_fn,
-                     "optimizer": optimizer, "S": self.state, "_call": _call}
+                     "optimizer": optimizer, "S": self.state, "_call": _call, "check_loss": check_loss}
         exec(compile(self.code, "<autocastfx train_step>", "exec"), namespace)  # noqa: S102 - our own source
         self._fn: Callable = namespace["train_step"]
 
     # ------------------------------------------------------------------------------------------- set-up
-    def _repoint_optimizer(self, info) -> None:
-        """Point the optimizer's groups at the float32 masters (and the module's float32 parameters)."""
+    def _repointed_groups(self, info) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """For each optimizer group, (tensor it holds, float32 master or module parameter to hold instead).
+        Raises StepError for a tensor that belongs to neither model, before anything is changed."""
         gm_params, by_id = _weights.aliases(self.gm)
         canonical = {i: names[0] for i, names in by_id.items()}
         alias = {name: canonical[id(p)] for name, p in gm_params.items()}
         master_by_name = dict(zip(self.names, self.masters))
         master_ids = {id(m) for m in self.masters}
-        for group in self.optimizer.param_groups:
-            new = []
-            for p in group["params"]:
+        groups = []
+        for g, group in enumerate(self.optimizer.param_groups):
+            pairs = []
+            for i, p in enumerate(group["params"]):
                 if id(p) in master_ids:
-                    target = p
-                else:
-                    name = canonical.get(id(p)) or info.source_params.get(id(p))
-                    if name is None:
-                        raise ValueError(
-                            f"the optimizer holds a tensor of shape {tuple(p.shape)} that is neither a parameter of "
-                            "the converted module nor of the model it was converted from: build the optimizer "
-                            "over gm.parameters() or over the original model's parameters")
-                    name = alias.get(name, name)
-                    target = master_by_name.get(name, gm_params.get(name))
+                    pairs.append((p, p))
+                    continue
+                name = canonical.get(id(p)) or info.source_params.get(id(p))
+                if name is None:
+                    raise StepError(
+                        f"the optimizer holds a tensor of shape {tuple(p.shape)} (param group {g}, entry {i}) that is "
+                        "neither a parameter of the converted module nor of the model it was converted from: build "
+                        "the optimizer over gm.parameters() or over the original model's parameters, after convert()")
+                name = alias.get(name, name)
+                pairs.append((p, master_by_name.get(name, gm_params.get(name))))
+            groups.append(pairs)
+        return groups
+
+    def _repoint_optimizer(self, groups: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Point the optimizer's groups at the float32 masters (and the module's float32 parameters)."""
+        for group, pairs in zip(self.optimizer.param_groups, groups):
+            new = []
+            for p, target in pairs:
                 if target is not p and p in self.optimizer.state:
                     self.optimizer.state[target] = self.optimizer.state.pop(p)
                 if all(target is not q for q in new):
@@ -191,13 +205,14 @@ class TrainStep:
         accum = self.accum_steps
         L: list[str] = []
         add = L.append
-        doc = (f"loss scale {self.cfg.mode}" + (f" (init {self.cfg.init_scale:g})" if scaled else "")
+        init = "auto" if self.cfg.auto else f"{self.cfg.init_scale:g}"
+        doc = (f"loss scale {self.cfg.mode}" + (f" (init {init})" if scaled else "")
                + (f", hysteresis {self.cfg.hysteresis}" if dyn and self.cfg.hysteresis > 1 else "")
                + (f", {accum} micro-batches per update" if accum > 1 else "")
                + (f", clip grad norm {self.clip:g}" if self.clip is not None else "")
                + (", retry on overflow" if self.on_overflow == "retry" else "")
                + (", DistributedDataParallel" if self.ddp else ""))
-        add("def train_step(inputs, target):")
+        add("def train_step(inputs, *targets):")
         add(f'    """One mixed-precision training step: {doc}."""')
         if accum > 1:
             add(f"    last = self.micro % {accum} == {accum - 1}  # host counter: no device read")
@@ -215,7 +230,7 @@ class TrainStep:
             ind = "        "
         add(f"{ind}# 1. forward with low-precision weights; the loss in float32")
         add(f"{ind}out = _call(model, inputs)")
-        add(f"{ind}loss = loss_fn(out, target).float()")
+        add(f"{ind}loss = check_loss(loss_fn(out, *targets)).float()  # one float number connected to the weights")
         add(f"{ind}# 2. backward of loss * scale" + (f" / {accum}" if accum > 1 else ""))
         factor = "S.scale" if scaled else None
         if accum > 1:
@@ -231,8 +246,7 @@ class TrainStep:
         add(f"{ind2}# 3. gradients into float32" + (" master .grad," if has_masters else ",")
             + (" unscaled and" if scaled else "") + " checked for inf/NaN in one fused pass")
         if has_masters:
-            add(f"{ind2}torch._foreach_copy_(self.master_grads, [z if p.grad is None else p.grad "
-                f"for p, z in zip(self.lows, self.no_grad)])")
+            add(f"{ind2}self._grads_to_masters()")
             add(f"{ind2}grads = self.master_grads + [p.grad for p in self.fp32_params if p.grad is not None]")
         else:
             add(f"{ind2}grads = [p.grad for p in self.fp32_params if p.grad is not None]")
@@ -268,25 +282,48 @@ class TrainStep:
             add(f"{ind2}torch._foreach_copy_(self.lows, self.masters)  # masters -> low-precision weights")
         add(f"{ind2}for p in self.all_params:  # gradients start afresh: the next backward writes, not adds")
         add(f"{ind2}    p.grad = None")
-        add(f"{ind2}# 6. scale update on the device")
+        add(f"{ind2}# 6. scale update on the device" + ("; the stuck-at-min_scale flag too, read later by the host "
+                                                       "without a sync" if dyn else ""))
         add(f"{ind2}S.record()")
-        if dyn:
+        if dyn and self.cfg.auto:
+            add(f"{ind2}if S.auto_pending:  # first update: the largest safe power of two for these gradients")
+            add(f"{ind2}    S.update_auto(grads)")
+            add(f"{ind2}else:")
+            add(f"{ind2}    S.update_dynamic()")
+        elif dyn:
             add(f"{ind2}S.update_dynamic()")
-        if dyn:
-            add(f"{ind}self._since_check += 1")
-            add(f"{ind}if self._since_check >= self.check_every:  # the one periodic host read")
-            add(f"{ind}    self._since_check = 0")
-            add(f"{ind}    S.check()")
         add(f"{ind}return loss.detach()")
         return textwrap.dedent("\n".join(L)) + "\n"
+
+    def _grads_to_masters(self) -> None:
+        """Low-precision .grad into the masters' float32 .grad buffers (zero where the loss skipped a parameter)."""
+        have = [(g, p.grad) for g, p in zip(self.master_grads, self.lows) if p.grad is not None]
+        if len(have) == len(self.lows):
+            torch._foreach_copy_(self.master_grads, [p.grad for p in self.lows])
+            return
+        if have:
+            torch._foreach_copy_([g for g, _ in have], [pg for _, pg in have])
+        torch._foreach_zero_([g for g, p in zip(self.master_grads, self.lows) if p.grad is None])
 
     @property
     def optimizer_params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     # ---------------------------------------------------------------------------------------- public
-    def __call__(self, inputs, target):
-        return self._fn(inputs, target)
+    def __call__(self, inputs, *targets):
+        """``inputs``: a tensor, a tuple of positional inputs or a dict of keyword inputs; ``targets`` go to
+        ``loss_fn(output, *targets)``. Returns the loss (a device tensor, not read)."""
+        check_grad_mode()
+        key = signature(inputs, targets)
+        if key in self.checker.seen:
+            loss = self._fn(inputs, *targets)
+        else:  # a new signature: checked, and its first run guarded
+            bound = self.checker.check(inputs, targets)
+            with self.checker.guard(inputs, bound):
+                loss = self._fn(inputs, *targets)
+            self.checker.seen.add(key)
+        self.state.poll()
+        return loss
 
     @property
     def stats(self) -> StepStats:
@@ -294,7 +331,8 @@ class TrainStep:
         return StepStats(S.scale, S.steps, S.skipped, S.overflow_history, S.scale_history, self.grad_norm)
 
     def check(self) -> None:
-        """Raise LossScaleError now if the scale is stuck at min_scale with gradients still overflowing."""
+        """Raise LossScaleError now if the scale is stuck at min_scale with gradients still overflowing (one host
+        read; every call already raises it within two steps without one)."""
         self.state.check()
 
     def state_dict(self) -> dict[str, Any]:
@@ -338,21 +376,38 @@ def _unique(params):
             yield p
 
 
-def train_step(gm, loss_fn, optimizer, *, loss_scale=DYNAMIC, init_scale=2.0**16, growth_factor=2.0,
+def train_step(gm, loss_fn, optimizer, *, loss_scale=DYNAMIC, init_scale="auto", growth_factor=2.0,
                backoff_factor=0.5, growth_interval=2000, min_scale=1.0, hysteresis=1, on_overflow="skip",
-               max_retries=8, accum_steps=1, clip_grad_norm=None) -> TrainStep:
+               max_retries=8, accum_steps=1, clip_grad_norm=None, cuda_graph: bool = False) -> TrainStep:
     """A generated, loss-scaled training step for a converted module (see the module docstring).
 
+    Call it as ``step(inputs, *targets)``: ``inputs`` is a tensor, a tuple of positional inputs or a dict of
+    keyword inputs; the loss is ``loss_fn(output, *targets)``, with zero or more targets (a model that computes
+    its own loss from ``labels=``: ``loss_fn=lambda out: out.loss`` and ``step({"input_ids": ids, "labels": y})``).
     ``loss_scale``: "dynamic" (default for float16), a number for a static scale, or None (off; the default
-    for bfloat16). Dynamic scaling grows by ``growth_factor`` after ``growth_interval`` clean steps and backs off
-    by ``backoff_factor`` after ``hysteresis`` consecutive overflows; every overflowing step is skipped.
+    for bfloat16). ``init_scale``: "auto" (default: the first update runs at scale 1, is applied, and the scale
+    jumps to the largest power of two, at most 2^16, that keeps its gradients 8x under the float16 maximum, all
+    on the device), or the first dynamic scale as a number (GradScaler's 2^16). Dynamic scaling grows by
+    ``growth_factor`` after ``growth_interval`` clean steps and backs off by ``backoff_factor`` after
+    ``hysteresis`` consecutive overflows; every overflowing step is skipped.
     ``on_overflow="retry"`` redoes the batch at the lowered scale up to ``max_retries`` times.
     ``accum_steps``: call the step once per micro-batch; the update happens on every ``accum_steps``-th call.
+    ``cuda_graph=True``: the step captured and replayed as one CUDA graph (``autocastfx.graphed.CudaGraphStep``).
     """
-    return TrainStep(gm, loss_fn, optimizer, loss_scale=loss_scale, init_scale=init_scale,
+    if not isinstance(cuda_graph, bool):
+        raise ValueError(f"cuda_graph must be True or False, got {cuda_graph!r}")
+    if cuda_graph and on_overflow == "retry":
+        raise ValueError("cuda_graph=True cannot be combined with on_overflow='retry': retrying reads the overflow "
+                         "flag on the host, which a replayed CUDA graph cannot do. Use on_overflow='skip' (the "
+                         "default) with cuda_graph=True, or keep retry without the graph")
+    step = TrainStep(gm, loss_fn, optimizer, loss_scale=loss_scale, init_scale=init_scale,
                      growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval,
                      min_scale=min_scale, hysteresis=hysteresis, on_overflow=on_overflow, max_retries=max_retries,
                      accum_steps=accum_steps, clip_grad_norm=clip_grad_norm)
+    if cuda_graph:
+        from .graphed import CudaGraphStep  # imported here: the step works without it
+        return CudaGraphStep(step)
+    return step
 
 
-__all__ = ["train_step", "TrainStep", "StepStats", "LossScaleError"]
+__all__ = ["train_step", "TrainStep", "StepStats", "LossScaleError", "StepError"]

@@ -1,5 +1,6 @@
 """The generated training step: masters, scaling, skipping, clipping, accumulation, resume, no host syncs."""
 import copy
+import math
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autocastfx
-from small_models import TinyResNet
+from small_models import ALL, TinyResNet, example
 
 SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "equal", "item"}
 
@@ -173,16 +174,35 @@ def test_growth_after_interval_and_hysteresis():
     assert float(step.stats.scale) == 32.0 and int(step.stats.skipped) == 3
 
 
-def test_stuck_at_min_scale_raises_clear_error_and_keeps_weights():
+def test_stuck_at_min_scale_raises_within_two_steps_without_a_sync():
     gm, o, step, x, y = setup(init_scale=4.0, min_scale=1.0)
-    step.check_every = 1
+    step(x, y)  # a clean step; then every gradient overflows: 4 -> 2 -> 1, then stuck at 1
     inject(gm, when=set(range(100)))
     masters0 = [m.clone() for m in autocastfx.master_parameters(gm)]
-    with pytest.raises(autocastfx.LossScaleError, match="min_scale"):
+    counter = SyncCounter()
+    calls = 0
+    with counter, pytest.raises(autocastfx.LossScaleError, match="min_scale.*clip_grad_norm.*calibrate"):
         for _ in range(10):
+            calls += 1
             step(x, y)
+    assert counter.syncs == [], counter.syncs
+    history = step.stats.history()
+    first_stuck = next(i for i, (scale, flow) in enumerate(history) if flow and scale <= 1.0)  # 0-based step
+    raised_at = calls  # 0-based index of the step whose call raised (step 0 ran before the loop)
+    assert first_stuck == 3 and first_stuck <= raised_at <= first_stuck + 1  # that step or the next
     assert float(step.stats.scale) == 1.0
     assert all(torch.equal(a, b) for a, b in zip(masters0, autocastfx.master_parameters(gm)))
+    with pytest.raises(autocastfx.LossScaleError):
+        step.check()  # the explicit read agrees
+
+
+def test_overflows_above_min_scale_do_not_raise():
+    gm, o, step, x, y = setup(init_scale=2.0**10, min_scale=1.0)
+    inject(gm, when=set(range(10)))
+    for _ in range(10):  # 2^10 -> 2^0: never an overflow *at* min_scale
+        step(x, y)
+    step.check()
+    assert float(step.stats.scale) == 1.0 and int(step.stats.skipped) == 10
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
@@ -360,3 +380,225 @@ def test_bad_arguments():
     step = autocastfx.train_step(gm, F.cross_entropy, torch.optim.SGD(gm.parameters(), lr=0.1))
     with pytest.raises(KeyError, match="state_dict"):
         step.load_state_dict({"scaler": {}})
+
+
+def test_parameter_without_gradient_gets_zero_master_gradient():
+    class Partial(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.Linear(16, 4), nn.Linear(16, 4)
+
+        def forward(self, x, use_both):
+            return self.used(x) + (self.unused(x) if use_both else 0)
+
+    torch.manual_seed(0)
+    x, y = data()
+    m = Partial()
+    gm = autocastfx.convert(m, (x, False), pad_multiple=1)
+    o = torch.optim.SGD(gm.parameters(), lr=0.1)
+    step = autocastfx.train_step(gm, F.cross_entropy, o)
+    before = {n: p.clone() for n, p in gm.named_parameters()}
+    step((x, False), y)
+    after = dict(gm.named_parameters())
+    assert not torch.equal(before["used.weight"], after["used.weight"])
+    assert torch.equal(before["unused.weight"], after["unused.weight"])
+
+
+# ------------------------------------------------------------------------------ the call: inputs, *targets
+
+def test_zero_one_and_two_targets():
+    torch.manual_seed(0)
+    x, y = data()
+    y2 = torch.randn(8, 4)
+    for loss_fn, targets in [(lambda out: out.pow(2).mean(), ()),
+                             (F.cross_entropy, (y,)),
+                             (lambda out, a, b: F.cross_entropy(out, a) + F.mse_loss(out, b), (y, y2))]:
+        gm = autocastfx.convert(MLP(), (x,), pad_multiple=1)
+        step = autocastfx.train_step(gm, loss_fn, torch.optim.SGD(gm.parameters(), lr=0.1), loss_scale=1.0)
+        assert "def train_step(inputs, *targets):" in step.code and "loss_fn(out, *targets)" in step.code
+        with torch.no_grad():
+            expected = loss_fn(gm(x), *targets)  # the same forward, before the update
+        w0 = gm.fc1.weight.clone()
+        assert torch.equal(step(x, *targets), expected)
+        assert not torch.equal(w0, gm.fc1.weight)
+
+
+class KeywordNet(nn.Module):
+    def __init__(self, vocab=50, d=16, classes=4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.fc = nn.Linear(d, classes)
+
+    def forward(self, input_ids, attention_mask):
+        h = (self.emb(input_ids) * attention_mask.unsqueeze(-1)).sum(1) / attention_mask.sum(1, keepdim=True)
+        return self.fc(h)
+
+
+def test_dict_of_keyword_inputs_and_a_target():
+    torch.manual_seed(0)
+    ids, mask = torch.randint(0, 50, (4, 8)), torch.ones(4, 8)
+    mask[:, 6:] = 0
+    y = torch.randint(0, 4, (4,))
+    gm = autocastfx.convert(KeywordNet(), example_kwargs={"input_ids": ids, "attention_mask": mask})
+    step = autocastfx.train_step(gm, F.cross_entropy, torch.optim.AdamW(gm.parameters(), lr=1e-2))
+    losses = [float(step({"input_ids": ids, "attention_mask": mask}, y)) for _ in range(10)]
+    assert losses[-1] < 0.7 * losses[0]
+
+
+class TinyHF(nn.Module):
+    """A Hugging Face-like model: computes its own loss from ``labels=`` and returns it with the logits."""
+
+    def __init__(self, vocab=50, d=16, as_dict=True):
+        super().__init__()
+        self.as_dict = as_dict
+        self.emb = nn.Embedding(vocab, d)
+        self.ln = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids, attention_mask, labels):
+        logits = self.lm_head(self.ln(self.emb(input_ids) * attention_mask.unsqueeze(-1)))
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return {"loss": loss, "logits": logits} if self.as_dict else HFOutput(loss, logits)
+
+
+HFOutput = __import__("collections").namedtuple("HFOutput", "loss logits")
+
+
+@pytest.mark.parametrize("as_dict", [True, False], ids=["out['loss']", "out.loss"])
+def test_model_that_computes_its_own_loss_trains_with_zero_targets(as_dict):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (4, 8))
+    batch = {"input_ids": ids, "attention_mask": torch.ones(4, 8), "labels": ids.roll(1, 1)}
+    model = TinyHF(as_dict=as_dict)
+    gm = autocastfx.convert(model, example_kwargs=batch)
+    loss_fn = (lambda out: out["loss"]) if as_dict else (lambda out: out.loss)
+    step = autocastfx.train_step(gm, loss_fn, torch.optim.AdamW(gm.parameters(), lr=1e-2))
+    losses = [float(step(batch)) for _ in range(15)]
+    ref = copy.deepcopy(model)  # the same training in float32
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_losses = []
+    for _ in range(15):
+        opt.zero_grad()
+        loss = loss_fn(ref(**batch))
+        loss.backward()
+        opt.step()
+        ref_losses.append(float(loss.detach()))
+    assert losses[-1] < 0.7 * losses[0] and int(step.stats.skipped) == 0
+    for a, b in zip(losses, ref_losses):
+        assert abs(a - b) < 2e-2 * b, (losses, ref_losses)
+
+
+# ------------------------------------------------------------------------------------- init_scale="auto"
+
+class Loud(nn.Module):
+    """Gradients of about 10 from the first step on: at a loss scale of 2^16 they overflow float16."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 64), nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x * 64)))
+
+
+def _float32_grad_amax(model, x, y):
+    m = copy.deepcopy(model)
+    F.cross_entropy(m(x), y).backward()
+    return max(float(p.grad.abs().max()) for p in m.parameters())
+
+
+def test_auto_scale_is_the_largest_safe_power_of_two_and_the_first_update_counts():
+    torch.manual_seed(0)
+    model, (x, y) = Loud(), data()
+    amax = _float32_grad_amax(model, x, y)
+    assert amax * 2.0**16 > 65504  # the model this is about: 2^16 overflows
+    gm = autocastfx.convert(model, (x,), pad_multiple=1)
+    o = torch.optim.SGD(gm.parameters(), lr=1e-3)
+    step = autocastfx.train_step(gm, F.cross_entropy, o, init_scale="auto")
+    assert "init auto" in step.code and "S.update_auto(grads)" in step.code
+    masters0 = [m.clone() for m in autocastfx.master_parameters(gm)]
+    counter = SyncCounter()
+    with counter:
+        step(x, y)
+    assert counter.syncs == []
+    assert int(step.stats.skipped) == 0 and not step.state.auto_pending
+    masters1 = autocastfx.master_parameters(gm)
+    assert all(torch.isfinite(m).all() and not torch.equal(a, m) for a, m in zip(masters0, masters1))
+    scale = float(step.stats.scale)
+    margin = autocastfx.scaling.AUTO_MARGIN
+    assert scale == 2.0 ** round(math.log2(scale))
+    assert scale * amax * margin <= 65504 * 1.01 < 2 * scale * amax * margin  # the largest within the margin
+    for _ in range(5):
+        step(x, y)
+    assert int(step.stats.skipped) == 0 and float(step.stats.scale) == scale
+
+
+def test_auto_scale_is_capped_and_follows_an_overflow_like_a_fixed_scale():
+    torch.manual_seed(0)
+    x, y = data()
+    gm = autocastfx.convert(MLP(), (x,), pad_multiple=1)
+    quiet = lambda out, y: 1e-3 * F.cross_entropy(out, y)  # noqa: E731 - small gradients: safe far over 2^16
+    step = autocastfx.train_step(gm, quiet, torch.optim.SGD(gm.parameters(), lr=0.1), init_scale="auto")
+    step(x, y)
+    assert float(step.stats.scale) == autocastfx.scaling.AUTO_MAX_SCALE == 2.0**16
+    gm, o, step, x, y = setup(init_scale="auto", min_scale=0.25)
+    inject(gm, when={0})  # the first update overflows even at the probe scale 1: skipped, backs off as usual
+    m0 = [m.clone() for m in autocastfx.master_parameters(gm)]
+    step(x, y)
+    assert int(step.stats.skipped) == 1 and float(step.stats.scale) == 0.5 and not step.state.auto_pending
+    assert all(torch.equal(a, b) for a, b in zip(m0, autocastfx.master_parameters(gm)))
+    gm, o, step, x, y = setup(init_scale="auto")  # probe scale 1 == min_scale: no scale can help
+    inject(gm, when={0})
+    with pytest.raises(autocastfx.LossScaleError):
+        step(x, y)
+
+
+def test_auto_scale_state_resumes():
+    gm, o, step, x, y = setup(init_scale="auto")
+    sd = copy.deepcopy(step.state_dict())
+    assert sd["scaler"]["auto_pending"] is True
+    step(x, y)
+    gm2, o2, step2, _, _ = setup(init_scale="auto")
+    step2.load_state_dict(sd)
+    step2(x, y)
+    assert float(step2.stats.scale) == float(step.stats.scale)
+    step2.load_state_dict(copy.deepcopy(step.state_dict()))
+    assert not step2.state.auto_pending
+
+
+def _train(model, inputs, y, init_scale, n):
+    gm = autocastfx.convert(model, inputs, pad_multiple=1)
+    step = autocastfx.train_step(gm, _flat_ce, torch.optim.AdamW(gm.parameters(), lr=1e-3), init_scale=init_scale)
+    losses = [float(step(inputs, y)) for _ in range(n)]
+    return int(step.stats.skipped), losses[-1]
+
+
+def _flat_ce(out, y):
+    return F.cross_entropy(out.flatten(0, -2) if out.dim() > 2 else out, y.flatten())
+
+
+class Quiet(MLP):
+    """Gradients around 1e-6: float16 at the probe scale 1 keeps them only as subnormals."""
+
+    def forward(self, x):
+        return 1e-4 * super().forward(x)
+
+
+@pytest.mark.parametrize("name", ALL + ["loud", "quiet"])
+def test_auto_scale_is_never_worse_than_2_16(name):
+    """The evidence for the default: no more skipped updates, and the loss after a few steps no worse (beyond
+    float16 noise), on every test model, on one that overflows at 2^16 and on one with tiny gradients."""
+    if name in ("loud", "quiet"):
+        torch.manual_seed(0)
+        model, inputs = (Loud() if name == "loud" else Quiet()), (data()[0],)
+    else:
+        model, inputs = example(name, batch=2)
+    with torch.no_grad():
+        out = model(*inputs)
+    y = torch.randint(0, out.shape[-1], out.shape[:-1], generator=torch.Generator().manual_seed(0))
+    fixed_skips, fixed_loss = _train(model, inputs, y, 2.0**16, 5)
+    auto_skips, auto_loss = _train(model, inputs, y, "auto", 5)
+    assert auto_skips == 0 and auto_skips <= fixed_skips
+    assert auto_loss <= fixed_loss * 1.005 + 1e-4, (auto_loss, fixed_loss)
+    if name == "loud":
+        assert fixed_skips >= 3 and auto_loss < fixed_loss

@@ -1,0 +1,242 @@
+"""The training step's clear failures: each is an autocastfx.StepError that names the problem and the fix, raised
+before the step changed anything (weights, masters, optimizer state, scale state, batch-norm statistics,
+counters, the random-number state are all bit-identical afterwards)."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autocastfx
+from test_step import SyncCounter
+
+
+class BNNet(nn.Module):
+    """linear -> batch norm -> dropout -> linear: buffers and the RNG that a failed forward must not change."""
+
+    def __init__(self, d=12, classes=4):
+        super().__init__()
+        self.fc1 = nn.Linear(d, 24)
+        self.bn = nn.BatchNorm1d(24)
+        self.drop = nn.Dropout(0.1)
+        self.fc2 = nn.Linear(24, classes)
+
+    def forward(self, x):
+        return self.fc2(self.drop(F.relu(self.bn(self.fc1(x)))))
+
+
+class MaskNet(nn.Module):
+    """Keyword inputs, like a Hugging Face model's input_ids and attention_mask."""
+
+    def __init__(self, vocab=50, d=16, classes=4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.bn = nn.BatchNorm1d(d)
+        self.fc = nn.Linear(d, classes)
+
+    def forward(self, input_ids, attention_mask):
+        h = self.emb(input_ids) * attention_mask.unsqueeze(-1)
+        return self.fc(self.bn(h.sum(1) / attention_mask.sum(1, keepdim=True)))
+
+
+def make(loss_fn=F.cross_entropy, model=None, example=None, **kw):
+    torch.manual_seed(0)
+    model = model or BNNet()
+    example = example or (torch.randn(8, 12),)
+    gm = autocastfx.convert(model, example)  # padding on: feature width 12 is padded inside the graph
+    opt = torch.optim.AdamW(gm.parameters(), lr=1e-2)
+    step = autocastfx.train_step(gm, loss_fn, opt, **kw)
+    return gm, opt, step
+
+
+def state(gm, opt, step):
+    """Everything a step may change, cloned."""
+    s = step.state
+    return {
+        "params": {n: p.detach().clone() for n, p in gm.named_parameters()},
+        "buffers": {n: b.clone() for n, b in gm.named_buffers()},
+        "masters": [m.detach().clone() for m in autocastfx.master_parameters(gm)],
+        "opt": [{k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()} for st in opt.state.values()],
+        "groups": [[id(p) for p in g["params"]] for g in opt.param_groups],
+        "scale": {k: v.clone() if torch.is_tensor(v) else v for k, v in s.state_dict().items()},
+        "micro": step.micro,
+        "rng": torch.get_rng_state(),
+    }
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, dict):
+            assert x.keys() == y.keys(), k
+            for n in x:
+                assert torch.equal(x[n], y[n]) if torch.is_tensor(x[n]) else x[n] == y[n], (k, n)
+        elif isinstance(x, list) and x and isinstance(x[0], dict):
+            for d1, d2 in zip(x, y):
+                for n in d1:
+                    assert torch.equal(d1[n], d2[n]) if torch.is_tensor(d1[n]) else d1[n] == d2[n], (k, n)
+        elif isinstance(x, list) and x and torch.is_tensor(x[0]):
+            assert all(torch.equal(p, q) for p, q in zip(x, y)), k
+        elif torch.is_tensor(x):
+            assert torch.equal(x, y), k
+        else:
+            assert x == y, k
+
+
+def fails_cleanly(gm, opt, step, args, match, grad=True):
+    """One good step first (optimizer state, batch-norm statistics exist), then ``step(*args)`` changes nothing."""
+    x, y = torch.randn(8, 12), torch.randint(0, 4, (8,))
+    step(x, y)
+    before = state(gm, opt, step)
+    with pytest.raises(autocastfx.StepError, match=match) as info, torch.set_grad_enabled(grad):
+        step(*args)
+    assert_same(before, state(gm, opt, step))
+    step(x, y)  # still trains afterwards
+    assert int(step.stats.steps) == 2
+    return str(info.value)
+
+
+LOSSES = {
+    "not_scalar": (lambda out, y: F.cross_entropy(out, y, reduction="none"), r"shape \(6,\).*\.mean\(\)"),
+    "not_float": (lambda out, y: (out.argmax(-1) == y).sum(), r"torch.int64, not floating point"),
+    "detached": (lambda out, y: F.cross_entropy(out.detach(), y), r"not connected.*detach"),
+    "no_grad": (lambda out, y: _no_grad_loss(out, y), r"not connected.*torch.no_grad\(\)"),
+    "not_tensor": (lambda out, y: 1.0, r"not a tensor.*out\.loss"),
+}
+
+
+def _no_grad_loss(out, y):
+    with torch.no_grad():
+        return F.cross_entropy(out, y)
+
+
+@pytest.mark.parametrize("case", list(LOSSES))
+def test_bad_loss_raises_before_anything_changes(case):
+    loss_fn, match = LOSSES[case]
+    calls = {"n": 0}
+
+    def first_good_then_bad(out, y):  # the first call (the good step) is fine; then the bad loss
+        calls["n"] += 1
+        return F.cross_entropy(out, y) if calls["n"] == 1 else loss_fn(out, y)
+    gm, opt, step = make(first_good_then_bad)
+    x, y = torch.randn(6, 12), torch.randint(0, 4, (6,))  # a new signature: its first run is guarded
+    step(torch.randn(8, 12), torch.randint(0, 4, (8,)))
+    before = state(gm, opt, step)
+    with pytest.raises(autocastfx.StepError, match=match):
+        step(x, y)
+    assert_same(before, state(gm, opt, step))
+
+
+def test_bad_loss_checks_read_no_values():
+    gm, opt, step = make(lambda out, y: F.cross_entropy(out, y, reduction="none"))
+    x, y = torch.randn(8, 12), torch.randint(0, 4, (8,))
+    counter = SyncCounter()
+    with counter, pytest.raises(autocastfx.StepError):
+        step(x, y)
+    assert counter.syncs == []
+
+
+def test_wrong_feature_width_names_the_input_and_the_example_shape():
+    gm, opt, step = make()
+    msg = fails_cleanly(gm, opt, step, (torch.randn(8, 9), torch.randint(0, 4, (8,))),
+                        r"input 'x' \(position 0\) has shape \(8, 9\)")
+    assert "converted with (8, 12) torch.float32" in msg and "convert again" in msg
+    assert msg.index("(8, 12)") < msg.index("Inside the module")  # our words first, the padded shapes after
+
+
+def test_wrong_rank_and_wrong_dtype():
+    gm, opt, step = make()
+    fails_cleanly(gm, opt, step, (torch.randn(8, 12, 1), torch.randint(0, 4, (8,))),
+                  r"has shape \(8, 12, 1\).*converted with \(8, 12\)")
+    gm, opt, step = make()
+    fails_cleanly(gm, opt, step, (torch.randn(8, 12, dtype=torch.float64), torch.randint(0, 4, (8,))),
+                  r"input 'x' \(position 0\) is torch.float64.*x.to\(torch.float32\)")
+    gm, opt, step = make()
+    fails_cleanly(gm, opt, step, (torch.randn(8, 12).half(), torch.randint(0, 4, (8,))),
+                  r"is torch.float16.*cast plan assumes torch.float32")
+
+
+def test_wrong_device_names_both_devices_and_the_fix():
+    gm, opt, step = make()
+    fails_cleanly(gm, opt, step, (torch.randn(8, 12, device="meta"), torch.randint(0, 4, (8,))),
+                  r"input 'x' \(position 0\) is on meta but the converted module is on cpu.*\.to\('cpu'\)")
+    gm, opt, step = make()
+    fails_cleanly(gm, opt, step, (torch.randn(8, 12), torch.randint(0, 4, (8,), device="meta")),
+                  r"target 0 is on meta but the converted module is on cpu")
+
+
+def test_inputs_that_do_not_fit_the_forward():
+    gm, opt, step = make()
+    fails_cleanly(gm, opt, step, ((torch.randn(8, 12), torch.randn(8, 12)), torch.randint(0, 4, (8,))),
+                  r"do not fit the module's forward\(x\).*too many positional.*step\(inputs, \*targets\)")
+    gm, opt, step = make()
+    fails_cleanly(gm, opt, step, ({"z": torch.randn(8, 12)}, torch.randint(0, 4, (8,))),
+                  r"do not fit.*a dict of keyword inputs")
+
+
+def test_called_with_gradients_disabled():
+    gm, opt, step = make()
+    fails_cleanly(gm, opt, step, (torch.randn(8, 12), torch.randint(0, 4, (8,))),
+                  r"gradients disabled.*outside those blocks", grad=False)
+
+
+def test_keyword_input_of_the_wrong_shape():
+    torch.manual_seed(0)
+    ids, mask = torch.randint(0, 50, (4, 8)), torch.ones(4, 8)
+    gm = autocastfx.convert(MaskNet(), example_kwargs={"input_ids": ids, "attention_mask": mask})
+    opt = torch.optim.AdamW(gm.parameters(), lr=1e-2)
+    step = autocastfx.train_step(gm, F.cross_entropy, opt)
+    y = torch.randint(0, 4, (4,))
+    step({"input_ids": ids, "attention_mask": mask}, y)
+    before = state(gm, opt, step)
+    with pytest.raises(autocastfx.StepError, match=r"keyword input 'attention_mask' has shape \(4, 5\).*\(4, 8\)"):
+        step({"input_ids": ids, "attention_mask": torch.ones(4, 5)}, y)
+    assert_same(before, state(gm, opt, step))
+    step({"input_ids": ids[:, :6], "attention_mask": mask[:, :6]}, y)  # a shorter sequence the model accepts
+
+
+def test_another_batch_size_keeps_working_and_known_signatures_are_not_rechecked():
+    gm, opt, step = make()
+    for n in (8, 3, 8, 5):
+        loss = step(torch.randn(n, 12), torch.randint(0, 4, (n,)))
+        assert loss.shape == () and torch.isfinite(loss)
+    assert len(step.checker.seen) == 3
+
+
+def test_optimizer_over_foreign_tensors_changes_nothing():
+    torch.manual_seed(0)
+    model = BNNet()
+    gm = autocastfx.convert(model, (torch.randn(8, 12),))
+    stray = nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([{"params": list(model.parameters())}, {"params": [stray]}], lr=0.1)
+    groups = [list(g["params"]) for g in opt.param_groups]
+    masters = [m.detach().clone() for m in autocastfx.master_parameters(gm)]
+    with pytest.raises(autocastfx.StepError, match=r"shape \(3,\) \(param group 1, entry 0\).*gm.parameters\(\)"):
+        autocastfx.train_step(gm, F.cross_entropy, opt)
+    assert [list(g["params"]) for g in opt.param_groups] == groups  # not half re-pointed
+    assert all(a is b for g, h in zip(opt.param_groups, groups) for a, b in zip(g["params"], h))
+    assert not opt.defaults.get("fused") and not opt.state
+    assert all(torch.equal(a, b) for a, b in zip(masters, autocastfx.master_parameters(gm)))
+    assert issubclass(autocastfx.StepError, ValueError)
+
+
+def test_cuda_graph_with_retry_is_refused_before_anything_changes():
+    torch.manual_seed(0)
+    model = BNNet()
+    gm = autocastfx.convert(model, (torch.randn(8, 12),))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    groups = [list(g["params"]) for g in opt.param_groups]
+    with pytest.raises(ValueError, match=r"cuda_graph=True cannot be combined with on_overflow='retry'.*'skip'"):
+        autocastfx.train_step(gm, F.cross_entropy, opt, cuda_graph=True, on_overflow="retry")
+    assert all(a is b for a, b in zip(opt.param_groups[0]["params"], groups[0]))
+
+
+def test_a_loss_function_error_stays_its_own_and_changes_nothing():
+    gm, opt, step = make()
+    args = (torch.randn(3, 12), torch.randint(0, 4, (5,)))  # the forward runs; cross_entropy refuses the targets
+    step(torch.randn(8, 12), torch.randint(0, 4, (8,)))
+    before = state(gm, opt, step)
+    with pytest.raises(ValueError, match="batch_size") as info:
+        step(*args)
+    assert not isinstance(info.value, autocastfx.StepError)  # not blamed on the input's batch size
+    assert_same(before, state(gm, opt, step))
