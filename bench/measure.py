@@ -5,8 +5,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import os
 import statistics
+import sys
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -69,9 +72,7 @@ class StepCost:
 
 def live_tensor_bytes() -> int:
     """Bytes of every tensor storage the Python heap holds right now (deduplicated by storage)."""
-    gc.collect()
-    # type(), not isinstance(): some module objects warn when their __class__ is read
-    return _bytes(o for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and not o.is_meta)
+    return sum(_alive().values())
 
 
 def _bytes(ts) -> int:
@@ -86,12 +87,174 @@ def _bytes(ts) -> int:
     return total
 
 
+def _key(t: torch.Tensor):
+    """A storage's identity while it lives: its address (the CPU and CUDA allocators never hand out one
+    address twice at once). None for tensors that own no memory (meta, empty)."""
+    if t.is_meta:
+        return None
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # fake and functional tensors (torch.compile's) own no memory
+        return None
+    return (t.device.type, ptr) if ptr else None
+
+
+def alive_storage_keys() -> frozenset:
+    """The storages of every tensor the Python heap holds now: what to leave out of a recipe's own count."""
+    return frozenset(_alive())
+
+
+def _alive() -> dict:
+    """{storage key: bytes} for every tensor the Python heap holds, after a garbage collection."""
+    gc.collect()
+    out = {}
+    for o in gc.get_objects():
+        if issubclass(type(o), torch.Tensor):  # type(), not isinstance(): some module objects warn when asked
+            key = _key(o)
+            if key is not None:
+                out[key] = o.untyped_storage().nbytes()
+    return out
+
+
+def tensors_in(obj, depth: int = 3):
+    """Tensors held by ``obj``'s attributes, or inside its lists, tuples and dicts, ``depth`` levels down."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth > 0:
+        if isinstance(obj, dict):
+            items = obj.values()
+        elif isinstance(obj, (list, tuple)):
+            items = obj
+        elif hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, type)):
+            items = vars(obj).values()
+        else:
+            return
+        for v in items:
+            yield from tensors_in(v, depth - 1)
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Bytes of tensor storage alive while active, and the most at once.
+
+    Every tensor an aten op returns is watched, and so is every tensor given to ``watch()``. A storage counts
+    from the first time it is seen until the last watched tensor on it is freed (a weakref finalizer: PyTorch
+    keeps a tensor's Python object alive as long as the C++ tensor, so tensors that only autograd holds still
+    count). Views and in-place results share their storage and are not counted twice. Storages in ``ignore``
+    (alive before the thing measured existed: the input batch, the source model) are never counted. Memory a
+    kernel uses without returning it as a tensor (workspaces) is not seen."""
+
+    def __init__(self, ignore=frozenset()):
+        super().__init__()
+        self.ignore = ignore
+        self.refs: dict = {}   # storage key -> [watched tensors alive, bytes]
+        self.now = 0
+        self.peak = 0
+
+    def watch(self, t) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        key = _key(t)
+        if key is None or key in self.ignore:
+            return
+        entry = self.refs.get(key)
+        if entry is None:
+            entry = self.refs[key] = [0, t.untyped_storage().nbytes()]
+            self.now += entry[1]
+            self.peak = max(self.peak, self.now)
+        entry[0] += 1
+        weakref.finalize(t, self._freed, key)
+
+    def _freed(self, key) -> None:
+        entry = self.refs.get(key)
+        if entry is not None:
+            entry[0] -= 1
+            if entry[0] == 0:
+                del self.refs[key]
+                self.now -= entry[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            self.watch(t)
+        return out
+
+
+@dataclasses.dataclass
+class MemoryAccount:
+    """Bytes of tensor storage a training recipe holds between steps, by what holds them, and its peak during
+    a step. Each storage is counted once, under the first heading that claims it (in this order)."""
+    params: int      # the module's parameters and buffers (low-precision weights included)
+    masters: int     # float32 master weights kept beside low-precision ones
+    grads: int       # gradients alive between steps: .grad of parameters and masters
+    optimizer: int   # optimizer state (moments, step counts)
+    scaler: int      # loss-scale state (GradScaler's, or the generated step's)
+    other: int       # every other tensor alive that the recipe created (the step's own buffers)
+    peak: int        # the most bytes alive at once during one step, what is alive between steps included
+    tracked_after: int  # the tracker's running count after the step: equals between() when nothing was missed
+
+    HEADINGS = ("params", "masters", "grads", "optimizer", "scaler")
+
+    @property
+    def between(self) -> int:
+        return self.params + self.masters + self.grads + self.optimizer + self.scaler + self.other
+
+
+def _census(holders: dict, ignore) -> tuple[dict, list]:
+    """Bytes per heading, each storage under the first heading that holds it; then every other tensor the gc
+    finds that is not in ``ignore`` (collect garbage first where cycles matter). Returns the bytes and the
+    tensors counted."""
+    seen, out, counted = set(ignore), {}, []
+    for heading in MemoryAccount.HEADINGS:
+        out[heading] = 0
+        for t in holders.get(heading, ()):
+            key = None if t is None else _key(t)
+            if key is not None and key not in seen:
+                seen.add(key)
+                out[heading] += t.untyped_storage().nbytes()
+                counted.append(t)
+            elif t is not None:
+                counted.append(t)  # watched too: its storage may outlive the tensor that claimed it
+    out["other"] = 0
+    for o in gc.get_objects():
+        if issubclass(type(o), torch.Tensor):
+            key = _key(o)
+            if key is not None and key not in seen:
+                seen.add(key)
+                out["other"] += o.untyped_storage().nbytes()
+                counted.append(o)
+    return out, counted
+
+
+def step_memory(run, holders=dict, ignore=frozenset()) -> MemoryAccount:
+    """Run one training step (``run()``) under a :class:`MemoryTracker` and account its memory.
+
+    ``holders()`` returns ``{heading: tensors}`` for the headings of :class:`MemoryAccount` (parameters, masters,
+    gradients, optimizer and scaler state); it is called before the step, so that everything alive then is
+    watched from the start, and after it, for the between-step census. ``ignore``: storages that are not the
+    recipe's (``alive_storage_keys()`` taken before the recipe was built). Call it after a few warm-up steps,
+    so that optimizer state exists and the step is a steady one."""
+    tracker = MemoryTracker(ignore)
+    gc.collect()
+    _, alive = _census(holders(), ignore)
+    for t in alive:
+        tracker.watch(t)
+    del alive
+    tracker.peak = tracker.now
+    with tracker:
+        out = run()
+    del out
+    gc.collect()
+    counts, _ = _census(holders(), ignore)
+    return MemoryAccount(**counts, peak=tracker.peak, tracked_after=tracker.now)
+
+
 class Runner:
     """One training-step recipe over one model: ``fp32``, ``autocast`` (+GradScaler), ``autocastfx``, ``floor``."""
 
     def __init__(self, recipe, model, inputs, target, loss_fn=F.cross_entropy, lr=1e-3, fused=None, **convert_kw):
         self.recipe, self.inputs, self.target, self.loss_fn = recipe, inputs, target, loss_fn
-        self._baseline = live_tensor_bytes()  # what was alive before this recipe existed (the source model, inputs)
+        alive = _alive()  # what was alive before this recipe existed (the source model, the inputs)
+        self._baseline, self._before = sum(alive.values()), frozenset(alive)
         model = copy.deepcopy(model)
         self.masters = []
         if recipe == "autocastfx":
@@ -182,6 +345,25 @@ class Runner:
         return StepCost(c.cast_bytes, c.casts, c.ops, c.syncs, saved_bytes, _bytes(params), peak[0],
                         _bytes(self.masters), _bytes(state), live_tensor_bytes() - self._baseline, skipped)
 
+    def memory(self, warmup: int = 3) -> MemoryAccount:
+        """Bytes alive between steps, by holder, and the peak during one step (see :func:`step_memory`)."""
+        for _ in range(warmup):
+            self.run()
+        return step_memory(self.run, self._holders, self._before)
+
+    def _holders(self) -> dict:
+        params = list(self.model.parameters()) + list(self.model.buffers())
+        if self.recipe == "autocast":
+            scaler = list(tensors_in(self.scaler))
+        elif self.recipe == "autocastfx":
+            scaler = list(tensors_in(self.step.state))
+        else:
+            scaler = []
+        state = [v for s in self.opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return {"params": params, "masters": self.masters,
+                "grads": [p.grad for p in params] + [m.grad for m in self.masters],
+                "optimizer": state, "scaler": scaler}
+
 
 def interleaved_step_times(runners: dict, rounds: int = 10, steps: int = 30, warmup: int = 20) -> dict:
     """Median step time of each runner, the runners taking turns (``rounds`` blocks of ``steps`` each) so that
@@ -258,3 +440,45 @@ def accumulation_cast_bytes(model, inputs, target, loss_fn=F.cross_entropy, micr
             fn()
         out[name] = (c.cast_bytes, c.casts)
     return out
+
+
+def memory_table(workloads, recipes=("autocast", "autocastfx")) -> str:
+    """Between-step bytes by holder and the peak during a step, per recipe, on the CPU (``Runner.memory``).
+    ``workloads``: (name, model, inputs, target, loss_fn)."""
+    head = (f"{'model':10} {'recipe':11} {'params':>8} {'masters':>8} {'grads':>8} {'optim':>8} {'scaler':>7} "
+            f"{'other':>6} {'between':>8} {'peak':>8}")
+    lines = ["Bytes of tensor storage, by holder, alive between two steps, and the most alive at once during one.",
+             head, "-" * len(head)]
+    ratios = []
+    for name, model, inputs, target, loss_fn in workloads:
+        acc = {}
+        for recipe in recipes:
+            a = acc[recipe] = Runner(recipe, model, inputs, target, loss_fn).memory()
+            lines.append(f"{name:10} {recipe:11} {a.params:8d} {a.masters:8d} {a.grads:8d} {a.optimizer:8d} "
+                         f"{a.scaler:7d} {a.other:6d} {a.between:8d} {a.peak:8d}")
+        if "autocast" in acc and "autocastfx" in acc:
+            ac, fx = acc["autocast"], acc["autocastfx"]
+            ratios.append(f"{name}: autocastfx/autocast between steps {fx.between / ac.between:.2f}, "
+                          f"peak {fx.peak / ac.peak:.2f}")
+    return "\n".join(lines + [""] + ratios)
+
+
+def small_model_workloads():
+    """tests/small_models.py's models with their example batches and a target each."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    import small_models
+
+    out = []
+    for name in small_models.ALL:
+        model, inputs = small_models.example(name, batch=4)
+        if name == "gpt":
+            target = torch.roll(inputs[0], -1, 1)
+            out.append((name, model, inputs, target, lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten())))
+        else:
+            out.append((name, model, inputs, torch.arange(4) % 10, F.cross_entropy))
+    return out
+
+
+if __name__ == "__main__":  # python bench/measure.py: the memory account of the test suite's small models
+    print(f"torch {torch.__version__}, AdamW, both scalers from {INIT_SCALE:g}, autocastfx with its defaults")
+    print(memory_table(small_model_workloads()))

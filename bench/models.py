@@ -1,5 +1,6 @@
 """Benchmark models written here (no torchvision/timm/transformers needed): ResNet-50, ViT-B/16 and
-GPT-2-small shapes, plus the tiny overhead-bound MLP and the transformer stacks for conversion cost."""
+GPT-2-small shapes, resnet18 (overhead-bound at small batches on a GPU), plus the tiny overhead-bound MLP and
+the transformer stacks for conversion cost."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -24,14 +25,52 @@ class Bottleneck(nn.Module):
 
 
 class ResNet50(nn.Module):
-    def __init__(self, classes=1000, layers=(3, 4, 6, 3)):
+    """``width`` scales every stage (64 is ResNet-50's); the benchmark's dry run uses 8."""
+
+    def __init__(self, classes=1000, layers=(3, 4, 6, 3), width=64):
         super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64)
-        blocks, c = [], 64
-        for i, (n, w) in enumerate(zip(layers, (64, 128, 256, 512))):
+        self.conv1, self.bn1 = nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width)
+        blocks, c = [], width
+        for i, (n, w) in enumerate(zip(layers, (width, 2 * width, 4 * width, 8 * width))):
             for j in range(n):
                 blocks.append(Bottleneck(c, w, 2 if (j == 0 and i > 0) else 1))
                 c = w * 4
+        self.layers = nn.Sequential(*blocks)
+        self.fc = nn.Linear(c, classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 3, 2, 1)
+        x = self.layers(x)
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, c_in, c_out, stride):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False), nn.BatchNorm2d(c_out)
+        self.conv2, self.bn2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False), nn.BatchNorm2d(c_out)
+        self.down = None
+        if stride != 1 or c_in != c_out:
+            self.down = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return F.relu(y + (x if self.down is None else self.down(x)))
+
+
+class ResNet18(nn.Module):
+    """torchvision's resnet18 layout (11.7M parameters at width 64): at batch 8 and 64x64 its kernels are so
+    small that launching them, not running them, sets the step time on a GPU."""
+
+    def __init__(self, classes=1000, width=64):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width)
+        blocks, c = [], width
+        for i, w in enumerate((width, 2 * width, 4 * width, 8 * width)):
+            for j in range(2):
+                blocks.append(BasicBlock(c, w, 2 if (j == 0 and i > 0) else 1))
+                c = w
         self.layers = nn.Sequential(*blocks)
         self.fc = nn.Linear(c, classes)
 

@@ -1,13 +1,16 @@
 """The benchmark's measuring code runs and counts what it claims to (tiny models, seconds)."""
+import json
 import os
 import sys
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 import gpu  # noqa: E402
-from measure import (Counter, Runner, convert_scaling, interleaved_step_times, live_tensor_bytes,  # noqa: E402
-                     median_step_time)
+from measure import (Counter, MemoryTracker, Runner, alive_storage_keys, convert_scaling,  # noqa: E402
+                     interleaved_step_times, live_tensor_bytes, median_step_time)
 from models import GPT2, TinyMLP, lm_loss, transformer_stack  # noqa: E402
 
 
@@ -59,19 +62,151 @@ def test_timing_and_conversion_scaling_run():
     assert rows[0][0] > 10 and rows[0][3] > 0
 
 
-def test_gpu_script_steps_on_cpu():
-    """bench/gpu.py's recipes (eager) build and train a tiny GPT-2 on the CPU; the correctness check flags a
-    diverging recipe."""
+def test_memory_tracker_counts_storages_once_and_frees():
+    """Allocations counted when made and uncounted when the last tensor on the storage dies; views and in-place
+    results add nothing; storages alive before (``ignore``) are never counted."""
+    before = torch.zeros(256)
+    tr = MemoryTracker(ignore=alive_storage_keys())
+    with tr:
+        a = torch.empty(1000)              # 4000 bytes
+        v = a.view(10, 100)                # a view: same storage
+        a.add_(1)                          # in place: same storage
+        del a
+        assert tr.now == 4000
+        b = torch.empty(2000)              # 8000 more: peak 12000
+        del v                              # the last tensor on the first storage: freed
+        assert tr.now == 8000 and tr.peak == 12000
+        w = before.view(16, 16)            # a view of a storage alive before: not the tracked thing's
+        c = (b * 2).sum()                  # b, b * 2 and the 4-byte sum at once; then the sum remains
+        del b
+    assert w.shape == (16, 16) and c.numel() == 1
+    assert tr.peak == 16004 and tr.now == 4
+
+
+def test_memory_tracker_sees_what_only_autograd_holds():
+    """Tensors saved for backward live in C++ only; they still count until backward frees them."""
+    w = torch.randn(100, 100, requires_grad=True)
+    tr = MemoryTracker(ignore=alive_storage_keys())
+    with tr:
+        x = torch.randn(50, 100)
+        loss = ((x @ w).relu() ** 2).sum()
+        del x
+        saved = tr.now
+        loss.backward()
+        del loss
+    assert saved >= 2 * 50 * 100 * 4          # the input of the matmul and the relu output, at least
+    assert tr.now == w.grad.nbytes == 100 * 100 * 4
+
+
+def _mlp():
     torch.manual_seed(0)
-    model = GPT2(vocab=67, ctx=16, d=16, depth=1, heads=2)
-    data = [gpu.batch((2, 8), 67, "cpu", s) for s in range(2)]
-    losses = {}
-    for recipe in ("fp32", "autocast+GradScaler", "autocastfx"):
-        step = gpu.make_step(recipe, model, lm_loss, data[0][0], "cpu")
-        for i in range(3):
-            loss = step(*data[i % 2])
-        losses[recipe] = float(loss)
-        t, peak = gpu.timed(step, data, "cpu", warmup=1, iters=2)
-        assert t > 0 and peak == 0
-    assert gpu.close_to_autocast(losses, 3) == []
-    assert gpu.close_to_autocast({**losses, "autocastfx": losses["autocastfx"] * 2}, 3) == ["autocastfx"]
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))  # dims multiples of 8: nothing padded
+
+
+def test_step_memory_by_hand_on_an_mlp():
+    """Between-step bytes by holder, computed by hand from the parameter count P (808): float32 parameters and
+    gradients 4 B each; AdamW's two moments 8 B plus one 4-byte step count per tensor; GradScaler's scale and
+    growth tracker 4 B each; autocastfx's module weights 2 B, float32 masters 4 B and their persistent float32
+    gradients 4 B (the float16 gradients are dropped after each update)."""
+    model, x, y = _mlp(), torch.randn(4, 16), torch.randint(0, 8, (4,))
+    P, tensors = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
+    assert P == 808
+    acc = {r: Runner(r, model, (x,), y).memory() for r in ("fp32", "autocast", "autocastfx")}
+    adamw = 8 * P + 4 * tensors
+    fp32, ac, fx = acc["fp32"], acc["autocast"], acc["autocastfx"]
+    assert (fp32.params, fp32.masters, fp32.grads, fp32.optimizer, fp32.scaler, fp32.other) == (4 * P, 0, 4 * P, adamw, 0, 0)
+    assert (ac.params, ac.masters, ac.grads, ac.optimizer, ac.scaler, ac.other) == (4 * P, 0, 4 * P, adamw, 8, 0)
+    assert (fx.params, fx.masters, fx.grads, fx.optimizer, fx.other) == (2 * P, 4 * P, 4 * P, adamw, 0)
+    assert 0 < fx.scaler < 16 * 1024          # a few scalars and the on-device history
+    for a in acc.values():
+        assert a.tracked_after == a.between   # the running count and the census after the step agree
+        assert a.peak > a.between
+    # during the step, autocast holds float16 copies of the weights and autocastfx the float16 gradients
+    assert ac.peak >= ac.between + 2 * P and fx.peak >= fx.between + 2 * P
+
+
+# ------------------------------------------------------------------------------------------- bench/gpu.py
+def test_gpu_dry_run_every_recipe(tmp_path):
+    """The scoreboard's dry run on GPT-2's workload: every recipe measured (the CUDA graph's row says why not, on
+    a CPU), the first losses of every recipe close to autocast's and FP32's, Markdown and JSON written."""
+    md, js = tmp_path / "board.md", tmp_path / "board.json"
+    assert gpu.main(["--dry-run", "--only", "gpt2", "--markdown", str(md), "--json", str(js)]) == 0
+    rows = {(r["workload"], r["recipe"]): r for r in json.loads(js.read_text())["rows"]}
+    assert set(rows) == {("gpt2", r) for r in gpu.BIG}
+    for (w, r), row in rows.items():
+        if r == "fx-graph":
+            assert "ms" in row or "CUDA" in row["na"]
+            continue
+        assert "error" not in row and row["ms"] > 0 and row["peak"] >= row["live"] > 0, row
+        assert row["account"]["tracked_after"] == row["live"]
+        text, ok = gpu.loss_check(rows, gpu_workload(w), r)
+        assert ok is not False, text
+    assert rows[("gpt2", "fx-compile")]["note"].endswith("aot_eager backend (dry run)")
+    # autocastfx keeps float32 masters beside float16 weights: more bytes between steps than autocast here
+    assert rows[("gpt2", "fx")]["account"]["masters"] > 0 == rows[("gpt2", "autocast")]["account"]["masters"]
+    text = md.read_text()
+    assert text.startswith("### CPU (dry run") and "| model | recipe | ms/step |" in text
+    assert ">= 1.3x autocast+GradScaler" in text and "peak <= autocast+GradScaler" in text
+
+
+def gpu_workload(key):
+    return next(w for w in gpu.workloads(True) if w.key == key)
+
+
+def test_gpu_rows_in_their_own_processes(tmp_path):
+    """--isolate process: the torch.compile row compiled first in a parallel process, then measured in a fresh
+    one; its result comes back through JSON."""
+    js = tmp_path / "board.json"
+    assert gpu.main(["--dry-run", "--only", "lm4", "--recipes", "fx", "--isolate", "process",
+                     "--json", str(js)]) == 0
+    data = json.loads(js.read_text())
+    (row,) = data["rows"]
+    assert row["recipe"] == "fx" and row["ms"] > 0 and len(row["losses"]) == 2 and "machine" not in row
+    assert data["machine"]["device"].startswith("CPU")
+
+
+def test_gpu_budget_and_bad_options(tmp_path, capsys):
+    js = tmp_path / "board.json"
+    assert gpu.main(["--dry-run", "--only", "lm4", "--budget", "0", "--json", str(js)]) == 0
+    assert all("budget" in r["na"] for r in json.loads(js.read_text())["rows"])
+    for bad in (["--only", "resnet"], ["--recipes", "amp"]):
+        try:
+            gpu.main(["--dry-run", *bad])
+        except SystemExit as e:
+            assert e.code == 2
+        assert "choose from" in capsys.readouterr().err
+
+
+def test_gpu_targets_and_loss_check_judge():
+    """PASS, MISS and n/a from hand-made rows; a recipe whose first losses drift is flagged."""
+    w = gpu_workload("gpt2")
+    rows = {("gpt2", "autocast"): {"ms": 10.0, "peak": 100, "live": 50, "losses": [5.0, 4.0]},
+            ("gpt2", "fp32"): {"ms": 30.0, "peak": 150, "live": 50, "losses": [5.0, 4.02]},
+            ("gpt2", "fx"): {"ms": 7.0, "peak": 120, "live": 60, "losses": [5.0, 4.01]},
+            ("gpt2", "fx-graph"): {"ms": 8.0, "peak": 90, "live": 60, "losses": [5.0, 4.5]}}
+    speed = gpu.Target("fx", "autocast", "speed", 1.3)
+    assert gpu.judge(rows, w, speed) == ("1.43x", True)
+    assert gpu.judge(rows, w, gpu.Target("fx-graph", "autocast", "speed", 1.3))[1] is False
+    assert gpu.judge(rows, w, gpu.Target("fx", "autocast", "memory"))[1] is False
+    assert gpu.judge(rows, w, gpu.Target("fx-graph", "autocast", "memory"))[1] is True
+    assert gpu.judge(rows, w, gpu.Target("fx-compile", "autocast-compile", "speed")) == ("n/a", None)
+    assert gpu.loss_check(rows, w, "fx")[1] is True
+    cell, ok = gpu.loss_check(rows, w, "fx-graph")
+    assert ok is False and "DIFFERS" in cell and "12.5% autocast" in cell
+    assert gpu.loss_check(rows, w, "autocast")[1] is True   # against FP32
+    cells = gpu.row_cells(rows, w, "fx", ("GiB", 2**30))
+    assert cells[3] == "1.43x" and ">= 1.3x autocast+GradScaler: PASS" in cells[-1]
+
+
+def test_gpu_reference_row_runs_channels_last():
+    """The hand-made channels_last autocast row really runs its convolutions on channels_last weights and input."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(8, 4))
+    seen = []
+    model[0].register_forward_pre_hook(lambda m, args: seen.append(args[0].is_contiguous(
+        memory_format=torch.channels_last)))
+    built = gpu.build("autocast-cl", model, F.cross_entropy, None, "cpu", dry=True)
+    loss = built.step((torch.randn(2, 3, 8, 8),), torch.tensor([0, 3]))
+    assert torch.isfinite(loss) and seen == [True]
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
