@@ -4,6 +4,7 @@ from .capture import CaptureError
 from .checks import StepError
 from .diagnose import GradHistogram, calibrate, grad_histogram
 from .export import FormatError, export, load, save
+from .graphed import CudaGraphStep
 from .plan import CastPlan
 from .policy import OpClass, Policy
 from .report import Report, report
@@ -13,5 +14,6 @@ from .step import StepStats, TrainStep, train_step
 
 __all__ = ["convert", "report", "master_parameters", "Policy", "OpClass", "Report", "CastPlan", "Decision",
            "ConvertInfo", "CaptureError", "train_step", "TrainStep", "StepStats", "LossScaleError", "StepError",
-           "export", "save", "load", "FormatError", "calibrate", "grad_histogram", "GradHistogram"]
+           "export", "save", "load", "FormatError", "calibrate", "grad_histogram", "GradHistogram",
+           "CudaGraphStep"]
 __version__ = "0.1.0"
