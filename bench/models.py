@@ -113,13 +113,22 @@ class ViT(nn.Module):
 
 
 class GPT2(nn.Module):
-    def __init__(self, vocab=50257, ctx=1024, d=768, depth=12, heads=12):
+    """``init_std=0.02`` initialises embeddings and linears as GPT-2 does (the first loss near log(vocab));
+    PyTorch's defaults (None) give the tied unit-variance embedding logits in the hundreds."""
+
+    def __init__(self, vocab=50257, ctx=1024, d=768, depth=12, heads=12, init_std=None):
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
         self.blocks = nn.Sequential(*[Block(d, heads, causal=True) for _ in range(depth)])
         self.ln = nn.LayerNorm(d)
         self.lm_head = nn.Linear(d, vocab, bias=False)
         self.lm_head.weight = self.wte.weight
+        if init_std is not None:
+            for m in self.modules():
+                if isinstance(m, (nn.Linear, nn.Embedding)):
+                    nn.init.normal_(m.weight, 0.0, init_std)
+                if isinstance(m, nn.Linear) and m.bias is not None:
+                    nn.init.zeros_(m.bias)
 
     def forward(self, ids):
         pos = torch.arange(ids.shape[1], device=ids.device)
