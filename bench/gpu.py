@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -457,12 +458,18 @@ def loss_check(rows: dict, w: Workload, recipe: str) -> tuple[str, bool | None]:
     for ref in (["fp32"] if recipe in ("fp32", "tf32") else ["autocast", "fp32"]):
         theirs = rows.get((w.key, ref), {}).get("losses")
         if theirs and ref != recipe:
-            gaps.append((ref, max(abs(a - b) / abs(b) for a, b in zip(mine, theirs))))
+            gaps.append((ref, max(_gap(a, b) for a, b in zip(mine, theirs))))
     cell = f"{mine[0]:.4f} -> {mine[-1]:.4f}"
     if not gaps:
         return cell, None
     ok = all(g <= LOSS_RTOL for _, g in gaps)
     return cell + (" ok " if ok else " DIFFERS ") + ", ".join(f"{g:.1%} {ref}" for ref, g in gaps), ok
+
+
+def _gap(a: float, b: float) -> float:
+    """Relative gap; infinite when either loss is not finite (max() over NaN would depend on the order)."""
+    gap = abs(a - b) / max(abs(b), 1e-12)
+    return gap if math.isfinite(gap) else math.inf
 
 
 def judge(rows: dict, w: Workload, t: Target, unit=("GiB", GiB)) -> tuple[str, bool | None]:

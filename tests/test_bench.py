@@ -199,6 +199,8 @@ def test_gpu_targets_and_loss_check_judge():
     cell, ok = gpu.loss_check(rows, w, "fx-graph")
     assert ok is False and "DIFFERS" in cell and "12.5% autocast" in cell
     assert gpu.loss_check(rows, w, "autocast")[1] is True   # against FP32
+    rows[("gpt2", "fx")]["losses"] = [5.0, float("nan")]
+    assert gpu.loss_check(rows, w, "fx")[1] is False
     cells = gpu.row_cells(rows, w, "fx", ("GiB", 2**30))
     assert cells[3] == "1.43x" and ">= 1.3x autocast+GradScaler: PASS" in cells[-1]
 
