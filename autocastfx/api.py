@@ -10,6 +10,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import capture as _capture
+from . import layout as _layout
 from . import modes as _modes
 from . import padding as _padding
 from . import plan as _plan
@@ -38,13 +39,15 @@ class ConvertInfo:
 
 def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kwargs: dict | None = None,
             dtype: torch.dtype = torch.float16, policy: Policy | None = None, pad_multiple: int = 8,
-            master_weights: bool = True, keep_io_types: bool = True) -> fx.GraphModule:
+            master_weights: bool = True, keep_io_types: bool = True, memory_format: str = "auto"
+            ) -> fx.GraphModule:
     """Rewrite ``model`` into an explicit mixed-precision ``torch.fx.GraphModule``; ``model`` is not modified.
 
     See the README for what each option does. Raises ValueError for bad options, TypeError for a model
     that is not an ``nn.Module``, and ``autocastfx.CaptureError`` when the model cannot be captured.
     """
     args, kwargs = _check_inputs(model, example_inputs, example_kwargs, dtype, pad_multiple)
+    memory_format = _layout.check_memory_format(memory_format)
     policy = policy if policy is not None else Policy.default()
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be an autocastfx.Policy, got {type(policy).__name__}")
@@ -64,20 +67,25 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
 
     _modes.record(gm, model)  # flags that came from self.training follow gm.train()/gm.eval() from now on
     absorbed = _rewrite.absorb_casts(gm)
+    layout = _layout.plan_layout(gm, memory_format)  # channels_last or not: padding's gate depends on it
     pad_plan = None
     if pad_multiple > 1:
-        pad_plan = _padding.plan_padding(gm, pad_multiple, policy.pad_max_growth)
+        pad_plan = _padding.plan_padding(gm, pad_multiple, policy.pad_max_growth, layout=layout.memory_format,
+                                         dtype=dtype, gate=getattr(policy, "pad_gate", None))
         if any(d.action == "pad" for d in pad_plan.decisions):
             _padding.apply_padding(gm, pad_plan)
             _capture.propagate(gm, args, kwargs)  # the padded values' shapes
+    _layout.apply_layout(gm, layout, args, kwargs)
     plan = _plan.build_plan(gm, policy, dtype, master_weights=master_weights, keep_io_types=keep_io_types)
     masters = _weights.store_low(gm, plan.low_params, dtype)
     _rewrite.apply_plan(gm, plan)
     gm.meta["autocastfx"] = ConvertInfo(
         dtype=dtype, policy=policy, capture=how, plan=plan, masters=masters, absorbed=absorbed,
         source_params={id(p): n for n, p in model.named_parameters(remove_duplicate=False)},
-        options=dict(pad_multiple=pad_multiple, master_weights=master_weights, keep_io_types=keep_io_types),
-        extra_totals={"padding": pad_plan.totals()} if pad_plan is not None else {})
+        options=dict(pad_multiple=pad_multiple, master_weights=master_weights, keep_io_types=keep_io_types,
+                     memory_format=memory_format),
+        extra_totals={**({"padding": pad_plan.totals()} if pad_plan is not None else {}),
+                      "layout": layout.totals()})
     _modes.install(gm)
     return gm
 

@@ -11,19 +11,25 @@ padded layer feeds another through such a chain, the padded channels (all zeros)
 nor the next pad is emitted. Parameters keep their true shapes, so ``state_dict()``, the float32 masters and
 every optimizer see only true values: padded slices cannot drift away from zero.
 
-A cost gate skips dims whose padding would grow the GEMM by more than ``max_growth`` (default 4x: RGB's
-3 -> 8 input channels pads, a 1-channel input does not; when both dims together are over, one alone may pad); grouped and depthwise convolutions keep their group
-structure and are not padded. Every decision, padded or skipped, is in the report.
+Padding must never slow a step down, so a gate decides op by op (``autocastfx.hardware``): the cost model
+(default) leaves the RGB stem's 3 input channels alone in NCHW and pads them to 4 in channels_last, leaves
+memory-bound ops (a 10-class head) alone and pads compute-bound ones whose alignment costs tensor-core
+throughput (a 50257-word vocabulary); ``gate="trial"`` times the candidates on the CUDA device instead;
+``gate="always"`` pads every misaligned dim. No gate grows an op's FLOPs past ``max_growth`` (4x), and
+grouped and depthwise convolutions keep their groups. Every decision, padded or skipped, is in the report
+with the rule and numbers that made it.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from . import hardware as _hw
 from .capture import TensorInfo, node_flops
 from .policy import op_name
 
@@ -32,6 +38,8 @@ _ZERO_PRESERVING = frozenset("""relu relu6 leaky_relu gelu silu hardswish mish t
     dropout dropout1d dropout2d dropout3d feature_dropout alpha_dropout max_pool1d max_pool2d max_pool3d
     avg_pool1d avg_pool2d avg_pool3d identity contiguous clone softshrink hardshrink""".split())
 DEFAULT_MAX_GROWTH = 4.0
+GATES = ("model", "trial", "always")
+DEFAULT_GATE = "model"
 
 
 @dataclasses.dataclass
@@ -45,6 +53,7 @@ class PadDecision:
     flops: int = 0             # FLOPs of the op, unpadded
     extra_flops: int = 0
     extra_elements: int = 0    # more weight, input and output elements the padded op reads and writes
+    rules: tuple[str, ...] = ()  # the gate's rules that decided (autocastfx.hardware.RULES), or "trial"/"always"
 
 
 @dataclasses.dataclass
@@ -52,13 +61,16 @@ class PadPlan:
     multiple: int
     decisions: list[PadDecision]
     persistent: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (producer, consumer) kept padded
+    gate: str = "always"       # "model" | "trial" | "always": who decided
+    target: str = ""           # the hardware the model or trial judged for, and why that one
 
     def totals(self) -> dict:
         gemm = [d for d in self.decisions]
         before = sum(1 for d in gemm if d.out[0] % self.multiple or d.inp[0] % self.multiple)
         after = sum(1 for d in gemm if (d.out[1] if d.action == "pad" else d.out[0]) % self.multiple
                     or (d.inp[1] if d.action == "pad" else d.inp[0]) % self.multiple)
-        return {"multiple": self.multiple, "misaligned_before": before, "misaligned_after": after,
+        return {"multiple": self.multiple, "gate": self.gate, "target": self.target,
+                "misaligned_before": before, "misaligned_after": after,
                 "padded": [f"{d.node}: {d.reason}" for d in self.decisions if d.action == "pad"],
                 "skipped": [f"{d.node}: {d.reason}" for d in self.decisions if d.action == "skip"],
                 "extra_flops": sum(d.extra_flops for d in self.decisions if d.action == "pad"),
@@ -67,8 +79,8 @@ class PadPlan:
 
     def __str__(self) -> str:
         t = self.totals()
-        lines = [f"PadPlan(multiple={self.multiple}: misaligned GEMM/conv ops {t['misaligned_before']} -> "
-                 f"{t['misaligned_after']}, extra FLOPs {t['extra_flops']:,})"]
+        lines = [f"PadPlan(multiple={self.multiple}, gate={self.gate}: misaligned GEMM/conv ops "
+                 f"{t['misaligned_before']} -> {t['misaligned_after']}, extra FLOPs {t['extra_flops']:,})"]
         lines += [f"  {d.node}: {d.reason}" for d in self.decisions if d.action != "aligned"]
         return "\n".join(lines)
 
@@ -92,16 +104,40 @@ def _weight_param(gm: fx.GraphModule, node: fx.Node):
     return None, None
 
 
-def plan_padding(gm: fx.GraphModule, multiple: int, max_growth: float = DEFAULT_MAX_GROWTH) -> PadPlan:
-    decisions = []
+def plan_padding(gm: fx.GraphModule, multiple: int, max_growth: float = DEFAULT_MAX_GROWTH, *,
+                 gate: str | None = None, layout: str = "contiguous", dtype: torch.dtype = torch.float16,
+                 hardware: _hw.Hardware | None = None,
+                 timer: Callable[[_hw.TrialCase], float] | None = None, cache: dict | None = None) -> PadPlan:
+    """Decide, op by op, which dims pad (see the module docstring and ``autocastfx.hardware``).
+
+    ``gate``: ``"model"`` (the cost model, the default), ``"trial"`` (time every candidate on the CUDA device
+    the model is on, or with ``timer``; the cost model where there is neither) or ``"always"`` (every
+    misaligned dim within ``max_growth``). ``layout`` is the memory format the convolutions will run in;
+    ``hardware`` overrides the target the model judges for (default: the model's CUDA device, else an H100).
+    """
+    gate = DEFAULT_GATE if gate is None else gate
+    if gate not in GATES:
+        raise ValueError(f"pad_gate must be one of {', '.join(map(repr, GATES))}, got {gate!r}")
+    device = _hw.model_device(gm)
+    hw, why = (hardware, "given") if hardware is not None else _hw.target(device)
+    if gate == "trial" and timer is None:
+        if device is not None and device.type == "cuda":
+            timer = _hw.time_on_device
+        else:
+            gate, why = "model", why + "; a timed trial needs a CUDA device, so the cost model decided"
+    plan = PadPlan(multiple, [], gate=gate, target="" if gate == "always" else f"{hw.name} ({why})")
+
+    def decide(site: _hw.Site, node: fx.Node, winfo: TensorInfo, x: TensorInfo | None) -> _hw.Verdict:
+        if gate == "always":
+            return _growth_gate(site, multiple, max_growth)
+        if gate == "trial":
+            return _hw.trial_gate(site, lambda o, i: _trial_case(node, winfo, x, o, i, site, dtype, device),
+                                  multiple, max_growth, timer, cache)
+        return _hw.model_gate(site, multiple, max_growth, hw)
+
     for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        name = op_name(node)
-        kind = "conv" if name in _CONV else "linear" if name == "linear" else None
-        if kind is None:
-            continue
-        w, winfo = _weight_param(gm, node)
+        kind = "conv" if op_name(node) in _CONV else "linear" if op_name(node) == "linear" else None
+        w, winfo = _weight_param(gm, node) if kind and node.op == "call_function" else (None, None)
         out_info = node.meta.get("autocastfx_info")
         if w is None or not isinstance(out_info, TensorInfo):
             continue
@@ -109,40 +145,65 @@ def plan_padding(gm: fx.GraphModule, multiple: int, max_growth: float = DEFAULT_
         flops = node_flops(gm, node)
         node.meta.pop("autocastfx_flops", None)  # the padded op's FLOPs are counted again after padding
         p_out, p_in = _up(c_out, multiple), _up(c_in, multiple)
-        d = PadDecision(node.name, kind, (c_out, p_out), (c_in, p_in), "aligned", "aligned")
+        d = PadDecision(node.name, kind, (c_out, p_out), (c_in, p_in), "aligned", "aligned", flops=flops)
+        plan.decisions.append(d)
         if (p_out, p_in) == (c_out, c_in):
-            decisions.append(d)
             continue
-        if kind == "conv" and _arg(node, 6, "groups", 1) != 1:
-            d.action, d.reason = "skip", (f"skip: grouped convolution (groups={_arg(node, 6, 'groups', 1)}) keeps "
-                                          "its group structure")
-            decisions.append(d)
-            continue
-        def dims(o, i):
-            return " ".join(f"{w} {a} -> {b}" for w, (a, b) in (("out", (c_out, o)), ("in", (c_in, i))) if a != b)
-
-        full = (p_out * p_in) / (c_out * c_in)
-        choice = next(((o, i) for o, i in ((p_out, p_in), (p_out, c_in), (c_out, p_in))
-                       if (o, i) != (c_out, c_in) and (o * i) / (c_out * c_in) <= max_growth), None)
-        over = f"skip {dims(p_out, p_in)}: +{full - 1:.0%} FLOPs over the {max_growth:g}x limit"
-        if choice is None:
-            d.action, d.reason = "skip", over
-        else:
-            o, i = choice
+        x = node.args[0].meta.get("autocastfx_info") if isinstance(node.args[0], fx.Node) else None
+        x = x if isinstance(x, TensorInfo) else None
+        site = _hw.Site(kind, c_out, c_in, _arg(node, 6, "groups", 1) if kind == "conv" else 1,
+                        layout if kind == "conv" else "contiguous", flops, (x.numel if x else 0) + out_info.numel)
+        verdict = decide(site, node, winfo, x)
+        d.rules, d.reason, d.action = verdict.rules, verdict.reason, "skip"
+        o, i = verdict.out, verdict.inp
+        if (o, i) != (c_out, c_in):
             growth = (o * i) / (c_out * c_in)
-            d.out, d.inp = (c_out, o), (c_in, i)
-            d.action = "pad"
-            d.reason = f"pad {dims(o, i)}: tensor-core alignment (+{growth - 1:.0%} FLOPs)"
-            if (o, i) != (p_out, p_in):
-                d.reason += f"; the rest skipped ({over})"
+            d.out, d.inp, d.action = (c_out, o), (c_in, i), "pad"
             d.extra_flops = int(flops * (growth - 1)) if flops else 0
-            x = node.args[0].meta.get("autocastfx_info") if isinstance(node.args[0], fx.Node) else None
-            d.extra_elements = (winfo.numel * (growth - 1) + out_info.numel * (o / c_out - 1)
-                                + (x.numel * (i / c_in - 1) if isinstance(x, TensorInfo) else 0))
-            d.extra_elements = int(d.extra_elements)
-        d.flops = flops
-        decisions.append(d)
-    return PadPlan(multiple, decisions)
+            d.extra_elements = int(winfo.numel * (growth - 1) + out_info.numel * (o / c_out - 1)
+                                   + (x.numel * (i / c_in - 1) if x else 0))
+    return plan
+
+
+def _growth_gate(site: _hw.Site, multiple: int, max_growth: float) -> _hw.Verdict:
+    """``gate="always"``: every misaligned dim pads, within ``max_growth`` (one dim alone when both are over)."""
+    if site.kind == "conv" and site.groups != 1:
+        return _hw.Verdict(site.out, site.inp, ("grouped",),
+                           f"skip: grouped convolution (groups={site.groups}) keeps its group structure")
+    c_out, c_in = site.out, site.inp
+    p_out, p_in = _up(c_out, multiple), _up(c_in, multiple)
+
+    def dims(o, i):
+        return " ".join(f"{w} {a} -> {b}" for w, (a, b) in (("out", (c_out, o)), ("in", (c_in, i))) if a != b)
+
+    full = (p_out * p_in) / (c_out * c_in)
+    over = f"skip {dims(p_out, p_in)}: +{full - 1:.0%} FLOPs over the {max_growth:g}x limit"
+    choice = next(((o, i) for o, i in ((p_out, p_in), (p_out, c_in), (c_out, p_in))
+                   if (o, i) != (c_out, c_in) and (o * i) / (c_out * c_in) <= max_growth), None)
+    if choice is None:
+        return _hw.Verdict(c_out, c_in, ("growth_cap",), over)
+    o, i = choice
+    reason = f"pad {dims(o, i)}: tensor-core alignment (+{(o * i) / (c_out * c_in) - 1:.0%} FLOPs)"
+    if (o, i) != (p_out, p_in):
+        reason += f"; the rest skipped ({over})"
+    return _hw.Verdict(o, i, ("always",), reason)
+
+
+def _trial_case(node: fx.Node, winfo: TensorInfo, x: TensorInfo | None, out: int, inp: int, site: _hw.Site,
+                dtype: torch.dtype, device: torch.device | None) -> _hw.TrialCase:
+    """What the trial times for this node padded to (out, inp): its true shapes and arguments, on the device."""
+    dev = device or torch.device("cuda")
+    label = str(dev)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        label += f" ({torch.cuda.get_device_name(dev)})"
+    conv_args = ()
+    if site.kind == "conv":
+        conv_args = tuple(_arg(node, k, n, dflt) for k, n, dflt in ((3, "stride", 1), (4, "padding", 0),
+                                                                    (5, "dilation", 1)))
+        conv_args = tuple(tuple(a) if isinstance(a, list) else a for a in conv_args)
+    first = isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder"
+    return _hw.TrialCase(site.kind, tuple(x.shape) if x else (), tuple(winfo.shape), out, inp, conv_args,
+                         _arg(node, 2, "bias") is not None, dtype, site.layout, label, input_grad=not first)
 
 
 def _channel_dim(kind: str) -> int:
