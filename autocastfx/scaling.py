@@ -163,7 +163,7 @@ class ScaleState:
             return
         if self._events is not None:
             now, before = self._turn, self._turn ^ 1
-            self._events[now].record()
+            self._events[now].record(torch.cuda.current_stream(self.scale.device))
             self._recorded[now] = True
             self._turn = before
             if not self._recorded[before]:
