@@ -15,6 +15,6 @@ def test_train_digits_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "test accuracy: float32" in out and "autocastfx fp16" in out
-    assert "def train_step(inputs, target):" in out and "casts per forward" in out
+    assert "def train_step(inputs, *targets):" in out and "casts per forward" in out
     acc = [float(tok.rstrip("%")) for tok in out.split("test accuracy:")[1].split("\n")[0].split() if tok.endswith("%")]
     assert len(acc) == 2 and acc[1] > 80.0  # one epoch already learns the digits
