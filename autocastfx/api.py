@@ -10,6 +10,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import capture as _capture
+from . import inline as _inline
 from . import layout as _layout
 from . import modes as _modes
 from . import padding as _padding
@@ -65,6 +66,9 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
         _check_params(model)
         gm, how = _capture.capture(model, args, kwargs, policy)   # runs propagate() on the example inputs
 
+    inlined = _inline.inline_opaque_calls(gm)  # torch.fx.wrap'd functions: traced by torch.export, inlined
+    if any(d.inlined for d in inlined):
+        _capture.propagate(gm, args, kwargs)
     _modes.record(gm, model)  # flags that came from self.training follow gm.train()/gm.eval() from now on
     absorbed = _rewrite.absorb_casts(gm)
     layout = _layout.plan_layout(gm, memory_format)  # channels_last or not: padding's gate depends on it
@@ -85,7 +89,8 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
         options=dict(pad_multiple=pad_multiple, master_weights=master_weights, keep_io_types=keep_io_types,
                      memory_format=memory_format),
         extra_totals={**({"padding": pad_plan.totals()} if pad_plan is not None else {}),
-                      "layout": layout.totals()})
+                      "layout": layout.totals(),
+                      **({"opaque_calls": [str(d) for d in inlined]} if inlined else {})})
     _modes.install(gm)
     return gm
 
