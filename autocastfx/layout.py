@@ -148,7 +148,13 @@ def apply_layout(gm: fx.GraphModule, plan: LayoutPlan, args: tuple, kwargs: dict
 
 
 def undo(gm: fx.GraphModule) -> None:
-    """Take out the layout nodes of an earlier conversion (parameters keep their layout: values are equal)."""
+    """Take out the layout nodes of an earlier conversion and give the weights it stored channels_last their
+    NCHW layout back (a channels_last weight alone makes a convolution run NHWC)."""
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    for name in gm.meta.pop(_TAG, ()):
+        p = params.get(name)
+        if p is not None:
+            _set_param(gm, params, p, p.detach().contiguous())
     changed = False
     for node in list(gm.graph.nodes):
         if _TAG in node.meta:
@@ -202,13 +208,19 @@ def _weights_channels_last(gm: fx.GraphModule) -> list[str]:
         p = params.get(name)
         if p is None or p.dim() != 4 or p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous():
             continue
-        new = nn.Parameter(p.detach().contiguous(memory_format=torch.channels_last), requires_grad=p.requires_grad)
-        for alias, q in params.items():
-            if q is p:
-                owner, _, attr = alias.rpartition(".")
-                setattr(gm.get_submodule(owner), attr, new)
+        _set_param(gm, params, p, p.detach().contiguous(memory_format=torch.channels_last))
         done.append(name)
+    gm.meta[_TAG] = done  # undone by a later conversion
     return done
+
+
+def _set_param(gm: fx.GraphModule, params: dict[str, nn.Parameter], p: nn.Parameter, value: torch.Tensor) -> None:
+    """Replace parameter ``p`` under every name it has (tied weights stay tied) by a Parameter of ``value``."""
+    new = nn.Parameter(value, requires_grad=p.requires_grad)
+    for alias, q in params.items():
+        if q is p:
+            owner, _, attr = alias.rpartition(".")
+            setattr(gm.get_submodule(owner), attr, new)
 
 
 def _convert_inputs(gm: fx.GraphModule) -> list[str]:

@@ -272,6 +272,35 @@ def test_shuffle_then_convolution_and_a_4d_output():
         torch.testing.assert_close(a, b, rtol=1e-3, atol=2 ** -10 * b.abs().max().item())
 
 
+class ExportOnly(nn.Module):
+    """A shape test symbolic tracing cannot follow: captured by torch.export, an aten graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.bn, self.c2 = nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.Conv2d(16, 16, 3, padding=1)
+        self.fc = nn.Linear(16 * 6 * 6, 4)
+
+    def forward(self, x):
+        y = F.relu(self.bn(self.c1(x)))
+        if y.shape[0] > 1:
+            y = self.c2(y)
+        return self.fc(y.reshape(y.shape[0], -1))
+
+
+def test_torch_export_capture_in_channels_last():
+    torch.manual_seed(0)
+    model, x = ExportOnly().eval(), torch.randn(2, 3, 6, 6)
+    gm = autocastfx.convert(model, (x,), memory_format="channels_last")
+    assert gm.meta["autocastfx"].capture == "torch.export"
+    lay = autocastfx.report(gm).totals["layout"]
+    assert lay["params_channels_last"] == 2
+    assert lay["reshape_copies"] == ["reshape (reshape) copies conv2d_1 to NCHW order"]
+    rec, out = _step(gm, (x,), "eval")
+    assert all(c.in_layouts[0] == "nhwc" for c in rec.ops("convolution"))
+    ref = autocastfx.convert(model, (x,), memory_format="preserve").eval()
+    torch.testing.assert_close(out, ref(x), rtol=1e-3, atol=2 ** -10 * out.abs().max().item())
+
+
 def test_stem_padding_runs_in_channels_last():
     model, inputs = _model("resnet")
     gm = autocastfx.convert(model, inputs, memory_format="channels_last")
@@ -290,6 +319,9 @@ def test_reconvert_gives_the_same_graph():
     assert again.code == gm.code
     back = autocastfx.convert(gm, inputs, memory_format="preserve")
     assert "channels_last" not in back.code
+    assert all(p.is_contiguous() for p in back.parameters())  # the weights' NCHW layout back too
+    rec, _ = _step(back, inputs, "eval")
+    assert all(c.in_layouts[0] == "nchw" and c.out_layouts[0] == "nchw" for c in rec.ops("convolution"))
 
 
 def test_export_and_training_step_in_channels_last(tmp_path):
