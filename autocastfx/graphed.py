@@ -440,6 +440,22 @@ class CudaGraphStep:
         return self._outputs[kind]
 
 
+def refuse_before_building(model, optimizer, on_overflow: str) -> None:
+    """The refusals of :func:`_refuse_what_cannot_be_captured`, for ``train_step(..., cuda_graph=True)`` before the
+    step is built (building it re-points the optimizer and switches it to its fused kernel)."""
+    import types
+
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    gm = model.module if ddp else model
+    params = list(gm.parameters()) if isinstance(gm, torch.nn.Module) else []
+    fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False)
+                 or "fused" in getattr(optimizer, "defaults", {}))
+    device = params[0].device if params else torch.device("cpu")
+    _refuse_what_cannot_be_captured(types.SimpleNamespace(
+        ddp=ddp, on_overflow=on_overflow, fused=fused, optimizer=optimizer, all_params=params, masters=[],
+        gm=gm, state=types.SimpleNamespace(scale=torch.empty(0, device=device))))
+
+
 def _refuse_what_cannot_be_captured(step) -> None:
     """Every reason a step cannot be a graph, checked before anything is changed."""
     if step.ddp:
@@ -468,6 +484,6 @@ def _refuse_what_cannot_be_captured(step) -> None:
             "and pass CUDA inputs.")
 
 
-__all__ = ["CudaGraphStep", "make_capturable", "signature", "mismatch", "check_devices", "Signature", "TensorSpec",
+__all__ = ["CudaGraphStep", "refuse_before_building", "make_capturable", "signature", "mismatch", "check_devices", "Signature", "TensorSpec",
            "follow_optimizer_settings", "baked_settings", "positions", "kind_at", "ready_to_capture",
            "portable_state_dict", "load_keeping_tensors"]

@@ -123,9 +123,12 @@ class TrainStep:
         self.state = ScaleState(self.cfg, device)
         self._repoint_optimizer(repointed)
         self.fused = self._use_fused_skip()
-        with torch.no_grad():
-            self.master_grads = [torch.zeros_like(m) for m in self.masters]
+        # float32 master gradients live only inside an update (one flat buffer, allocated per update): between
+        # steps the step holds no gradient at all, as autocast + GradScaler with zero_grad(set_to_none=True)
+        self._master_numel = sum(m.numel() for m in self.masters)
+        self._buckets = _buckets([m.numel() for m in self.masters], BUCKET_ELEMENTS)
         self.all_params = self.lows + self.fp32_params
+        self.grad_holders = self.all_params + self.masters
         self.grad_norm = torch.zeros((), device=device) if clip_grad_norm is not None else None
         self.micro = 0
         self.checker = InputChecker(gm, device)  # host-side checks of each new input signature
@@ -246,8 +249,8 @@ class TrainStep:
         add(f"{ind2}# 3. gradients into float32" + (" master .grad," if has_masters else ",")
             + (" unscaled and" if scaled else "") + " checked for inf/NaN in one fused pass")
         if has_masters:
-            add(f"{ind2}self._grads_to_masters()")
-            add(f"{ind2}grads = self.master_grads + [p.grad for p in self.fp32_params if p.grad is not None]")
+            add(f"{ind2}master_grads = self._grads_to_masters()  # one float32 buffer; low .grad freed at once")
+            add(f"{ind2}grads = master_grads + [p.grad for p in self.fp32_params if p.grad is not None]")
         else:
             add(f"{ind2}grads = [p.grad for p in self.fp32_params if p.grad is not None]")
         add(f"{ind2}S.found_inf.zero_()")
@@ -263,10 +266,12 @@ class TrainStep:
             add(f"{ind}    S.update_dynamic()")
             add(f"{ind}    for p in self.all_params:")
             add(f"{ind}        p.grad = None")
+            if has_masters:
+                add(f"{ind}    del master_grads, grads")
             ind, ind2 = "    ", "        "
             add(f"{ind}with torch.no_grad():")
         if has_masters:
-            add(f"{ind2}for m, g in zip(self.masters, self.master_grads):")
+            add(f"{ind2}for m, g in zip(self.masters, master_grads):")
             add(f"{ind2}    m.grad = g")
         if self.clip is not None:
             add(f"{ind2}# 4. clip by global norm, after unscaling (no host read)")
@@ -280,7 +285,8 @@ class TrainStep:
             add(f"{ind2}    optimizer.step()")
         if has_masters:
             add(f"{ind2}torch._foreach_copy_(self.lows, self.masters)  # masters -> low-precision weights")
-        add(f"{ind2}for p in self.all_params:  # gradients start afresh: the next backward writes, not adds")
+        add(f"{ind2}for p in self.{'grad_holders' if has_masters else 'all_params'}:  # gradients freed: "
+            "the next backward writes, not adds")
         add(f"{ind2}    p.grad = None")
         add(f"{ind2}# 6. scale update on the device" + ("; the stuck-at-min_scale flag too, read later by the host "
                                                        "without a sync" if dyn else ""))
@@ -295,15 +301,21 @@ class TrainStep:
         add(f"{ind}return loss.detach()")
         return textwrap.dedent("\n".join(L)) + "\n"
 
-    def _grads_to_masters(self) -> None:
-        """Low-precision .grad into the masters' float32 .grad buffers (zero where the loss skipped a parameter)."""
-        have = [(g, p.grad) for g, p in zip(self.master_grads, self.lows) if p.grad is not None]
-        if len(have) == len(self.lows):
-            torch._foreach_copy_(self.master_grads, [p.grad for p in self.lows])
-            return
-        if have:
-            torch._foreach_copy_([g for g, _ in have], [pg for _, pg in have])
-        torch._foreach_zero_([g for g, p in zip(self.master_grads, self.lows) if p.grad is None])
+    def _grads_to_masters(self) -> list[torch.Tensor]:
+        """The low-precision gradients as float32, in views of one buffer allocated for this update (zero where
+        the loss did not reach a parameter). The copy goes bucket by bucket and frees each bucket's low ``.grad``
+        as soon as it is copied, so at most one bucket is held in both precisions."""
+        flat = torch.empty(self._master_numel, dtype=torch.float32, device=self.masters[0].device)
+        views = [v.view_as(m) for v, m in zip(flat.split([m.numel() for m in self.masters]), self.masters)]
+        for lo, hi in self._buckets:
+            have = [(v, p.grad) for v, p in zip(views[lo:hi], self.lows[lo:hi]) if p.grad is not None]
+            if have:
+                torch._foreach_copy_([v for v, _ in have], [g for _, g in have])
+            if len(have) != hi - lo:
+                torch._foreach_zero_([v for v, p in zip(views[lo:hi], self.lows[lo:hi]) if p.grad is None])
+            for p in self.lows[lo:hi]:
+                p.grad = None
+        return views
 
     @property
     def optimizer_params(self) -> list[torch.Tensor]:
@@ -359,13 +371,40 @@ class TrainStep:
             for n, m in zip(self.names, self.masters):
                 m.copy_(sd["masters"][n])
             torch._foreach_copy_(self.lows, self.masters)
-        self.optimizer.load_state_dict(sd["optimizer"])
+        # the optimizer keeps the checkpoint's tensors where no cast is needed: copy them, so that training on
+        # does not write into the caller's checkpoint; then the fused, on-device skip again (a checkpoint from
+        # a plain optimizer carries fused=False in its groups)
+        opt_sd = dict(sd["optimizer"])
+        opt_sd["state"] = {k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in st.items()}
+                           for k, st in sd["optimizer"]["state"].items()}
+        self.optimizer.load_state_dict(opt_sd)
+        if self.fused and "fused" in self.optimizer.defaults:
+            for group in self.optimizer.param_groups:
+                group["fused"] = True
+                if "foreach" in group:
+                    group["foreach"] = False
         self.state.load_state_dict(sd["scaler"])
         self.micro = sd.get("micro", 0)
         if sd.get("rng") is not None:
             torch.set_rng_state(sd["rng"])
         if sd.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(sd["cuda_rng"])
+
+
+BUCKET_ELEMENTS = 1 << 24  # 16M elements (32 MiB of float16 gradients): one fused copy per bucket
+
+
+def _buckets(sizes: list[int], limit: int) -> list[tuple[int, int]]:
+    """Consecutive index ranges whose sizes add up to at most ``limit`` (a larger tensor alone)."""
+    out, start, total = [], 0, 0
+    for i, n in enumerate(sizes):
+        if i > start and total + n > limit:
+            out.append((start, i))
+            start, total = i, 0
+        total += n
+    if sizes:
+        out.append((start, len(sizes)))
+    return out
 
 
 def _unique(params):
@@ -400,6 +439,9 @@ def train_step(gm, loss_fn, optimizer, *, loss_scale=DYNAMIC, init_scale="auto",
         raise ValueError("cuda_graph=True cannot be combined with on_overflow='retry': retrying reads the overflow "
                          "flag on the host, which a replayed CUDA graph cannot do. Use on_overflow='skip' (the "
                          "default) with cuda_graph=True, or keep retry without the graph")
+    if cuda_graph:
+        from .graphed import refuse_before_building  # imported here: the step works without it
+        refuse_before_building(gm, optimizer, on_overflow)  # before the optimizer is re-pointed and fused
     step = TrainStep(gm, loss_fn, optimizer, loss_scale=loss_scale, init_scale=init_scale,
                      growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval,
                      min_scale=min_scale, hysteresis=hysteresis, on_overflow=on_overflow, max_retries=max_retries,

@@ -584,3 +584,20 @@ def test_a_changed_shape_or_a_cpu_input_raises_and_recapture_takes_the_new_shape
     gstep.recapture()
     gstep(x4, t4)
     assert gstep.captures == 2 and gstep.static_inputs.shape == (4, 3, 16, 16)
+
+
+def test_train_step_with_cuda_graph_refuses_before_touching_the_optimizer():
+    """cuda_graph=True on a CPU model: refused before the optimizer is re-pointed to masters or made fused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    gm = autocastfx.convert(model, (torch.randn(4, 8),))
+    opt = torch.optim.AdamW(gm.parameters(), lr=1e-3)
+    groups = [list(g["params"]) for g in opt.param_groups]
+    settings = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+    with pytest.raises(ValueError, match="CUDA"):
+        autocastfx.train_step(gm, F.cross_entropy, opt, cuda_graph=True)
+    assert [list(g["params"]) for g in opt.param_groups] == groups
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == settings
+    rms = torch.optim.RMSprop(gm.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="fused"):
+        autocastfx.train_step(gm, F.cross_entropy, rms, cuda_graph=True)
