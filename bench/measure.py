@@ -72,7 +72,7 @@ class StepCost:
 
 def live_tensor_bytes() -> int:
     """Bytes of every tensor storage the Python heap holds right now (deduplicated by storage)."""
-    return sum(_alive().values())
+    return AliveBefore().bytes
 
 
 def _bytes(ts) -> int:
@@ -99,21 +99,32 @@ def _key(t: torch.Tensor):
     return (t.device.type, ptr) if ptr else None
 
 
-def alive_storage_keys() -> frozenset:
-    """The storages of every tensor the Python heap holds now: what to leave out of a recipe's own count."""
-    return frozenset(_alive())
+class AliveBefore:
+    """The storages alive at one moment: what to leave out of a recipe's own count (the source model, the
+    inputs). Each is remembered through weak references to the tensors on it, so a storage freed since no
+    longer counts as alive before, even when a new one is given its address. ``key in alive`` asks."""
+
+    def __init__(self):
+        self.refs: dict = {}  # storage key -> weak references to the tensors on it
+        self.bytes = 0
+        gc.collect()
+        for o in gc.get_objects():
+            if issubclass(type(o), torch.Tensor):  # type(), not isinstance(): some module objects warn when asked
+                key = _key(o)
+                if key is None:
+                    continue
+                if key not in self.refs:
+                    self.refs[key] = []
+                    self.bytes += o.untyped_storage().nbytes()
+                self.refs[key].append(weakref.ref(o))
+
+    def __contains__(self, key) -> bool:
+        return any(t is not None and _key(t) == key for t in (r() for r in self.refs.get(key, ())))
 
 
-def _alive() -> dict:
-    """{storage key: bytes} for every tensor the Python heap holds, after a garbage collection."""
-    gc.collect()
-    out = {}
-    for o in gc.get_objects():
-        if issubclass(type(o), torch.Tensor):  # type(), not isinstance(): some module objects warn when asked
-            key = _key(o)
-            if key is not None:
-                out[key] = o.untyped_storage().nbytes()
-    return out
+def alive_storage_keys() -> AliveBefore:
+    """The storages of every tensor the Python heap holds now (see :class:`AliveBefore`)."""
+    return AliveBefore()
 
 
 def tensors_in(obj, depth: int = 3):
@@ -145,7 +156,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def __init__(self, ignore=frozenset()):
         super().__init__()
-        self.ignore = ignore
+        self.ignore = ignore  # storage keys, or an AliveBefore
         self.refs: dict = {}   # storage key -> [watched tensors alive, bytes]
         self.now = 0
         self.peak = 0
@@ -203,12 +214,12 @@ def _census(holders: dict, ignore) -> tuple[dict, list]:
     """Bytes per heading, each storage under the first heading that holds it; then every other tensor the gc
     finds that is not in ``ignore`` (collect garbage first where cycles matter). Returns the bytes and the
     tensors counted."""
-    seen, out, counted = set(ignore), {}, []
+    seen, out, counted = set(), {}, []
     for heading in MemoryAccount.HEADINGS:
         out[heading] = 0
         for t in holders.get(heading, ()):
             key = None if t is None else _key(t)
-            if key is not None and key not in seen:
+            if key is not None and key not in seen and key not in ignore:
                 seen.add(key)
                 out[heading] += t.untyped_storage().nbytes()
                 counted.append(t)
@@ -218,7 +229,7 @@ def _census(holders: dict, ignore) -> tuple[dict, list]:
     for o in gc.get_objects():
         if issubclass(type(o), torch.Tensor):
             key = _key(o)
-            if key is not None and key not in seen:
+            if key is not None and key not in seen and key not in ignore:
                 seen.add(key)
                 out["other"] += o.untyped_storage().nbytes()
                 counted.append(o)
@@ -253,8 +264,8 @@ class Runner:
 
     def __init__(self, recipe, model, inputs, target, loss_fn=F.cross_entropy, lr=1e-3, fused=None, **convert_kw):
         self.recipe, self.inputs, self.target, self.loss_fn = recipe, inputs, target, loss_fn
-        alive = _alive()  # what was alive before this recipe existed (the source model, the inputs)
-        self._baseline, self._before = sum(alive.values()), frozenset(alive)
+        self._before = AliveBefore()  # what was alive before this recipe existed (the source model, the inputs)
+        self._baseline = self._before.bytes
         model = copy.deepcopy(model)
         self.masters = []
         if recipe == "autocastfx":
