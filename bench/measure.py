@@ -160,6 +160,8 @@ class MemoryTracker(TorchDispatchMode):
         self.refs: dict = {}   # storage key -> [watched tensors alive, bytes]
         self.now = 0
         self.peak = 0
+        self.op = ""           # the aten op running now
+        self.peak_op = ""      # the op whose output made the peak
 
     def watch(self, t) -> None:
         if not isinstance(t, torch.Tensor):
@@ -171,7 +173,8 @@ class MemoryTracker(TorchDispatchMode):
         if entry is None:
             entry = self.refs[key] = [0, t.untyped_storage().nbytes()]
             self.now += entry[1]
-            self.peak = max(self.peak, self.now)
+            if self.now > self.peak:
+                self.peak, self.peak_op = self.now, self.op
         entry[0] += 1
         weakref.finalize(t, self._freed, key)
 
@@ -185,8 +188,10 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self.op = func._opname
         for t in tree_flatten(out)[0]:
             self.watch(t)
+        self.op = ""
         return out
 
 
@@ -202,6 +207,7 @@ class MemoryAccount:
     other: int       # every other tensor alive that the recipe created (the step's own buffers)
     peak: int        # the most bytes alive at once during one step, what is alive between steps included
     tracked_after: int  # the tracker's running count after the step: equals between() when nothing was missed
+    peak_op: str = ""   # the aten op whose output made the peak
 
     HEADINGS = ("params", "masters", "grads", "optimizer", "scaler")
 
@@ -250,13 +256,13 @@ def step_memory(run, holders=dict, ignore=frozenset()) -> MemoryAccount:
     for t in alive:
         tracker.watch(t)
     del alive
-    tracker.peak = tracker.now
+    tracker.peak, tracker.peak_op = tracker.now, "(before the step)"
     with tracker:
         out = run()
     del out
     gc.collect()
     counts, _ = _census(holders(), ignore)
-    return MemoryAccount(**counts, peak=tracker.peak, tracked_after=tracker.now)
+    return MemoryAccount(**counts, peak=tracker.peak, tracked_after=tracker.now, peak_op=tracker.peak_op)
 
 
 class Runner:
@@ -457,7 +463,7 @@ def memory_table(workloads, recipes=("autocast", "autocastfx")) -> str:
     """Between-step bytes by holder and the peak during a step, per recipe, on the CPU (``Runner.memory``).
     ``workloads``: (name, model, inputs, target, loss_fn)."""
     head = (f"{'model':10} {'recipe':11} {'params':>8} {'masters':>8} {'grads':>8} {'optim':>8} {'scaler':>7} "
-            f"{'other':>6} {'between':>8} {'peak':>8}")
+            f"{'other':>6} {'between':>8} {'peak':>8}  peak made by")
     lines = ["Bytes of tensor storage, by holder, alive between two steps, and the most alive at once during one.",
              head, "-" * len(head)]
     ratios = []
@@ -466,7 +472,7 @@ def memory_table(workloads, recipes=("autocast", "autocastfx")) -> str:
         for recipe in recipes:
             a = acc[recipe] = Runner(recipe, model, inputs, target, loss_fn).memory()
             lines.append(f"{name:10} {recipe:11} {a.params:8d} {a.masters:8d} {a.grads:8d} {a.optimizer:8d} "
-                         f"{a.scaler:7d} {a.other:6d} {a.between:8d} {a.peak:8d}")
+                         f"{a.scaler:7d} {a.other:6d} {a.between:8d} {a.peak:8d}  {a.peak_op}")
         if "autocast" in acc and "autocastfx" in acc:
             ac, fx = acc["autocast"], acc["autocastfx"]
             ratios.append(f"{name}: autocastfx/autocast between steps {fx.between / ac.between:.2f}, "
