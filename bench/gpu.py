@@ -23,6 +23,7 @@ import datetime
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -392,6 +393,20 @@ def _child_cmd(w: Workload, recipe: str, args, *extra) -> list[str]:
     return cmd + (["--iters", str(args.iters)] if args.iters else [])
 
 
+def _start(cmd: list[str], env=None, capture=False) -> subprocess.Popen:
+    """A child in a session of its own, so that stopping it stops its compile workers too."""
+    out = subprocess.PIPE if capture else subprocess.DEVNULL
+    return subprocess.Popen(cmd, env=env, stdout=out, stderr=out, text=True, start_new_session=True)
+
+
+def _stop(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.communicate()
+
+
 def precompile(jobs: list, args, timeout: float) -> str:
     """Compile every torch.compile row's model in parallel processes, each with a share of the CPU's compile
     workers, before anything is timed: Inductor's compiled kernels land in its on-disk caches, and the timed
@@ -399,28 +414,29 @@ def precompile(jobs: list, args, timeout: float) -> str:
     failure here only means the timed row compiles for itself."""
     env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS=str(max(1, (os.cpu_count() or 1) // max(1, len(jobs)))))
     t0 = time.perf_counter()
-    procs = [subprocess.Popen(_child_cmd(w, r, args, "--warm-only"), env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL) for w, r in jobs]
+    procs = [_start(_child_cmd(w, r, args, "--warm-only"), env=env) for w, r in jobs]
     codes = []
     for p in procs:
         try:
             codes.append(p.wait(timeout=max(1.0, timeout - (time.perf_counter() - t0))))
         except subprocess.TimeoutExpired:
-            p.kill()
-            codes.append(p.wait())
+            _stop(p)
+            codes.append(None)
     return f"{len(jobs)} compiled in parallel in {time.perf_counter() - t0:.0f} s, {codes.count(0)} succeeded"
 
 
 def run_isolated(w: Workload, recipe: str, args, timeout: float) -> dict:
     """The recipe in a fresh Python process; its result comes back as one JSON line."""
+    p = _start(_child_cmd(w, recipe, args), capture=True)
     try:
-        p = subprocess.run(_child_cmd(w, recipe, args), capture_output=True, text=True, timeout=timeout)
+        stdout, stderr = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        _stop(p)
         return {"workload": w.key, "recipe": recipe, "na": f"stopped after {timeout:.0f} s (time budget)"}
-    for line in reversed(p.stdout.splitlines()):
+    for line in reversed(stdout.splitlines()):
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
-    tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
+    tail = (stderr.strip().splitlines() or ["no output"])[-1]
     return {"workload": w.key, "recipe": recipe, "error": f"process exited {p.returncode}: {tail[:200]}"}
 
 
