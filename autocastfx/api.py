@@ -82,6 +82,7 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
     _layout.apply_layout(gm, layout, args, kwargs)
     plan = _plan.build_plan(gm, policy, dtype, master_weights=master_weights, keep_io_types=keep_io_types)
     masters = _weights.store_low(gm, plan.low_params, dtype)
+    _layout.store_weights(gm, layout)  # after the masters, which keep NCHW like their gradients
     _rewrite.apply_plan(gm, plan)
     gm.meta["autocastfx"] = ConvertInfo(
         dtype=dtype, policy=policy, capture=how, plan=plan, masters=masters, absorbed=absorbed,

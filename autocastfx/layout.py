@@ -10,9 +10,11 @@ the step went from 47.8 ms to 27.6 ms with the model and input in channels_last)
 - ``"channels_last"``: channels_last wherever there are 2-D convolutions, on any device (the CPU tests use it);
 - ``"preserve"``: layouts are left as they are.
 
-In channels_last the pass stores every 2-D convolution's weight channels_last once (the float32 masters and
-low-precision copies made from it keep the layout), converts each graph input that reaches a convolution
-once, at the start, and then lets the layout flow: elementwise ops, batch norm, pooling, ``F.pad``, ``cat``
+In channels_last the pass converts each graph input that reaches a convolution once, at the start, stores
+every 2-D convolution's weight in the module channels_last once (``store_weights``, after the float32
+masters are made: they keep NCHW, as do their gradients and the optimizer's state, so a fused optimizer
+never pairs a gradient with a parameter of another layout; the step's copies between the two are stride
+aware), and then lets the layout flow: elementwise ops, batch norm, pooling, ``F.pad``, ``cat``
 and casts (``.to(dtype)`` keeps the memory format) all keep channels_last. A conversion back to NCHW is
 inserted only where it is needed, found by running the graph once on the example inputs:
 
@@ -129,7 +131,7 @@ def apply_layout(gm: fx.GraphModule, plan: LayoutPlan, args: tuple, kwargs: dict
     """Carry out a channels_last plan (see the module docstring); a "preserve" plan changes nothing."""
     if plan.memory_format != "channels_last":
         return
-    plan.params = _weights_channels_last(gm)
+    plan.params = _conv_weights(gm)
     plan.inputs = _convert_inputs(gm)
     for _ in range(_ROUNDS):
         run = _LayoutRun(gm)
@@ -191,8 +193,24 @@ def _is_nhwc(v: Any) -> bool:
     return isinstance(v, torch.Tensor) and v.is_floating_point() and _order(v) == "nhwc"
 
 
-def _weights_channels_last(gm: fx.GraphModule) -> list[str]:
-    """Store every 2-D convolution's weight parameter channels_last, once (tied names together)."""
+def store_weights(gm: fx.GraphModule, plan: LayoutPlan) -> None:
+    """Store the convolution weights the plan names channels_last in the module (tied names together). Called
+    after the masters are made, which stay NCHW (module docstring)."""
+    if plan.memory_format != "channels_last":
+        return
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    done = []
+    for name in plan.params:
+        p = params.get(name)
+        if p is None or p.dim() != 4 or p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous():
+            continue
+        _set_param(gm, params, p, p.detach().contiguous(memory_format=torch.channels_last))
+        done.append(name)
+    gm.meta[_TAG] = done  # undone by a later conversion
+
+
+def _conv_weights(gm: fx.GraphModule) -> list[str]:
+    """The parameters that 2-D convolutions read as their weight (through the padding pass's ``F.pad``)."""
     names = []
     for node in gm.graph.nodes:
         if not is_conv2d(node):
@@ -202,16 +220,7 @@ def _weights_channels_last(gm: fx.GraphModule) -> list[str]:
             w = w.args[0]
         if isinstance(w, fx.Node) and w.op == "get_attr" and w.target not in names:
             names.append(str(w.target))
-    params = dict(gm.named_parameters(remove_duplicate=False))
-    done = []
-    for name in names:
-        p = params.get(name)
-        if p is None or p.dim() != 4 or p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous():
-            continue
-        _set_param(gm, params, p, p.detach().contiguous(memory_format=torch.channels_last))
-        done.append(name)
-    gm.meta[_TAG] = done  # undone by a later conversion
-    return done
+    return names
 
 
 def _set_param(gm: fx.GraphModule, params: dict[str, nn.Parameter], p: nn.Parameter, value: torch.Tensor) -> None:
