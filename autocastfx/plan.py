@@ -8,6 +8,7 @@ labels that objective is an s-t minimum cut (networkx), exact, in one max-flow.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from typing import Any, Iterable
 
@@ -23,6 +24,8 @@ from .policy import FP32_OUT_OPS, OpClass, Policy, op_name
 LOW, FP32 = True, False   # label values
 _BIG = float(2**60)       # ties between a tuple value and its readers: never cut in practice
 _FLOW = nx.algorithms.flow.boykov_kolmogorov  # fastest of networkx's max-flow solvers on these sparse graphs
+_SOURCE, _SINK = ("source",), ("sink",)   # the cut's terminals (LOW, FP32): tuples, never a node's name
+_INF = math.inf                            # an edge no cut may cross
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,41 +63,61 @@ def cast_cost(p: Problem, labels: dict[str, bool]) -> tuple[int, int]:
 
 
 def solve_min_cut(p: Problem) -> dict[str, bool]:
-    """Labels for the free nodes that minimise cast_cost, fixed nodes kept."""
+    """Labels for the free nodes that minimise cast_cost, fixed nodes kept.
+
+    The network (source side = LOW) is built as plain dicts, most of its flow is pushed along short
+    source-to-sink paths first, and networkx's max-flow finishes on the part where a path is left (none, on
+    most graphs). The labels are networkx's partition: FP32 for every node that reaches the sink in the final
+    residual network. That set is the same whatever max-flow found it, so the short paths change the time to
+    the answer, never the answer, which is exact.
+    """
     labels = dict(p.fixed)
     if not p.free:
         return labels
-    g = nx.DiGraph()
-    g.add_node("S")
-    g.add_node("T")
-    free = set(p.free)
+    res = _cast_network(p)
+    _push_short_paths(res)
+    busy = _on_source_sink_paths(res)  # what the flow found so far leaves open: networkx finishes it
+    sink_side = {_SINK}
+    if len(busy) > 2:
+        g = nx.DiGraph()
+        g.add_nodes_from(busy)
+        g.add_edges_from((a, b, {} if c == _INF else {"capacity": c}) for a in busy
+                         for b, c in res[a].items() if c > 0 and b in busy)
+        _, (_, sink_side) = nx.minimum_cut(g, _SOURCE, _SINK, flow_func=_FLOW)
+    sink_side = _extend_sink_side(res, set(sink_side), busy)
+    for n in p.free:
+        labels[n] = n not in sink_side
+    return labels
 
-    def x(n: str) -> str:
+
+def _cast_network(p: Problem) -> dict:
+    """{a: {b: capacity}}: a cut edge is a cast paid; math.inf marks edges no cut may cross. A value read by
+    one consumer in a direction needs no auxiliary node: its cast is the plain edge to that consumer."""
+    net: dict = {_SOURCE: {}, _SINK: {}}
+    free = set(p.free)
+    big = int(_BIG)  # integers: flows pushed along these edges stay exact (a float 2**60 + 5 is 2**60)
+
+    def x(n):
         if n in free:
             return n
-        return "S" if p.fixed[n] == LOW else "T"
+        return _SOURCE if p.fixed[n] == LOW else _SINK
 
-    def inf_edge(a: str, b: str) -> None:
-        if a != b:
-            g.add_edge(a, b)  # no capacity attribute: infinite
-
-    def add_cap(a: str, b: str, c: float) -> None:
-        if a == b:
-            return
-        if g.has_edge(a, b):
-            if "capacity" in g[a][b]:
-                g[a][b]["capacity"] += c
-        else:
-            g.add_edge(a, b, capacity=c)
+    def add(a, b, c):
+        if a == b or (a == _SOURCE and b == _SINK) or (a == _SINK and b == _SOURCE):
+            return  # a cast between two fixed labels is paid by every labelling
+        nbrs = net.setdefault(a, {})
+        nbrs[b] = nbrs.get(b, 0) + c
+        net.setdefault(b, {})
 
     for u, reqs in p.reqs.items():
         xu = x(u)
         if u in p.multi:
             for r in reqs:  # a tuple cannot be cast: its readers share its label
-                other = x(r.consumer) if r.kind == "same" else ("S" if r.label == LOW else "T") if r.kind == "fixed" else None
+                other = (x(r.consumer) if r.kind == "same" else
+                         (_SOURCE if r.label == LOW else _SINK) if r.kind == "fixed" else None)
                 if other is not None:
-                    add_cap(xu, other, _BIG)
-                    add_cap(other, xu, _BIG)
+                    add(xu, other, big)
+                    add(other, xu, big)
             continue
         w = p.weight.get(u)
         if w is None:
@@ -102,30 +125,126 @@ def solve_min_cut(p: Problem) -> dict[str, bool]:
         same = [x(r.consumer) for r in reqs if r.kind == "same"]
         want_low = any(r.kind == "fixed" and r.label == LOW for r in reqs)
         want_f32 = any(r.kind == "fixed" and r.label == FP32 for r in reqs)
-        if xu != "T":  # u LOW and some reader FP32: one cast up
-            readers_t = [c for c in same if c != "S"] + (["T"] if want_f32 else [])
-            if readers_t:
-                a = f"__up_{u}"
-                add_cap(xu, a, w)
-                for c in readers_t:
-                    inf_edge(a, c)
-        if xu != "S":  # u FP32 and some reader LOW: one cast down
-            readers_s = [c for c in same if c != "T"] + (["S"] if want_low else [])
-            if readers_s:
-                b = f"__down_{u}"
-                add_cap(b, xu, w)
-                for c in readers_s:
-                    inf_edge(c, b)
+        if xu != _SINK:  # u LOW and some reader FP32: one cast up
+            up = list(dict.fromkeys([c for c in same if c != _SOURCE] + ([_SINK] if want_f32 else [])))
+            up = [c for c in up if c != xu]
+            if len(up) == 1:
+                add(xu, up[0], w)
+            elif up:
+                a = ("up", u)
+                add(xu, a, w)
+                for c in up:
+                    add(a, c, _INF)
+        if xu != _SOURCE:  # u FP32 and some reader LOW: one cast down
+            down = list(dict.fromkeys([c for c in same if c != _SINK] + ([_SOURCE] if want_low else [])))
+            down = [c for c in down if c != xu]
+            if len(down) == 1:
+                add(down[0], xu, w)
+            elif down:
+                b = ("down", u)
+                add(b, xu, w)
+                for c in down:
+                    add(c, b, _INF)
     for group in p.tied:
         for a, b in zip(group, group[1:]):
-            add_cap(x(a), x(b), _BIG)
-            add_cap(x(b), x(a), _BIG)
+            add(x(a), x(b), big)
+            add(x(b), x(a), big)
     for n in p.free:
-        g.add_node(n)
-    _, (s_side, _) = nx.minimum_cut(g, "S", "T", flow_func=_FLOW)
-    for n in p.free:
-        labels[n] = n in s_side
-    return labels
+        net.setdefault(n, {})
+    return net
+
+
+def _on_source_sink_paths(net: dict) -> set:
+    """Nodes reachable from the source that reach the sink: no other node can carry more flow."""
+    ahead = _reach_from(net, _SOURCE)
+    back: dict = {}
+    for a, nbrs in net.items():
+        if a in ahead:
+            for b, c in nbrs.items():
+                if c > 0:
+                    back.setdefault(b, []).append(a)
+    behind = {_SINK}
+    todo = [_SINK]
+    while todo:
+        for a in back.get(todo.pop(), ()):
+            if a not in behind:
+                behind.add(a)
+                todo.append(a)
+    return ahead & behind | {_SOURCE, _SINK}
+
+
+def _reach_from(net: dict, start) -> set:
+    seen = {start}
+    todo = [start]
+    while todo:
+        for b, c in net[todo.pop()].items():
+            if c > 0 and b not in seen:
+                seen.add(b)
+                todo.append(b)
+    return seen
+
+
+def _push_short_paths(res: dict, depth: int = 6, budget: int = 256) -> None:
+    """Saturate source-to-sink paths of at most ``depth`` edges, found depth-first looking at no more than
+    ``budget`` edges per path, in the residual network ``res`` (changed in place). Most of the flow of a cast
+    network runs on such paths, around one op; networkx finds the rest."""
+    src = res[_SOURCE]
+    for first in list(src):
+        while src.get(first, 0) > 0:
+            path = _short_path(res, first, depth - 1, budget)
+            if path is None:
+                break
+            path = [_SOURCE] + path
+            f = min(res[a][b] for a, b in zip(path, path[1:]))
+            if f == _INF:
+                return  # an uncuttable path: the cut is infinite; networkx reports it as such
+            for a, b in zip(path, path[1:]):
+                res[a][b] -= f
+                back = res[b]
+                back[a] = back.get(a, 0) + f
+
+
+def _short_path(res: dict, start, depth: int, budget: int):
+    stack = [(start, iter(res[start].items()))]
+    path = [start]
+    seen = {start, _SOURCE}  # simple paths only
+    while stack:
+        node, it = stack[-1]
+        for b, c in it:
+            budget -= 1
+            if budget < 0:
+                return None
+            if c <= 0 or b in seen:
+                continue
+            if b == _SINK:
+                return path + [b]
+            if len(path) < depth:
+                stack.append((b, iter(res[b].items())))
+                path.append(b)
+                seen.add(b)
+                break
+        else:
+            stack.pop()
+            path.pop()
+    return None
+
+
+def _extend_sink_side(net: dict, sink_side: set, keep: set) -> set:
+    """The sink side of the whole network from that of the part networkx saw (``keep``): a node outside it
+    is on the sink side when its residual edges lead there."""
+    back: dict = {}
+    for a, nbrs in net.items():
+        if a not in keep:
+            for b, c in nbrs.items():
+                if c > 0:
+                    back.setdefault(b, []).append(a)
+    todo = [n for n in sink_side if n in back]
+    while todo:
+        for a in back.get(todo.pop(), ()):
+            if a not in sink_side:
+                sink_side.add(a)
+                todo.append(a)
+    return sink_side
 
 
 def naive_labels(p: Problem, order: Iterable[str], inputs: dict[str, list[str]], promote: set[str]) -> dict[str, bool]:
