@@ -219,7 +219,7 @@ def train(run: Run, batches: Batches, val, args, device, *, save_at: int | None,
     """Steps ``run.global_step + 1 .. args.steps``: one ``step(batch)`` and one ``scheduler.step()`` each, a
     validation pass every ``--eval-every`` steps, the checkpoint after step ``save_at``."""
     losses, lrs, vals = {}, {}, []
-    t0 = time.perf_counter()
+    t0, eval_seconds = time.perf_counter(), 0.0
     while run.global_step < args.steps:
         batch = batches.next()
         lrs[run.global_step + 1] = run.optimizer.param_groups[0]["lr"]
@@ -229,19 +229,27 @@ def train(run: Run, batches: Batches, val, args, device, *, save_at: int | None,
         losses[run.global_step] = loss  # a device tensor: read when printed, not here (no sync per step)
         k = run.global_step
         if k % args.eval_every == 0 or k == args.steps:
+            if device.type == "cuda":
+                torch.cuda.synchronize()  # the steps so far count as training time, not as validation
+            t_eval = time.perf_counter()
             v = evaluate(run.gm, val, args.eval_batch_size, device)
+            eval_seconds += time.perf_counter() - t_eval
             vals.append({"step": k, **v})
-            scale = run.step.stats.summary()["scale"]
-            recent = [float(losses[j]) for j in range(max(1, k - args.eval_every + 1), k + 1) if j in losses]
-            print(f"step {k:5d}  train loss {sum(recent) / len(recent):.4f}  val loss {v['loss']:.4f}  "
-                  f"val token accuracy {v['accuracy']:.1%}  lr {lrs[k]:.2e}  loss scale {scale:g}  "
-                  f"({(time.perf_counter() - t0) / len(losses):.2f} s/step)")
+            scale = (f"loss scale {run.step.stats.summary()['scale']:g}" if run.step.cfg.mode != "off"
+                     else "no loss scaling")
+            since = max(min(losses), k - args.eval_every + 1)  # a resumed run has no losses before its start
+            recent = [float(losses[j]) for j in range(since, k + 1)]
+            print(f"step {k:5d}  train loss {sum(recent) / len(recent):.4f} (steps {since}-{k})  "
+                  f"val loss {v['loss']:.4f}  "
+                  f"val token accuracy {v['accuracy']:.1%}  lr {lrs[k]:.2e}  {scale}  "
+                  f"({(time.perf_counter() - t0 - eval_seconds) / len(losses):.2f} s per training step)")
         if save_at is not None and k == save_at and out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
             run.save(out_dir / CHECKPOINT, batches, args)
             print(f"checkpoint after step {k} written to {out_dir / CHECKPOINT}")
     return {"losses": [float(losses[k]) for k in sorted(losses)], "first_step": min(losses, default=None),
-            "lrs": [lrs[k] for k in sorted(lrs)], "val": vals, "seconds": time.perf_counter() - t0}
+            "lrs": [lrs[k] for k in sorted(lrs)], "val": vals,
+            "train_seconds": time.perf_counter() - t0 - eval_seconds}
 
 
 # --------------------------------------------------------------------------------- back to Hugging Face

@@ -2,6 +2,7 @@
 falls, validation runs in eval mode, a resumed run repeats the uninterrupted one bit for bit, dropout (the
 attention's too) follows train()/eval(), the GEMMs run in float16 and the loss in float32, and the fine-tuned
 weights give the same validation loss in a plain float32 GPT2LMHeadModel."""
+import copy
 import math
 import sys
 import warnings
@@ -89,8 +90,8 @@ def test_dropout_switches_with_train_and_eval(result):
 
 
 def test_attention_dropout_alone_switches_too():
-    """Only the attention's dropout probability on: GPT-2 passes it to scaled_dot_product_attention as
-    ``dropout_p=self.attn_dropout.p if self.training else 0.0``, which the capture must keep switchable."""
+    """Only the attention's dropout probability on: GPT-2 passes ``dropout=self.attn_dropout.p if self.training
+    else 0.0`` to scaled_dot_product_attention, a value that the capture must keep switchable."""
     tok = finetune_gpt2.CharTokenizer()
     config = finetune_gpt2.gpt2_config(tok, 32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.5)
     args = finetune_gpt2.parse_args(["--steps", "4", "--device", "cpu"])
@@ -152,10 +153,38 @@ def test_fine_tuned_weights_load_into_the_float32_model(result):
     assert torch.equal(sd["lm_head.weight"], sd["transformer.wte.weight"])  # tied: both names get the master
 
 
-def test_bad_options_and_text_fail_clearly():
+def test_bad_options_text_and_checkpoints_fail_clearly(result, tmp_path):
     with pytest.raises(SystemExit):
         finetune_gpt2.parse_args(["--steps", "4", "--save-at", "4", "--check-resume"])
+    run, args = result["run"], copy.copy(result["args"])
+    batches = finetune_gpt2.Batches(result["val_data"], 8, 0, CPU)
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        run.load(tmp_path / "missing.pt", batches, args)
+    args.steps, args.lr = 7, 1e-3
+    before = [m.clone() for m in run.step.masters]
+    with pytest.raises(ValueError, match=r"--steps 6 there, 7 now, --lr 0.003 there, 0.001 now"):
+        run.load(result["out"] / finetune_gpt2.CHECKPOINT, batches, args)
+    assert all(torch.equal(a, b) for a, b in zip(before, run.step.masters)) and batches.state_dict()["pos"] == 0
     with pytest.raises(ValueError, match="not in the tokenizer"):
         finetune_gpt2.CharTokenizer().encode("2 + 2 = 4")
     with pytest.raises(ValueError, match="longer than --seq-len"):
         finetune_gpt2.CharTokenizer().batch(["the sum of 10 and 20 is 30."], 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_example_trains_and_resumes_on_the_device(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = finetune_gpt2.main(["--steps", "8", "--eval-every", "4", "--batch-size", "8", "--train-size", "256",
+                                  "--val-size", "64", "--warmup", "0.2", "--check-resume", "--out", str(tmp_path),
+                                  "--device", "cuda"])
+    losses = res["losses"]
+    assert all(math.isfinite(v) for v in losses) and sum(losses[-2:]) < sum(losses[:2]) - 0.4
+    assert res["val"][-1]["loss"] < res["before"]["loss"] - 0.3 and res["stats"]["skipped"] == 0
+    assert res["run"].gm.training and all(v["modes"] == (False, True) for v in res["val"])
+    # deterministic algorithms are on for the check; the tolerance only covers a cuBLAS workspace setting that
+    # comes too late in a process whose CUDA context already exists
+    torch.testing.assert_close(res["resume"]["losses"], res["resume"]["expected"], rtol=1e-3, atol=0)
+    c = res["float32_check"]
+    assert abs(c["autocastfx"] - c["fp32"]) <= max(2 * abs(c["autocast"] - c["fp32"]), 1e-3 * c["fp32"]), c
