@@ -350,7 +350,8 @@ class _FakeRun:
                     out = node.target(*fargs, **fkwargs)
                 else:
                     out = getattr(fargs[0], node.target)(*fargs[1:], **fkwargs)
-        if key is not None and not _reads_constant((fargs, fkwargs)):
+        # a call whose result is None was made for its effect (an assert, a grad-mode switch): it runs each time
+        if key is not None and out is not None and not _reads_constant((fargs, fkwargs)):
             template = _template(out)
             if template is not None:
                 self.memo[key] = template
@@ -501,6 +502,8 @@ def _load(a: Any, env: dict) -> Any:
         return [_load(x, env) for x in a]
     if t is slice:
         return slice(_load(a.start, env), _load(a.stop, env), _load(a.step, env))
+    if isinstance(a, tuple) and hasattr(a, "_fields"):  # a namedtuple
+        return t(*(_load(x, env) for x in a))
     return a
 
 

@@ -100,6 +100,21 @@ def test_every_value_matches_the_real_run_in_train_and_eval(name, training):
     assert sum(isinstance(v, capture.TensorInfo) for v in real.values()) > 20
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["resnet", "gpt"])
+def test_fake_values_carry_the_cuda_device(name):
+    model, inputs = example(name)
+    model, inputs = model.cuda(), tuple(x.cuda() for x in inputs)
+    gm, _ = capture.capture(model, inputs, {}, Policy.default())
+    capture.propagate(gm, inputs, {}, mode="real")
+    real = _infos(gm)
+    capture.propagate(gm, inputs, {})
+    assert gm.meta["autocastfx_propagate"] == "fake"
+    assert _infos(gm) == real
+    assert "cuda" in {v.device for v in real.values() if isinstance(v, capture.TensorInfo)}
+
+
 # ------------------------------------------------------------------------------- nothing real runs
 
 class RealOps(TorchDispatchMode):
