@@ -1,7 +1,7 @@
 """Fine-tune a small GPT-2 (Hugging Face transformers) with autocastfx, entirely offline: the model is built from
 a config (no download), the text is generated here, and the tokenizer is a character table written below.
 
-    python examples/finetune_gpt2.py [--steps 150] [--batch-size 16] [--dtype fp16|bf16] [--device cpu|cuda]
+    python examples/finetune_gpt2.py [--steps 100] [--batch-size 16] [--dtype fp16|bf16] [--device cpu|cuda]
                                      [--out DIR] [--resume] [--check-resume]
 
 It is an ordinary Hugging Face training loop (AdamW without decay on biases and LayerNorms, a linear warm-up and
@@ -312,6 +312,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--device cuda, but torch sees no CUDA device: use --device cpu")
     if args.steps < 1 or args.eval_every < 1:
         ap.error("--steps and --eval-every must be at least 1")
+    if args.check_resume and args.steps < 2:
+        ap.error("--check-resume needs --steps 2 or more: it resumes from a checkpoint before the last step")
     if args.save_at is None:
         args.save_at = max(1, args.steps // 2)
     if not 1 <= args.save_at < args.steps + (0 if args.check_resume else 1):
@@ -324,7 +326,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     """Run the example; returns what it printed as data (losses, validation results, the resume comparison)
-    and the objects of the last run (``run.gm``, ``run.step``...) for inspection."""
+    and the objects of the uninterrupted run (``result["run"].gm``, ``.step``...; the resumed run's are in
+    ``result["resume"]["run"]``) for inspection."""
     args = parse_args(argv)
     device = torch.device(args.device)
     deterministic = torch.are_deterministic_algorithms_enabled()
