@@ -13,11 +13,12 @@ import sys
 import time
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from measure import Runner, accumulation_cast_bytes, convert_scaling, interleaved_step_times  # noqa: E402
-from models import GPT2, ResNet50, TinyMLP, ViT, lm_loss, transformer_stack  # noqa: E402
+from models import GPT2, Bottleneck, ResNet50, TinyMLP, ViT, lm_loss, transformer_stack  # noqa: E402
 
 
 def machine() -> str:
@@ -115,7 +116,26 @@ def main():
     for n_trace, n_conv, t_trace, t_conv in rows:
         print(f"  {n_trace:12d} {n_conv:15d} {t_trace:8.2f} {t_conv:9.2f} {t_conv / n_trace * 1e6:8.0f} "
               f"{t_conv / t_trace:6.1f}")
+    print("\nConversion cost: a ResNet-style CNN of bottleneck blocks in four stages (input 2x3x32x32), "
+          "convert() against torch.fx.symbolic_trace:")
+    depths = [8, 32] if args.quick else [16, 64, 256, 1024]
+    rows = convert_scaling(depths, cnn_stack, lambda: torch.randn(2, 3, 32, 32))
+    print(f"  {'traced nodes':>12} {'converted nodes':>15} {'trace s':>8} {'convert s':>9} {'us/node':>8} {'ratio':>6}")
+    for n_trace, n_conv, t_trace, t_conv in rows:
+        print(f"  {n_trace:12d} {n_conv:15d} {t_trace:8.2f} {t_conv:9.2f} {t_conv / n_trace * 1e6:8.0f} "
+              f"{t_conv / t_trace:6.1f}")
     print(f"\nwhole run: {time.perf_counter() - t0:.0f} s")
+
+
+def cnn_stack(depth, width=16):
+    """``depth`` bottleneck blocks (ResNet's, 4 x ``width`` channels) in four stages, each of which halves the
+    resolution: shapes differ from stage to stage, and the weights stay small so the graph is what is
+    measured, not the casting of weights."""
+    layers = [nn.Conv2d(3, 4 * width, 3, padding=1, bias=False), nn.BatchNorm2d(4 * width), nn.ReLU()]
+    for stage in range(4):
+        for i in range(max(1, depth // 4)):
+            layers.append(Bottleneck(4 * width, width, 2 if (i == 0 and stage > 0) else 1))
+    return nn.Sequential(*layers)
 
 
 if __name__ == "__main__":
