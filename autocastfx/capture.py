@@ -269,7 +269,7 @@ def _output_info(gm: fx.GraphModule) -> Any:
 
 
 def _check_example_values(flat_args: list) -> None:
-    for i, a in enumerate(flat_args):
+    for i, a in enumerate(torch.utils._pytree.tree_leaves(flat_args)):
         if isinstance(a, torch.Tensor) and a.is_meta:
             raise ValueError(f"example input {i} is on the meta device and has no values: pass a real tensor of "
                              f"the same shape and dtype (e.g. torch.zeros({tuple(a.shape)}, dtype={a.dtype}))")
@@ -322,8 +322,9 @@ class _FakeRun:
         with torch.no_grad(), _quiet_logger("torch._subclasses.fake_tensor"):
             for node in self.gm.graph.nodes:
                 op = node.op
-                if op == "placeholder":
-                    value = _virtualize(next(inputs))
+                if op == "placeholder":  # as fx.Interpreter: ``*args`` takes every input left
+                    value = (_virtualize(list(inputs)) if str(node.target).startswith("*")
+                             else _virtualize(next(inputs)))
                 elif op == "get_attr":
                     value = _virtualize(_fetch_attr(self.gm, node.target))
                 elif op == "output":
@@ -655,7 +656,7 @@ def _flatten_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list:
         flat, _ = torch.utils._pytree.tree_flatten((tuple(args), dict(kwargs)))
         return flat
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(args) > len(placeholders):
+    if len(args) > len(placeholders) and not any(str(p.target).startswith("*") for p in placeholders):
         names = ", ".join(str(p.target) for p in placeholders)
         raise TypeError(f"{len(args)} example inputs given, but the graph takes {len(placeholders)} ({names}): "
                         "pass one example value per argument of forward")

@@ -100,6 +100,26 @@ def test_every_value_matches_the_real_run_in_train_and_eval(name, training):
     assert sum(isinstance(v, capture.TensorInfo) for v in real.values()) > 20
 
 
+class Varargs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, *xs):
+        return self.fc(xs[0]) + xs[1]
+
+
+def test_varargs_and_lists_of_tensors_match_the_real_run():
+    gm = torch.fx.symbolic_trace(Varargs())
+    inputs = (torch.randn(2, 4), torch.randn(2, 4))
+    capture.propagate(gm, inputs, {}, mode="real")
+    real = _infos(gm)
+    capture.propagate(gm, inputs, {})
+    assert gm.meta["autocastfx_propagate"] == "fake"
+    assert _infos(gm) == real
+    assert real["_xs"] == (capture.TensorInfo(torch.float32, (2, 4)),) * 2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name", ["resnet", "gpt"])
