@@ -48,10 +48,24 @@ class _Tracer(fx.Tracer):
 def capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy) -> tuple[fx.GraphModule, str]:
     """Return (graph module, how) where how is ``"symbolic_trace"`` or ``"torch.export"``.
 
-    The model is deep-copied first: nothing the capture does reaches the caller's model. A traced graph
-    must also run on the example inputs; one that does not goes to the torch.export fallback too.
+    The model is deep-copied first: nothing the capture does reaches the caller's model. The copy is put in
+    training mode, so that every mode-dependent op shows its training form (an attention's dropout
+    probability, which eval mode writes as 0.0); ``modes.py`` then gives the graph the modes the model had.
+    A model that cannot be captured in training mode (batch norm on an example batch of one) is captured in
+    the mode it is in. A traced graph must also run on the example inputs; one that does not goes to the
+    torch.export fallback too.
     """
-    model = copy.deepcopy(model)
+    try:
+        gm, how = _capture(copy.deepcopy(model).train(), args, kwargs, policy)
+        gm.meta["autocastfx_captured_training"] = True
+        return gm, how
+    except CaptureError:
+        if model.training:
+            raise
+    return _capture(copy.deepcopy(model), args, kwargs, policy)
+
+
+def _capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy) -> tuple[fx.GraphModule, str]:
     try:
         tracer = _Tracer(policy)
         graph = tracer.trace(model)
