@@ -306,7 +306,7 @@ class TrainStep:
         the loss did not reach a parameter). The copy goes bucket by bucket and frees each bucket's low ``.grad``
         as soon as it is copied, so at most one bucket is held in both precisions."""
         flat = torch.empty(self._master_numel, dtype=torch.float32, device=self.masters[0].device)
-        views = [v.view_as(m) for v, m in zip(flat.split([m.numel() for m in self.masters]), self.masters)]
+        views = [_like(v, m) for v, m in zip(flat.split([m.numel() for m in self.masters]), self.masters)]
         for lo, hi in self._buckets:
             have = [(v, p.grad) for v, p in zip(views[lo:hi], self.lows[lo:hi]) if p.grad is not None]
             if have:
@@ -392,6 +392,26 @@ class TrainStep:
 
 
 BUCKET_ELEMENTS = 1 << 24  # 16M elements (32 MiB of float16 gradients): one fused copy per bucket
+
+
+def _like(chunk: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    """A view of ``chunk`` (``master.numel()`` elements) with the master's shape and strides. An optimizer's
+    fused and foreach kernels walk a parameter and its gradient as flat memory, so a gradient laid out unlike its
+    parameter (an NCHW gradient for a channels_last weight) would pair the wrong elements. A master that is not
+    dense (never made by autocastfx, but possible after a user's own surgery) gets a tensor of its own."""
+    if _dense(master):
+        return chunk.as_strided(master.shape, master.stride())
+    return torch.empty_like(master, memory_format=torch.preserve_format)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers exactly ``t.numel()`` elements of memory with no overlap, in some order of its dims."""
+    expected = 1
+    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _buckets(sizes: list[int], limit: int) -> list[tuple[int, int]]:

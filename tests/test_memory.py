@@ -63,3 +63,28 @@ def test_load_state_dict_copies_the_checkpoint_and_keeps_the_fused_skip():
         for n, v in st.items():
             if torch.is_tensor(v):
                 assert torch.equal(v, sd["optimizer"]["state"][k][n]), (k, n)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_master_gradients_take_each_masters_layout(fused):
+    """A model whose weights are stored channels_last (``model.to(memory_format=torch.channels_last)``) keeps
+    that layout in its masters; each master's gradient must have it too, since fused and foreach optimizer
+    kernels walk a parameter and its gradient as flat memory. Trained side by side with the same model stored
+    NCHW, the masters must agree."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3),
+                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 10))
+    x, target = torch.randn(4, 3, 8, 8), torch.arange(4)
+    results = []
+    for layout in (torch.contiguous_format, torch.channels_last):
+        m = copy.deepcopy(model).to(memory_format=layout)
+        gm = autocastfx.convert(m, (x,), memory_format="preserve")
+        masters = autocastfx.master_parameters(gm)
+        if layout is torch.channels_last:
+            assert any(p.dim() == 4 and not p.is_contiguous() for p in masters)
+        step = autocastfx.train_step(gm, F.cross_entropy, torch.optim.SGD(gm.parameters(), lr=0.1, momentum=0.9, fused=fused))
+        for _ in range(3):
+            step(x, target)
+        results.append([p.detach().clone().contiguous() for p in masters])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)  # float16 kernels of the two layouts sum in other orders
