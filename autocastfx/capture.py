@@ -45,7 +45,8 @@ class _Tracer(fx.Tracer):
         return parameter_proxy_cache[name]
 
 
-def capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy) -> tuple[fx.GraphModule, str]:
+def capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, *, compile_code: bool = True
+            ) -> tuple[fx.GraphModule, str]:
     """Return (graph module, how) where how is ``"symbolic_trace"`` or ``"torch.export"``.
 
     The model is deep-copied first: nothing the capture does reaches the caller's model. The copy is put in
@@ -53,23 +54,26 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy) -> tupl
     probability, which eval mode writes as 0.0); ``modes.py`` then gives the graph the modes the model had.
     A model that cannot be captured in training mode (batch norm on an example batch of one) is captured in
     the mode it is in. A traced graph must also run on the example inputs; one that does not goes to the
-    torch.export fallback too.
+    torch.export fallback too. ``compile_code=False`` leaves a traced module's code to be written by its
+    caller's ``gm.recompile()`` once its passes are done (``gm.recompile`` is a no-op on the instance until
+    the caller deletes it): writing the code of a large graph costs a third of tracing it.
     """
     try:
-        gm, how = _capture(copy.deepcopy(model).train(), args, kwargs, policy)
+        gm, how = _capture(copy.deepcopy(model).train(), args, kwargs, policy, compile_code)
         gm.meta["autocastfx_captured_training"] = True
         return gm, how
     except CaptureError:
         if model.training:
             raise
-    return _capture(copy.deepcopy(model), args, kwargs, policy)
+    return _capture(copy.deepcopy(model), args, kwargs, policy, compile_code)
 
 
-def _capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy) -> tuple[fx.GraphModule, str]:
+def _capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, compile_code: bool = True
+             ) -> tuple[fx.GraphModule, str]:
     try:
         tracer = _Tracer(policy)
         graph = tracer.trace(model)
-        gm = fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+        gm = _graph_module(tracer.root, graph, model.__class__.__name__, compile_code)
         if kwargs and not _accepts_kwargs(gm, kwargs):
             raise TypeError(f"traced forward does not take keyword inputs {sorted(kwargs)}")
         propagate(gm, args, kwargs)
@@ -150,6 +154,23 @@ def _quiet():
     finally:
         for lg, lv in zip(loggers, levels):
             lg.setLevel(lv)
+
+
+def _graph_module(root: nn.Module, graph: fx.Graph, name: str, compile_code: bool) -> fx.GraphModule:
+    """``fx.GraphModule(root, graph, name)``; without its code when ``compile_code`` is False: the instance's
+    ``recompile`` is a no-op until the caller deletes it and recompiles (the constructor writes the code through
+    ``self.recompile()``, which finds the instance attribute first)."""
+    if compile_code:
+        return fx.GraphModule(root, graph, name)
+    gm = fx.GraphModule.__new__(fx.GraphModule, root, graph, name)  # the per-instance class GraphModule makes
+    object.__setattr__(gm, "recompile", no_recompile)
+    gm.__init__(root, graph, name)
+    return gm
+
+
+def no_recompile() -> None:
+    """Stands in for ``gm.recompile`` while a conversion's passes edit the graph."""
+    return None
 
 
 def _accepts_kwargs(gm: fx.GraphModule, kwargs: dict) -> bool:

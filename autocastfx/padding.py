@@ -31,14 +31,14 @@ import torch.nn.functional as F
 
 from . import hardware as _hw
 from .capture import TensorInfo, node_flops
-from .policy import op_name
+from .policy import PAD_GATES, op_name
 
 _CONV = {"conv1d": 1, "conv2d": 2, "conv3d": 3}
 _ZERO_PRESERVING = frozenset("""relu relu6 leaky_relu gelu silu hardswish mish tanh hardtanh elu selu celu
     dropout dropout1d dropout2d dropout3d feature_dropout alpha_dropout max_pool1d max_pool2d max_pool3d
     avg_pool1d avg_pool2d avg_pool3d identity contiguous clone softshrink hardshrink""".split())
 DEFAULT_MAX_GROWTH = 4.0
-GATES = ("model", "trial", "always")
+GATES = PAD_GATES
 DEFAULT_GATE = "model"
 
 

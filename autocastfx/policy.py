@@ -17,6 +17,8 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
+PAD_GATES = ("model", "trial", "always")  # padding.py decides with these
+
 
 class OpClass(str, enum.Enum):
     LOW = "low"            # runs in the low dtype: tensor-core ops
@@ -56,7 +58,7 @@ FP32_OPS = _names("""
     rsqrt reciprocal sin cos tan asin acos atan sinh cosh asinh acosh atanh erfinv lgamma digamma polygamma
     softplus dist cdist pdist cosine_similarity pairwise_distance local_response_norm
     adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d _adaptive_avg_pool2d _adaptive_avg_pool3d
-    cross_entropy nll_loss nll_loss_nd nll_loss2d mse_loss l1_loss smooth_l1_loss huber_loss
+    cross_entropy cross_entropy_loss nll_loss nll_loss_nd nll_loss2d mse_loss l1_loss smooth_l1_loss huber_loss
     binary_cross_entropy binary_cross_entropy_with_logits kl_div cosine_embedding_loss ctc_loss
     margin_ranking_loss hinge_embedding_loss multilabel_margin_loss soft_margin_loss
     multilabel_soft_margin_loss triplet_margin_loss triplet_margin_with_distance_loss multi_margin_loss
@@ -179,6 +181,16 @@ class Policy:
     node_names: Mapping[str, OpClass] = dataclasses.field(default_factory=dict)
     leaf_modules: tuple[type, ...] = ()
     pad_max_growth: float = 4.0   # padding a GEMM/conv may grow its FLOPs at most this much (cost gate)
+    pad_gate: str | None = None   # who decides each pad: "model" (cost model; None), "trial" (timed), "always"
+
+    def __post_init__(self):
+        if self.pad_gate is not None and self.pad_gate not in PAD_GATES:
+            raise ValueError(f"pad_gate must be one of {', '.join(map(repr, PAD_GATES))}, got {self.pad_gate!r}: "
+                             "'model' decides from a cost model of the GPU, 'trial' times both shapes on the "
+                             "model's CUDA device, 'always' pads every misaligned dim within pad_max_growth")
+        if not self.pad_max_growth >= 1:
+            raise ValueError(f"pad_max_growth must be a number >= 1 (how many times an op's FLOPs may grow "
+                             f"when padded), got {self.pad_max_growth!r}")
 
     @classmethod
     def default(cls) -> "Policy":
@@ -186,7 +198,8 @@ class Policy:
 
     def override(self, *, ops: Mapping[str, Any] | None = None, module_types: Mapping[type, Any] | None = None,
                  module_names: Mapping[str, Any] | None = None, node_names: Mapping[str, Any] | None = None,
-                 leaf_modules: tuple[type, ...] = (), pad_max_growth: float | None = None) -> "Policy":
+                 leaf_modules: tuple[type, ...] = (), pad_max_growth: float | None = None,
+                 pad_gate: str | None = None) -> "Policy":
         """A new Policy with these entries added (classes given as OpClass or its value, e.g. ``"fp32"``)."""
         def conv(d):
             return {k: _as_class(v) for k, v in (d or {}).items()}
@@ -198,6 +211,7 @@ class Policy:
             node_names={**self.node_names, **conv(node_names)},
             leaf_modules=self.leaf_modules + tuple(leaf_modules),
             pad_max_growth=self.pad_max_growth if pad_max_growth is None else float(pad_max_growth),
+            pad_gate=self.pad_gate if pad_gate is None else pad_gate,
         )
 
     def is_leaf(self, module: nn.Module) -> bool:

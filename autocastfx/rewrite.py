@@ -45,7 +45,8 @@ def undo(gm: fx.GraphModule) -> None:
 
 def absorb_casts(gm: fx.GraphModule) -> list[str]:
     """Remove the model's own float<->float casts (``.float()``, ``.half()``, ``.to(dtype)``, ``type_as``);
-    the plan decides those dtypes now. Returns the names removed. Integer/bool conversions are kept."""
+    the plan decides those dtypes now. Returns the names removed. Integer/bool conversions are kept, and so are
+    casts that also change the memory format (``.to(torch.float32, memory_format=torch.channels_last)``)."""
     removed = []
     for node in list(gm.graph.nodes):
         if node.op not in ("call_method", "call_function") or op_name(node) not in CAST_OPS:
@@ -66,11 +67,18 @@ def absorb_casts(gm: fx.GraphModule) -> list[str]:
     return removed
 
 
+def _changes_layout(node: fx.Node) -> bool:
+    fmt = node.kwargs.get("memory_format")
+    return fmt is not None and fmt != torch.preserve_format
+
+
 def _only_changes_dtype(node: fx.Node, device: str) -> bool:
     extra_args = node.args[1:]
     name = op_name(node)
     if name == "type_as":
         return len(extra_args) == 1 and not node.kwargs
+    if _changes_layout(node):  # .to(memory_format=torch.channels_last): a layout change the model asked for
+        return False
     if name in ("float", "half", "bfloat16"):
         return not extra_args and set(node.kwargs) <= {"memory_format"}
     if name == "type":

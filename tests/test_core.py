@@ -260,6 +260,33 @@ def test_user_casts_absorbed():
     assert len(rec.float_casts()) == len(names) + upcasts_in_ops
 
 
+class LayoutCasts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+
+    def forward(self, x):
+        y = self.conv(x.float(memory_format=torch.channels_last))  # a dtype cast that also asks for a layout
+        return y.to(torch.float32, memory_format=torch.channels_last).half().float()
+
+
+def test_casts_that_change_the_layout_are_kept():
+    """Only the dtype is the plan's to decide: a cast that also asks for ``channels_last`` stays in the graph
+    (with memory_format='preserve', the model's own layout requests are all the layout there is)."""
+    x = torch.randn(2, 3, 8, 8)
+    gm = convert(LayoutCasts(), (x,), memory_format="preserve")
+    info = gm.meta["autocastfx"]
+    assert len(info.absorbed) == 2, info.absorbed  # .half() and .float() at the end
+    kept = [n for n in gm.graph.nodes if n.kwargs.get("memory_format") == torch.channels_last]
+    assert len(kept) == 2
+    rec = AtenRecorder()
+    with rec, torch.no_grad():
+        out = gm(x)
+    (conv,) = rec.ops("convolution")
+    assert conv.in_dtypes[0] == torch.float16
+    assert out.is_contiguous(memory_format=torch.channels_last) and out.dtype == torch.float32
+
+
 def _random_problem(rng, n_nodes):
     fixed, free, weight, reqs = {}, [], {}, {}
     names = [f"n{i}" for i in range(n_nodes)]

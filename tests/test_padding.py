@@ -286,6 +286,24 @@ def test_stem_keeps_three_channels_in_nchw():
     assert conv.in_shapes[0][1] == 3 and conv.in_shapes[1] == (64, 3, 7, 7)  # nothing padded at the aten level
 
 
+def test_policy_chooses_the_gate():
+    """``Policy.pad_gate`` reaches the padding pass: 'always' pads the NCHW stem's 3 input channels to 8 (the old
+    behaviour, with the slowdown docs/padding.md measures), the default cost model keeps 3; a bad name is refused
+    when the policy is made, before any conversion."""
+    torch.manual_seed(0)
+    x, model = torch.randn(2, 3, 32, 32), Stem()
+    always = autocastfx.convert(model, (x,), policy=autocastfx.Policy.default().override(pad_gate="always"))
+    t, lines = _decisions(always)
+    assert t["gate"] == "always" and lines["conv2d"].startswith("pad")
+    (conv,) = _conv_calls(always, x)
+    assert conv.in_shapes[0][1] == 8
+    torch.testing.assert_close(always(x), autocastfx.convert(model, (x,)).eval()(x), rtol=2e-3, atol=2e-3)  # both eval
+    with pytest.raises(ValueError, match="pad_gate must be one of 'model', 'trial', 'always', got 'fast'"):
+        autocastfx.Policy.default().override(pad_gate="fast")
+    with pytest.raises(ValueError, match="pad_max_growth must be a number >= 1"):
+        autocastfx.Policy.default().override(pad_max_growth=0.5)
+
+
 def test_stem_pads_three_channels_to_four_in_channels_last_exactly():
     torch.manual_seed(0)
     model, x = Stem(), torch.randn(2, 3, 32, 32)
