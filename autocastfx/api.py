@@ -102,6 +102,7 @@ def _convert(model, example_inputs, example_kwargs, dtype, policy, pad_multiple,
                          memory_format=memory_format),
             extra_totals={**({"padding": pad_plan.totals()} if pad_plan is not None else {}),
                           "layout": layout.totals(),
+                          "shapes": gm.meta.get("autocastfx_propagate", "fake"),
                           **({"opaque_calls": [str(d) for d in inlined]} if inlined else {})})
         _modes.install(gm)
     return gm

@@ -56,6 +56,8 @@ class Report:
                      f"model casts absorbed: {t['absorbed_casts']}")
         lines.append(f"matmul/conv FLOPs in low precision: {t['low_flop_share']:.1%} "
                      f"of {t['flops']:,} per forward")
+        if t.get("shapes", "fake") != "fake":
+            lines.append(f"shapes and dtypes learnt from a {t['shapes']}")
         if t.get("unclassified"):
             lines.append(f"unclassified: {t['unclassified']}")
         if t.get("opaque_calls"):
