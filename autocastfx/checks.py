@@ -129,7 +129,7 @@ class InputChecker:
     def guard(self, inputs: Any, bound: dict[str, Any]) -> Iterator[None]:
         """Save buffers and the RNG state; on a failure restore them, and explain a failure inside the module's
         forward in terms of the inputs that differ from the example."""
-        buffers = [(b, b.detach().clone()) for b in _unique(self.gm.buffers())]
+        buffers = [(b, b.detach().clone()) for b in unique_by_id(self.gm.buffers())]
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         forward_done: list[bool] = []
@@ -215,7 +215,8 @@ def _leaves(v: Any):
             yield from _leaves(x)
 
 
-def _unique(tensors):
+def unique_by_id(tensors):
+    """Each object once (parameters tied under several names), in order."""
     seen = set()
     for t in tensors:
         if id(t) not in seen:

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from . import weights as _weights
-from .checks import InputChecker, StepError, check_grad_mode, check_loss, signature
+from .checks import InputChecker, StepError, check_grad_mode, check_loss, signature, unique_by_id
 from .scaling import HISTORY, LossScaleError, ScalerConfig, ScaleState
 
 
@@ -114,7 +114,7 @@ class TrainStep:
         self.lows = [lo for lo, _ in pairs]
         self.masters = [m for _, m in pairs]
         low_ids = {id(p) for p in self.lows}
-        self.fp32_params = [p for p in _unique(gm.parameters()) if p.requires_grad and id(p) not in low_ids]
+        self.fp32_params = [p for p in unique_by_id(gm.parameters()) if p.requires_grad and id(p) not in low_ids]
         device = (self.lows + self.fp32_params)[0].device if (self.lows or self.fp32_params) else torch.device("cpu")
         repointed = self._repointed_groups(info)  # raises before anything is changed
         for lo, m in pairs:
@@ -425,14 +425,6 @@ def _buckets(sizes: list[int], limit: int) -> list[tuple[int, int]]:
     if sizes:
         out.append((start, len(sizes)))
     return out
-
-
-def _unique(params):
-    seen = set()
-    for p in params:
-        if id(p) not in seen:
-            seen.add(id(p))
-            yield p
 
 
 def train_step(gm, loss_fn, optimizer, *, loss_scale=DYNAMIC, init_scale="auto", growth_factor=2.0,

@@ -24,17 +24,18 @@ class Bottleneck(nn.Module):
         return F.relu(y + (x if self.down is None else self.down(x)))
 
 
-class ResNet50(nn.Module):
-    """``width`` scales every stage (64 is ResNet-50's); the benchmark's dry run uses 8."""
+class _ResNet(nn.Module):
+    """torchvision's ResNet layout: a 7x7 stem and max pooling, four stages of ``block``s (the first of each
+    later stage halves the resolution), global average pooling and a linear classifier."""
 
-    def __init__(self, classes=1000, layers=(3, 4, 6, 3), width=64):
+    def __init__(self, block, depths, expansion, classes, width):
         super().__init__()
         self.conv1, self.bn1 = nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width)
         blocks, c = [], width
-        for i, (n, w) in enumerate(zip(layers, (width, 2 * width, 4 * width, 8 * width))):
+        for i, (n, w) in enumerate(zip(depths, (width, 2 * width, 4 * width, 8 * width))):
             for j in range(n):
-                blocks.append(Bottleneck(c, w, 2 if (j == 0 and i > 0) else 1))
-                c = w * 4
+                blocks.append(block(c, w, 2 if (j == 0 and i > 0) else 1))
+                c = w * expansion
         self.layers = nn.Sequential(*blocks)
         self.fc = nn.Linear(c, classes)
 
@@ -42,6 +43,13 @@ class ResNet50(nn.Module):
         x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 3, 2, 1)
         x = self.layers(x)
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class ResNet50(_ResNet):
+    """``width`` scales every stage (64 is ResNet-50's); the benchmark's dry run uses 8."""
+
+    def __init__(self, classes=1000, layers=(3, 4, 6, 3), width=64):
+        super().__init__(Bottleneck, layers, 4, classes, width)
 
 
 class BasicBlock(nn.Module):
@@ -59,25 +67,12 @@ class BasicBlock(nn.Module):
         return F.relu(y + (x if self.down is None else self.down(x)))
 
 
-class ResNet18(nn.Module):
+class ResNet18(_ResNet):
     """torchvision's resnet18 layout (11.7M parameters at width 64): at batch 8 and 64x64 its kernels are so
     small that launching them, not running them, sets the step time on a GPU."""
 
     def __init__(self, classes=1000, width=64):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width)
-        blocks, c = [], width
-        for i, w in enumerate((width, 2 * width, 4 * width, 8 * width)):
-            for j in range(2):
-                blocks.append(BasicBlock(c, w, 2 if (j == 0 and i > 0) else 1))
-                c = w
-        self.layers = nn.Sequential(*blocks)
-        self.fc = nn.Linear(c, classes)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 3, 2, 1)
-        x = self.layers(x)
-        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+        super().__init__(BasicBlock, (2, 2, 2, 2), 1, classes, width)
 
 
 class Block(nn.Module):
