@@ -37,7 +37,7 @@ class ConvertInfo:
     extra_totals: dict[str, Any] = dataclasses.field(default_factory=dict)
     # id() of each parameter of the model convert() was given -> its name: lets an optimizer built over the
     # original model be re-pointed to the converted module's parameters and masters
-    source_params: dict[int, str] = dataclasses.field(default_factory=dict, repr=False)
+    source_params: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict, repr=False)  # all names
 
 
 def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kwargs: dict | None = None,
@@ -74,7 +74,8 @@ def _convert(model, example_inputs, example_kwargs, dtype, policy, pad_multiple,
     else:
         _check_params(model)
         gm, how = _capture.capture(model, args, kwargs, policy,  # runs propagate() on the example inputs
-                                   compile_code=False)  # its code is written once, after the passes
+                                   compile_code=False,  # its code is written once, after the passes
+                                   share_tensors=True)  # the model's tensors until own_tensors, below
 
     with _one_recompile(gm):
         inlined = _inline.inline_opaque_calls(gm)  # torch.fx.wrap'd functions: traced by torch.export, inlined
@@ -95,9 +96,10 @@ def _convert(model, example_inputs, example_kwargs, dtype, policy, pad_multiple,
         masters = _weights.store_low(gm, plan.low_params, dtype)
         _layout.store_weights(gm, layout)  # after the masters, which keep NCHW like their gradients
         _rewrite.apply_plan(gm, plan)
+        _capture.own_tensors(gm, model)  # what still is the model's (float32 weights, buffers) is copied
         gm.meta["autocastfx"] = ConvertInfo(
             dtype=dtype, policy=policy, capture=how, plan=plan, masters=masters, absorbed=absorbed,
-            source_params={id(p): n for n, p in model.named_parameters(remove_duplicate=False)},
+            source_params=_names_by_id(model),
             options=dict(pad_multiple=pad_multiple, master_weights=master_weights, keep_io_types=keep_io_types,
                          memory_format=memory_format),
             extra_totals={**({"padding": pad_plan.totals()} if pad_plan is not None else {}),
@@ -134,6 +136,15 @@ def _one_recompile(gm: fx.GraphModule):
     finally:
         gm.__dict__.pop("recompile", None)
     gm.recompile()  # not reached when a pass raised: the half-converted module is dropped
+
+
+def _names_by_id(model: nn.Module) -> dict[int, tuple[str, ...]]:
+    """id(parameter) -> every name it has in ``model``, first one first (tied weights have several, and the
+    graph keeps one of them)."""
+    names: dict[int, tuple[str, ...]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names[id(p)] = names.get(id(p), ()) + (n,)
+    return names
 
 
 def _check_inputs(model, example_inputs, example_kwargs, dtype, pad_multiple):

@@ -45,8 +45,8 @@ class _Tracer(fx.Tracer):
         return parameter_proxy_cache[name]
 
 
-def capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, *, compile_code: bool = True
-            ) -> tuple[fx.GraphModule, str]:
+def capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, *, compile_code: bool = True,
+            share_tensors: bool = False) -> tuple[fx.GraphModule, str]:
     """Return (graph module, how) where how is ``"symbolic_trace"`` or ``"torch.export"``.
 
     The model is deep-copied first: nothing the capture does reaches the caller's model. The copy is put in
@@ -57,15 +57,56 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, *, comp
     torch.export fallback too. ``compile_code=False`` leaves a traced module's code to be written by its
     caller's ``gm.recompile()`` once its passes are done (``gm.recompile`` is a no-op on the instance until
     the caller deletes it): writing the code of a large graph costs a third of tracing it.
+    ``share_tensors=True`` copies the module tree but not its parameters and buffers: the graph module holds
+    the caller's tensors until the caller gives it copies of its own with ``own_tensors`` (``convert()`` does,
+    after the conversion has replaced the weights it stores low), so that no second float32 copy of the
+    whole model is ever made; the capture itself never writes to a tensor.
     """
     try:
-        gm, how = _capture(copy.deepcopy(model).train(), args, kwargs, policy, compile_code)
+        gm, how = _capture(_copy(model, share_tensors).train(), args, kwargs, policy, compile_code)
         gm.meta["autocastfx_captured_training"] = True
         return gm, how
     except CaptureError:
         if model.training:
             raise
-    return _capture(copy.deepcopy(model), args, kwargs, policy, compile_code)
+    return _capture(_copy(model, share_tensors), args, kwargs, policy, compile_code)
+
+
+def _copy(model: nn.Module, share_tensors: bool) -> nn.Module:
+    memo: dict[int, Any] = {}
+    if share_tensors:
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            memo[id(t)] = t
+    return copy.deepcopy(model, memo)
+
+
+def own_tensors(gm: nn.Module, model: nn.Module) -> int:
+    """Give ``gm`` copies of every parameter, buffer and tensor attribute it still shares with ``model`` (by
+    object or by storage), copied together as ``copy.deepcopy`` would have: tied tensors stay tied, views stay
+    views of one new storage, parameters keep their class and attributes. Returns how many were copied."""
+    theirs = {id(t) for t in itertools.chain(model.parameters(), model.buffers())}
+    storages = {_storage(t) for t in itertools.chain(model.parameters(), model.buffers())} - {None}
+    found: list[tuple[nn.Module, str, str, torch.Tensor]] = []
+    for mod in gm.modules():
+        places = [("_parameters", mod._parameters), ("_buffers", mod._buffers),
+                  ("", {k: v for k, v in vars(mod).items() if isinstance(v, torch.Tensor)})]
+        for kind, entries in places:
+            for name, t in entries.items():
+                if t is not None and (id(t) in theirs or _storage(t) in storages):
+                    found.append((mod, kind, name, t))
+    copies = copy.deepcopy([t for *_, t in found])  # one memo for all: ties and views are kept
+    for (mod, kind, name, _), c in zip(found, copies):
+        if kind:
+            getattr(mod, kind)[name] = c
+        else:
+            object.__setattr__(mod, name, c)
+    return len(found)
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    if t.device.type == "meta" or t.numel() == 0:
+        return None
+    return t.untyped_storage().data_ptr()
 
 
 def _capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, compile_code: bool = True

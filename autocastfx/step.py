@@ -154,7 +154,10 @@ class TrainStep:
                 if id(p) in master_ids:
                     pairs.append((p, p))
                     continue
-                name = canonical.get(id(p)) or info.source_params.get(id(p))
+                name = canonical.get(id(p)) or next(
+                    (n for n in info.source_params.get(id(p), ()) if n in alias), None)
+                if name is None and id(p) in info.source_params:
+                    continue  # the model's, but the graph never reads it: no gradient, as in the model itself
                 if name is None:
                     raise StepError(
                         f"the optimizer holds a tensor of shape {tuple(p.shape)} (param group {g}, entry {i}) that is "

@@ -88,3 +88,78 @@ def test_master_gradients_take_each_masters_layout(fused):
         results.append([p.detach().clone().contiguous() for p in masters])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)  # float16 kernels of the two layouts sum in other orders
+
+
+_Fake = torch._subclasses.fake_tensor.FakeTensor
+
+
+class _BigCopies(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records real (not fake, not meta) tensors of at least ``numel`` elements in new memory that ops create (views and
+    in-place results, which share an input's storage, are not counted)."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.made = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+               if isinstance(t, torch.Tensor) and not isinstance(t, _Fake)}
+        for o in torch.utils._pytree.tree_leaves(out):
+            if (isinstance(o, torch.Tensor) and o.numel() >= self.numel and not isinstance(o, _Fake)
+                    and o.device.type != "meta" and o.untyped_storage().data_ptr() not in ins):
+                self.made.append((func._opname, o.dtype))
+        return out
+
+
+def test_convert_makes_no_second_float32_copy_of_the_model():
+    """The model's weights are read, not copied, until the conversion knows which it stores low: the only
+    float32 copies of a big weight are its master, and the one low copy is the module's weight. Nothing the
+    converted module or its training does reaches the model afterwards."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.LayerNorm(256), torch.nn.Linear(256, 10))
+    x = torch.randn(4, 256)
+    before = copy.deepcopy(model.state_dict())
+    with _BigCopies(256 * 256) as rec:
+        gm = autocastfx.convert(model, (x,))
+    assert sorted(rec.made) == [("_to_copy", torch.float16), ("clone", torch.float32)], rec.made
+    theirs = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    ours = list(gm.parameters()) + list(gm.buffers()) + autocastfx.master_parameters(gm)
+    assert not any(t.untyped_storage().data_ptr() in theirs for t in ours)
+    step = autocastfx.train_step(gm, F.cross_entropy, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for _ in range(3):
+        step(x, torch.arange(4))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not torch.equal(gm.get_parameter("1.weight"), model[1].weight)  # the float32 norm weight trained
+
+
+def test_tied_and_unused_parameters_of_the_model_in_its_optimizer():
+    """An optimizer built over the original model's parameters: a weight tied under two names is one
+    master, a tensor attribute and a buffer are the converted module's own, and a parameter the forward never
+    reads is left out of the update (it gets no gradient, as in the model itself)."""
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.fc2 = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+            self.fc2.weight = self.fc.weight
+            self.unused = torch.nn.Linear(8, 8)
+            self.register_buffer("scale", torch.ones(4))
+            self.const = torch.full((4,), 2.0)
+
+        def forward(self, x):
+            return self.fc(x) * self.scale + self.fc2(x) * self.const
+
+    torch.manual_seed(0)
+    model, x, y = Tied(), torch.randn(4, 8), torch.randn(4, 4)
+    before = copy.deepcopy(model.state_dict())
+    gm = autocastfx.convert(model, (x,))
+    assert gm.const.untyped_storage().data_ptr() != model.const.untyped_storage().data_ptr()
+    step = autocastfx.train_step(gm, F.mse_loss, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    (group,) = step.optimizer.param_groups
+    assert len(group["params"]) == 3 and all(p is not None for p in group["params"])  # fc.weight, fc.bias, fc2.bias
+    for _ in range(3):
+        step(x, y)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    sd = gm.state_dict()
+    assert torch.equal(sd["fc.weight"], sd["fc2.weight"]) if "fc2.weight" in sd else True
