@@ -163,3 +163,29 @@ def test_tied_and_unused_parameters_of_the_model_in_its_optimizer():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     sd = gm.state_dict()
     assert torch.equal(sd["fc.weight"], sd["fc2.weight"]) if "fc2.weight" in sd else True
+
+
+def test_own_tensors_copies_as_deepcopy_would():
+    """Tensors the converted module shares with the model are copied once each: a tensor held twice stays one
+    tensor, two views of one storage stay views of one new storage, parameters stay parameters."""
+    from autocastfx.capture import own_tensors
+
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.randn(4, 4))
+    model.register_buffer("table", torch.randn(8))
+    model.register_buffer("front", model.table[:4])  # a view of another buffer
+    gm = torch.nn.Module()
+    gm.a, gm.b = torch.nn.Module(), torch.nn.Module()
+    gm.a.w = gm.b.w = model.w  # held twice
+    gm.a.register_buffer("table", model.table)
+    gm.b.register_buffer("front", model.front)
+    gm.b.const = model.table  # a plain attribute
+    assert own_tensors(gm, model) == 5
+    assert gm.a.w is gm.b.w and isinstance(gm.a.w, torch.nn.Parameter) and gm.a.w is not model.w
+    assert torch.equal(gm.a.w, model.w) and gm.a.w.requires_grad
+    mine = gm.a.table.untyped_storage().data_ptr()
+    assert mine != model.table.untyped_storage().data_ptr()
+    assert gm.b.front.untyped_storage().data_ptr() == mine == gm.b.const.untyped_storage().data_ptr()
+    gm.a.table.zero_()
+    assert not gm.b.front.any() and model.front.abs().sum() > 0  # the views followed their new storage
+    assert own_tensors(gm, model) == 0
