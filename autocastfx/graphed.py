@@ -101,6 +101,18 @@ def follow_optimizer_settings(optimizer: torch.optim.Optimizer, lrs: list[torch.
                     "changing it, or keep it fixed (e.g. OneCycleLR(..., cycle_momentum=False))")
 
 
+def check_modes(modules: list[torch.nn.Module], captured: list[bool]) -> None:
+    """Before a replay: train()/eval() rewrites the converted module's code (dropout and batch-norm flags), and a
+    graph replays the mode it captured. A changed mode is refused rather than silently replayed."""
+    for module, was in zip(modules, captured):
+        if module.training != was:
+            now, then = ("train", "eval") if module.training else ("eval", "train")
+            raise RuntimeError(
+                f"the model was switched to {now} mode after capture ({type(module).__name__}.training is now "
+                f"{module.training}), and the graph replays the {then} mode it captured: switch it back "
+                f"(gm.{then}()) before calling the graph step, or call recapture() to capture the {now} mode")
+
+
 # ------------------------------------------------------------------------------ input signatures
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
@@ -336,7 +348,8 @@ class CudaGraphStep:
         if not fits:
             self._drop()
             self._calls = 0
-        elif self._graphs is not None and baked_settings(self.step.optimizer) != self._baked:
+        elif self._graphs is not None and (baked_settings(self.step.optimizer) != self._baked
+                                           or self.step.state.auto_pending):
             self._drop()
         self._eager_to_cycle_start = self.step.micro % self.step.accum_steps != 0
 
@@ -351,10 +364,14 @@ class CudaGraphStep:
             why = mismatch(self._sig, sig)
             if why is not None:
                 raise ValueError(why)
+            check_modes(self._modules, self._modes)
             follow_optimizer_settings(self.step.optimizer, self._lrs, self._baked)
             return self._replay(leaves, position)
         loss = self._eager(inputs, targets)
-        if self._graphs is None and ready_to_capture(self._calls, self.step.micro, self.warmup, n):
+        # init_scale="auto": the first update picks the scale on a branch of the host (S.auto_pending); a capture
+        # waits until that update has run, or every replay would jump the scale again
+        if (self._graphs is None and not self.step.state.auto_pending
+                and ready_to_capture(self._calls, self.step.micro, self.warmup, n)):
             self._capture(sig, leaves)
         return loss
 
@@ -368,6 +385,9 @@ class CudaGraphStep:
         self.static_targets: tuple | None = None
         self._baked: list[dict[str, Any]] = []
         self._lrs: list[torch.Tensor] = []
+        self._modules: list[torch.nn.Module] = []
+        self._modes: list[bool] = []
+        self._grad_norm: torch.Tensor | None = None
         self._eager_to_cycle_start = False
 
     def _eager(self, inputs, targets):
@@ -378,6 +398,12 @@ class CudaGraphStep:
             loss = self.step(inputs, *targets)
         current.wait_stream(self._side)
         self._calls += 1
+        step = self.step
+        if self._grad_norm is not None and step.grad_norm is not self._grad_norm:
+            # an eager update (after a load inside a cycle) wrote a new grad_norm: back into the graph's tensor
+            with torch.no_grad():
+                self._grad_norm.copy_(step.grad_norm)
+            step.grad_norm = self._grad_norm
         return loss
 
     def _capture(self, sig: Signature, leaves: list[Any]) -> None:
@@ -385,52 +411,70 @@ class CudaGraphStep:
 
         Nothing runs: the step's host state (micro-batch counter, gradients, grad_norm) is put back as the eager
         call left it. Gradients are None at the start of a cycle, so the first graph's backward allocates them
-        from the graph's pool and the update graph frees them there: every replay reuses the same memory."""
+        from the graph's pool and the update graph frees them there: every replay reuses the same memory.
+
+        The graphs share the pool and replay in capture order, so a later graph's tensors may lie in memory an
+        earlier one uses as scratch (PyTorch, "Sharing memory across captures"): the update graph's grad_norm
+        would be overwritten by the next cycle's first micro-batch. The update graph therefore copies it into a
+        tensor allocated outside the pool, which ``stats.grad_norm`` keeps."""
         step = self.step
         with torch.no_grad():
             statics = [x.detach().clone() if torch.is_tensor(x) else x for x in leaves]
+            keep_norm = None if step.grad_norm is None else step.grad_norm.detach().clone()  # outside the pool
         static_inputs, static_targets = tree_unflatten(statics, sig.spec)
         micro, grad_norm = step.micro, step.grad_norm
-        for p in step.all_params:
+        for p in step.grad_holders:
             p.grad = None
         pool = torch.cuda.graph_pool_handle()
         graphs, outputs = {}, {}
+        current = torch.cuda.current_stream(self.device)
         try:
             with torch.cuda.device(self.device):
                 for kind, position in positions(step.accum_steps):
                     step.micro = micro + position
                     graph = torch.cuda.CUDAGraph()
+                    # thread_local: another thread's CUDA calls (a DataLoader's pin-memory thread) do not break
+                    # the capture; calls from this thread (and its autograd work) are still checked
                     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                         outputs[kind] = step._fn(static_inputs, *static_targets)
+                        if kind == "update" and keep_norm is not None:
+                            keep_norm.copy_(step.grad_norm)
                     graphs[kind] = graph
         except Exception as e:
             step.grad_norm = grad_norm
+            # torch.cuda.graph.__exit__ ends the capture before it restores the stream: when ending raises (it does
+            # after any error inside the capture), this thread would stay on the graph's capture stream
+            torch.cuda.set_stream(current)
+            first = e.__context__ if e.__context__ is not None else e   # what broke the capture, before capture_end
+            cause = f"{type(first).__name__}: {first}" + (
+                f"; ending the capture then raised {type(e).__name__}: {e}" if first is not e else "")
             raise RuntimeError(
-                f"capturing the training step in a CUDA graph failed: {type(e).__name__}: {e}\nInside a graph "
+                f"capturing the training step in a CUDA graph failed: {cause}\nInside a graph "
                 "nothing may read the device from the host or create CPU tensors: .item(), bool(tensor), a Python "
                 "branch on a tensor, torch.tensor(...) in forward, BatchNorm(momentum=None). Remove it from the model "
                 "or the loss, or train with the eager step (which has just run this batch).") from e
         finally:
             step.micro = micro
-            for p in step.all_params:
+            for p in step.grad_holders:
                 p.grad = None
-        if grad_norm is not None and step.grad_norm is not grad_norm:
-            with torch.no_grad():   # the update graph writes its own tensor: start it at the eager call's value
-                step.grad_norm.copy_(grad_norm)
+        step.grad_norm = keep_norm
+        self._grad_norm = keep_norm
         self._graphs, self._outputs, self._sig = graphs, outputs, sig
         self._statics = [s for s in statics if torch.is_tensor(s)]
         self.static_inputs, self.static_targets = static_inputs, static_targets
         self._baked = baked_settings(step.optimizer)
         self._lrs = [g["lr"] for g in step.optimizer.param_groups]
+        self._modules = list(step.gm.modules())
+        self._modes = [m.training for m in self._modules]
         self.captures += 1
 
     def _replay(self, leaves: list[Any], position: int) -> torch.Tensor:
         kind = kind_at(position, self.step.accum_steps)
         pairs = [(s, x) for s, x in zip(self._statics, (v for v in leaves if torch.is_tensor(v))) if s is not x]
-        with torch.no_grad():
+        with torch.cuda.device(self.device):   # the copies and the replay on the model's device's current stream
             if pairs:
-                torch._foreach_copy_([s for s, _ in pairs], [x for _, x in pairs], non_blocking=True)
-        with torch.cuda.device(self.device):
+                with torch.no_grad():
+                    torch._foreach_copy_([s for s, _ in pairs], [x for _, x in pairs], non_blocking=True)
             self._graphs[kind].replay()
             if self.step.accum_steps > 1:
                 self.step.micro += 1   # the host counter the generated step keeps, as the eager call would
@@ -485,5 +529,5 @@ def _refuse_what_cannot_be_captured(step) -> None:
 
 
 __all__ = ["CudaGraphStep", "refuse_before_building", "make_capturable", "signature", "mismatch", "check_devices", "Signature", "TensorSpec",
-           "follow_optimizer_settings", "baked_settings", "positions", "kind_at", "ready_to_capture",
+           "follow_optimizer_settings", "baked_settings", "check_modes", "positions", "kind_at", "ready_to_capture",
            "portable_state_dict", "load_keeping_tensors"]

@@ -60,7 +60,10 @@ CUDA_RULES: tuple[KernelRule, ...] = (
                f"{_H100}: InstanceNorm2d(affine=True) accepts it (runs as batch_norm over N*C channels)",
                _ops("instance_norm"), (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)),
     KernelRule("rms_norm", True, (),
-               f"{_H100}: nn.RMSNorm accepts it (the composite upcasts inside and returns the input dtype)",
+               f"{_H100}: nn.RMSNorm accepts it (the composite upcasts inside and returns the input dtype). "
+               "torch warns 'Mismatch dtype between input and weight ... Cannot dispatch to fused "
+               "implementation' (layer_norm.cpp) for this mix: the fused kernel needs equal dtypes; "
+               "whether that costs time on a GPU has not been timed",
                _ops("rms_norm"), tuple(t for t in (getattr(nn, "RMSNorm", None),) if t is not None)),
     KernelRule("batch_norm_elemt", True, (),
                "SyncBatchNorm's CUDA kernels (batch_norm_stats, batch_norm_elemt) take float32 parameters and "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import textwrap
 from typing import Any, Callable
 
@@ -230,14 +231,15 @@ class TrainStep:
                 ind = "    "
         else:
             ind = "    "
+        section = itertools.count(1)  # the comments number the parts the options emit
         loop = self.on_overflow == "retry"
         if loop:
             add(f"    for attempt in range({self.max_retries + 1}):")
             ind = "        "
-        add(f"{ind}# 1. forward with low-precision weights; the loss in float32")
+        add(f"{ind}# {next(section)}. forward with low-precision weights; the loss in float32")
         add(f"{ind}out = _call(model, inputs)")
         add(f"{ind}loss = check_loss(loss_fn(out, *targets)).float()  # one float number connected to the weights")
-        add(f"{ind}# 2. backward of loss * scale" + (f" / {accum}" if accum > 1 else ""))
+        add(f"{ind}# {next(section)}. backward of loss * scale" + (f" / {accum}" if accum > 1 else ""))
         factor = "S.scale" if scaled else None
         if accum > 1:
             factor = f"(S.scale / {accum})" if scaled else f"(1.0 / {accum})"
@@ -249,7 +251,7 @@ class TrainStep:
             ind = "    "
         add(f"{ind}with torch.no_grad():")
         ind2 = ind + "    "
-        add(f"{ind2}# 3. gradients into float32" + (" master .grad," if has_masters else ",")
+        add(f"{ind2}# {next(section)}. gradients into float32" + (" master .grad," if has_masters else ",")
             + (" unscaled and" if scaled else "") + " checked for inf/NaN in one fused pass")
         if has_masters:
             add(f"{ind2}master_grads = self._grads_to_masters()  # one float32 buffer; low .grad freed at once")
@@ -277,9 +279,9 @@ class TrainStep:
             add(f"{ind2}for m, g in zip(self.masters, master_grads):")
             add(f"{ind2}    m.grad = g")
         if self.clip is not None:
-            add(f"{ind2}# 4. clip by global norm, after unscaling (no host read)")
+            add(f"{ind2}# {next(section)}. clip by global norm, after unscaling (no host read)")
             add(f"{ind2}self.grad_norm = torch.nn.utils.clip_grad_norm_(self.optimizer_params, {self.clip!r}, foreach=True)")
-        add(f"{ind2}# 5. optimizer step on the {'masters' if has_masters else 'parameters'}, skipped on overflow")
+        add(f"{ind2}# {next(section)}. optimizer step on the {'masters' if has_masters else 'parameters'}, skipped on overflow")
         if self.fused:
             add(f"{ind2}optimizer.grad_scale, optimizer.found_inf = None, S.found_inf  # fused kernel skips on the device")
             add(f"{ind2}optimizer.step()")
@@ -291,7 +293,7 @@ class TrainStep:
         add(f"{ind2}for p in self.{'grad_holders' if has_masters else 'all_params'}:  # gradients freed: "
             "the next backward writes, not adds")
         add(f"{ind2}    p.grad = None")
-        add(f"{ind2}# 6. scale update on the device" + ("; the stuck-at-min_scale flag too, read later by the host "
+        add(f"{ind2}# {next(section)}. scale update on the device" + ("; the stuck-at-min_scale flag too, read later by the host "
                                                        "without a sync" if dyn else ""))
         add(f"{ind2}S.record()")
         if dyn and self.cfg.auto:

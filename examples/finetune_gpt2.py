@@ -36,6 +36,22 @@ CHECKPOINT = "checkpoint.pt"
 
 # ----------------------------------------------------------------------------------------------- the data
 
+
+
+def gpt2(config, device: torch.device):
+    """A GPT2LMHeadModel from ``config``, with its loss named (transformers otherwise warns, on every run, that
+    the config's ``loss_type=None`` is unrecognised before using this same causal-LM loss)."""
+    model = transformers.GPT2LMHeadModel(config).to(device)
+    model.loss_type = "ForCausalLM"
+    return model
+
+class MissingCheckpoint(FileNotFoundError):
+    """--resume without a checkpoint in --out."""
+
+
+class CheckpointMismatch(ValueError):
+    """--resume with other settings than the run that wrote the checkpoint."""
+
 class CharTokenizer:
     """One token per character, plus padding, beginning and end of sentence: enough for generated text, and
     nothing to download."""
@@ -146,7 +162,7 @@ class Run:
     and step. Built the same way for a fresh start and for a resume."""
 
     def __init__(self, config, args, example: dict[str, torch.Tensor], device: torch.device):
-        self.model = transformers.GPT2LMHeadModel(config).to(device)
+        self.model = gpt2(config, device)
         dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
         # the one autocastfx line: captured through torch.export (Hugging Face models do not trace symbolically)
         self.gm = autocastfx.convert(self.model, example_kwargs=example, dtype=dtype)
@@ -167,14 +183,14 @@ class Run:
 
     def load(self, path: Path, batches: Batches, args) -> None:
         if not path.is_file():
-            raise FileNotFoundError(f"no checkpoint at {path}: train first (it is written after step --save-at), "
+            raise MissingCheckpoint(f"no checkpoint at {path}: train first (it is written after step --save-at), "
                                     "or point --out at the directory that holds it")
         # on the CPU: the random-number states inside must stay CPU tensors; load_state_dict copies every
         # other tensor into the module's and the optimizer's own, on their device
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
         changed = {k: (v, ckpt["settings"][k]) for k, v in settings(args).items() if ckpt["settings"].get(k) != v}
         if changed:
-            raise ValueError("the checkpoint was written by a run with other settings, so resuming would not "
+            raise CheckpointMismatch("the checkpoint was written by a run with other settings, so resuming would not "
                              "continue that run: " + ", ".join(f"--{k.replace('_', '-')} {old!r} there, {new!r} now"
                                                              for k, (new, old) in changed.items())
                              + ". Pass the checkpoint's settings")
@@ -273,7 +289,7 @@ def float32_state_dict(gm: torch.nn.Module) -> dict[str, torch.Tensor]:
 def check_against_float32(run: Run, config, val, args, device) -> dict:
     """The fine-tuned weights loaded into a plain float32 GPT2LMHeadModel: its validation loss, float32 and
     under torch.autocast, next to the converted module's."""
-    model = transformers.GPT2LMHeadModel(config).to(device)
+    model = gpt2(config, device)
     model.load_state_dict(float32_state_dict(run.gm))
     res = {"fp32": evaluate(model, val, args.eval_batch_size, device)["loss"],
            "autocastfx": evaluate(run.gm, val, args.eval_batch_size, device)["loss"]}
@@ -286,7 +302,7 @@ def check_against_float32(run: Run, config, val, args, device) -> dict:
 # ------------------------------------------------------------------------------------------------- main
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=100, help="optimizer steps in all")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=32, help="every sequence is padded to this many tokens")
@@ -337,6 +353,8 @@ def main(argv=None) -> dict:
         torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         return run_example(args, device)
+    except (MissingCheckpoint, CheckpointMismatch) as e:  # a user's mistake, said in one line, not a traceback
+        sys.exit(f"finetune_gpt2.py: {e}")
     finally:
         torch.use_deterministic_algorithms(deterministic)
 

@@ -116,7 +116,9 @@ def main():
     history = step.stats.history()
     changes = [(i, s) for i, (s, _) in enumerate(history) if i == 0 or s != history[i - 1][0]]
     print(f"loss scale: {stats['scale']:g} after {stats['steps']} steps, {stats['skipped']} skipped; "
-          "changes (step, scale): " + ", ".join(f"({i}, {s:g})" for i, s in changes))
+          "changes (step, scale): " + ", ".join(f"({i}, {s:g})" for i, s in changes)
+          + ("  [init_scale='auto': the first update runs at scale 1, then the scale moves to the largest power "
+             "of two its gradients allow]" if changes and changes[0][1] == 1 else ""))
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -71,6 +71,7 @@ class _Evil:
         return (os.system, (f"touch {os.environ.get('EVIL_MARK', '/tmp/autocastfx_evil')}",))
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # the tampered file is written so
 def test_tampered_pickle_is_refused_without_running_code(tmp_path, monkeypatch):
     gm, _ = _convert("resnet")
     good, bad = tmp_path / "good.acfx", tmp_path / "bad.acfx"

@@ -83,6 +83,7 @@ class TinySwin(nn.Module):
 LOW_GEMMS = ("mm", "addmm", "bmm", "baddbmm", "convolution")
 
 
+@pytest.mark.filterwarnings("ignore:autocastfx. ops on no policy list")  # the helper function is unclassified on purpose
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_wrapped_attention_runs_its_matmuls_low(dtype):
     torch.manual_seed(0)
@@ -105,6 +106,7 @@ def test_wrapped_attention_runs_its_matmuls_low(dtype):
     assert {"blocks.0.qkv.weight", "blocks.1.proj.weight"} <= names, names
 
 
+@pytest.mark.filterwarnings("ignore:autocastfx. ops on no policy list")  # the helper function is unclassified on purpose
 def test_wrapped_attention_numerics_and_modes():
     torch.manual_seed(0)
     model, x = TinySwin(), torch.randn(2, 3, 12, 12)
@@ -127,6 +129,7 @@ def test_wrapped_attention_numerics_and_modes():
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.filterwarnings("ignore:autocastfx. ops on no policy list")  # the helper function is unclassified on purpose
 def test_untraceable_opaque_call_stays_whole_with_reason():
     class M(nn.Module):
         def __init__(self):
