@@ -275,7 +275,8 @@ class CudaGraphStep:
     A replay returns the graph's own loss tensor: the next replay overwrites it, ``loss.clone()`` to keep it.
     Shapes, dtypes, devices and Python constants in the arguments are fixed by the capture; a call that differs
     raises (``recapture()`` captures again, at the next call's shapes). Every optimizer setting but the lr is
-    baked in too; changing one raises, a new lr (a scheduler's) is read by the replays.
+    baked in too, and so is the model's train()/eval() mode; changing one raises, a new lr (a scheduler's) is read
+    by the replays. With ``init_scale="auto"`` the capture waits for the first update, which picks the scale.
 
     Refused up front, before anything is changed: a model not on a CUDA device, ``on_overflow="retry"`` (a host
     read per attempt), an optimizer that cannot skip an overflowing update on the device (no fused kernel: the
@@ -433,8 +434,9 @@ class CudaGraphStep:
                 for kind, position in positions(step.accum_steps):
                     step.micro = micro + position
                     graph = torch.cuda.CUDAGraph()
-                    # thread_local: another thread's CUDA calls (a DataLoader's pin-memory thread) do not break
-                    # the capture; calls from this thread (and its autograd work) are still checked
+                    # thread_local (as torch.compile's CUDA graphs): another thread's unrelated CUDA calls (a
+                    # DataLoader's pin-memory thread) do not break the capture; a sync on the capturing stream
+                    # (.item() in forward or backward) fails from any thread
                     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                         outputs[kind] = step._fn(static_inputs, *static_targets)
                         if kind == "update" and keep_norm is not None:
@@ -528,6 +530,6 @@ def _refuse_what_cannot_be_captured(step) -> None:
             "and pass CUDA inputs.")
 
 
-__all__ = ["CudaGraphStep", "refuse_before_building", "make_capturable", "signature", "mismatch", "check_devices", "Signature", "TensorSpec",
-           "follow_optimizer_settings", "baked_settings", "check_modes", "positions", "kind_at", "ready_to_capture",
-           "portable_state_dict", "load_keeping_tensors"]
+__all__ = ["CudaGraphStep", "refuse_before_building", "make_capturable", "signature", "mismatch", "check_devices",
+           "Signature", "TensorSpec", "follow_optimizer_settings", "baked_settings", "check_modes", "positions",
+           "kind_at", "ready_to_capture", "portable_state_dict", "load_keeping_tensors"]

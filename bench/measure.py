@@ -410,7 +410,9 @@ def median_step_time(runner: Runner, steps: int = 200, warmup: int = 20) -> floa
 
 
 def convert_scaling(depths, make, example):
-    """(nodes, symbolic_trace seconds, convert seconds) per depth."""
+    """(nodes, symbolic_trace seconds, convert seconds) per depth, after one untimed conversion of the first
+    depth: a process's first conversion also pays for one-time set-up (imports, the fake-tensor machinery)."""
+    autocastfx.convert(make(depths[0]), (example(),), pad_multiple=1)
     rows = []
     for depth in depths:
         model = make(depth)

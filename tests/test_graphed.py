@@ -2,7 +2,9 @@
 
 CPU tier: every refusal that needs no GPU, the optimizer's transformation (capturable, a device lr that LR
 schedulers fill in place), the settings guard, the signature check, the capture schedule, loading into the
-tensors a graph holds. GPU tier (marked ``gpu``, skipped without CUDA): the graph step against the eager step.
+tensors a graph holds; and the whole graph step against the eager step with CUDA graphs emulated on the CPU
+(``fake_cuda``, below). GPU tier (marked ``gpu``, skipped without CUDA): the graph step against the eager step
+on real graphs, with what the emulation leaves out (the shared memory pool, streams, the pinned flag copy, RNG).
 """
 import contextlib
 import copy
@@ -13,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import autocastfx
 from autocastfx import graphed
@@ -342,6 +346,248 @@ def test_load_rejects_a_foreign_state_dict_before_changing_anything():
     assert all(torch.equal(a, b) for a, b in zip(before, state_tensors(step)))
 
 
+# ================================================================ the graph step, with CUDA graphs emulated
+# A capture records device work without running it; a replay runs that work again on the same memory, and no
+# Python. On the CPU this is emulated at the aten level: "capture" runs the step's ops once under a dispatch mode,
+# remembers each op with the very tensors it read and wrote, and then puts back every tensor that existed before
+# (and the RNG), so the capture costs no step, as on a GPU. "replay" runs the remembered ops again and copies
+# each fresh result into the tensor the capture produced. Whatever the step decides in Python at capture time
+# (the micro-batch branch, the auto-scale branch, which grad_norm tensor it keeps, the training flags in the
+# module's code) is thereby baked in as in a real graph, and an op that reads the device from the host raises
+# as it would inside a capture.
+SYNC_OPS = {"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero"}
+
+
+def _ptr(t):
+    return t.untyped_storage().data_ptr()
+
+
+def _written(func, args, kwargs):
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        value = kwargs.get(a.name) if (a.kwarg_only or a.name in kwargs) else (args[i] if i < len(args) else None)
+        yield from (t for t in tree_leaves(value) if torch.is_tensor(t))
+
+
+class FakeGraph:
+    def __init__(self, *args, **kwargs):
+        self.ops = []
+
+    def replay(self):
+        with torch.no_grad():
+            for func, args, kwargs, out in self.ops:
+                new = func(*args, **kwargs)
+                for kept, fresh in zip(tree_leaves(out), tree_leaves(new)):
+                    if torch.is_tensor(kept) and _ptr(kept) != _ptr(fresh):   # a view of kept memory: up to date
+                        kept.copy_(fresh)
+
+
+class _Recording(TorchDispatchMode):
+    def __init__(self, graph):
+        super().__init__()
+        self.graph, self.fresh, self.saved = graph, set(), {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func._opname in SYNC_OPS:
+            raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing ({func})")
+        for t in _written(func, args, kwargs):   # a tensor from before the capture: put back afterwards
+            if _ptr(t) and _ptr(t) not in self.fresh and _ptr(t) not in self.saved:
+                self.saved[_ptr(t)] = (t.untyped_storage(), t.untyped_storage().clone())
+        out = func(*args, **kwargs)
+        read = {_ptr(t) for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)}
+        self.fresh.update(_ptr(t) for t in tree_leaves(out) if torch.is_tensor(t) and _ptr(t) not in read)
+        self.graph.ops.append((func, args, kwargs, out))
+        return out
+
+
+@contextlib.contextmanager
+def fake_capture(graph, pool=None, stream=None, capture_error_mode="global"):
+    rng, mode = torch.get_rng_state(), _Recording(graph)
+    try:
+        with mode:
+            yield
+    except Exception:   # as torch.cuda.graph's __exit__: ending a broken capture raises again
+        raise RuntimeError("CUDA error: operation failed due to a previous error during capture")  # noqa: B904
+    finally:
+        for storage, before in mode.saved.values():
+            storage.copy_(before)
+        torch.set_rng_state(rng)
+
+
+class FakeStream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """CudaGraphStep on the CPU: torch.cuda's streams, device guards and graphs replaced by the emulation."""
+    streams = {"set": []}
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: streams.setdefault("current", FakeStream()))
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: streams["set"].append(s))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
+    refuse = graphed._refuse_what_cannot_be_captured
+
+    def refuse_but_the_device(step):
+        try:
+            refuse(step)
+        except ValueError as e:
+            if "a CUDA graph needs every parameter" not in str(e):
+                raise
+    monkeypatch.setattr(graphed, "_refuse_what_cannot_be_captured", refuse_but_the_device)
+    return streams
+
+
+def cpu_weights(gm, step):
+    return [p.detach().clone() for p in list(gm.parameters()) + step.masters]
+
+
+EMULATED = {
+    "adamw": ("adamw", {}),
+    "sgd": ("sgd", {}),
+    "hysteresis": ("adamw", dict(init_scale=2.0**10, hysteresis=2)),
+    "static-scale": ("sgd", dict(loss_scale=2.0**8)),
+    "accum3-clip": ("adamw", dict(accum_steps=3, clip_grad_norm=0.25)),
+    "accum2-clip": ("sgd", dict(accum_steps=2, clip_grad_norm=0.5)),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of")
+@pytest.mark.parametrize("case", list(EMULATED))
+def test_emulated_graph_step_equals_the_eager_step(fake_cuda, case):
+    """Warm-up, capture, static buffers, replays, accumulation, clipping and a scheduler on a device lr: the same
+    bits as the eager step, with no host read inside the captured region (the emulation raises on one)."""
+    opt, kw = EMULATED[case]
+    (gm_e, eager), (gm_g, step) = make(opt, **kw), make(opt, **kw)
+    gstep = CudaGraphStep(step, warmup=3)
+    scheds = [torch.optim.lr_scheduler.StepLR(s.optimizer, step_size=4, gamma=0.5) for s in (eager, step)]
+    n = step.accum_steps
+    for i in range(8 * n):
+        assert torch.equal(eager(*batch(i)), gstep(*batch(i))), i
+        if (i + 1) % n == 0:
+            for s in scheds:
+                s.step()
+    assert gstep.captures == 1 and gstep.replays >= 4 * n
+    assert set(gstep.graphs) == {k for k, _ in graphed.positions(n)}
+    assert all(torch.equal(a, b) for a, b in zip(cpu_weights(gm_e, eager), cpu_weights(gm_g, step)))
+    assert all(torch.equal(a, b) for a, b in zip(state_tensors(eager), state_tensors(step)))
+    assert torch.equal(eager.stats.scale, step.stats.scale) and int(step.stats.steps) == 8
+    assert (eager.stats.grad_norm is None) == (step.stats.grad_norm is None)
+    if step.stats.grad_norm is not None:
+        assert torch.equal(eager.stats.grad_norm, step.stats.grad_norm)
+    assert step.optimizer.param_groups[0]["lr"].item() == LR / 4
+
+
+def test_emulated_replays_train(fake_cuda, monkeypatch):
+    """The emulation is not vacuous: replays that do nothing part from the eager step."""
+    (_, eager), (_, step) = make(), make()
+    gstep = CudaGraphStep(step, warmup=2)
+    monkeypatch.setattr(FakeGraph, "replay", lambda self: None)
+    losses = [(eager(*batch(i)), gstep(*batch(i))) for i in range(4)]
+    assert not torch.equal(*losses[-1])
+
+
+def test_grad_norm_stays_the_update_graphs_after_eager_calls(fake_cuda):
+    """A load inside an accumulation cycle runs eager calls to the cycle's end; the eager update's grad_norm goes
+    into the tensor the update graph writes, so stats.grad_norm follows the replays after it."""
+    kw = dict(accum_steps=3, clip_grad_norm=0.25)
+    _, step = make("adamw", **kw)
+    gstep = CudaGraphStep(step, warmup=3)
+    for i in range(7):
+        gstep(*batch(i))
+    sd = copy.deepcopy(gstep.state_dict())           # micro-batch 1 of a cycle
+    norm = step.stats.grad_norm
+    gm_e, eager = make("adamw", **kw)
+    eager.load_state_dict(copy.deepcopy(sd))
+    gstep.load_state_dict(sd)
+    for i in range(7, 16):
+        assert torch.equal(eager(*batch(i)), gstep(*batch(i))), i
+        assert step.stats.grad_norm is norm, "stats.grad_norm must stay the tensor the update graph writes"
+    assert gstep.replays == 4 + 7 and torch.equal(eager.stats.grad_norm, step.stats.grad_norm)
+    assert all(torch.equal(a, b) for a, b in zip(cpu_weights(gm_e, eager), cpu_weights(step.gm, step)))
+
+
+def test_capture_waits_for_the_auto_scale(fake_cuda):
+    """init_scale="auto" picks the scale in the first update, on a host branch: a state that still has it to do
+    drops the graphs and captures after that update, or every replay would jump the scale again."""
+    _, step = make("adamw")
+    gstep = CudaGraphStep(step, warmup=2)
+    for i in range(4):
+        gstep(*batch(i))
+    sd = copy.deepcopy(gstep.state_dict())
+    sd["scaler"]["auto_pending"] = True
+    sd["scaler"]["scale"].fill_(1.0)
+    gm_e, eager = make("adamw")
+    eager(*batch(0))
+    eager.load_state_dict(copy.deepcopy(sd))
+    gstep.load_state_dict(sd)
+    assert gstep.graph is None
+    for i in range(4, 10):
+        assert torch.equal(eager(*batch(i)), gstep(*batch(i))), i
+    assert gstep.captures == 2 and not step.state.auto_pending and gstep.replays == 2 + 5
+    assert torch.equal(eager.stats.scale, step.stats.scale) and float(step.stats.scale) > 1.0
+    assert all(torch.equal(a, b) for a, b in zip(cpu_weights(gm_e, eager), cpu_weights(step.gm, step)))
+
+
+def test_a_changed_training_mode_is_refused(fake_cuda):
+    gm, step = make("adamw")
+    gstep = CudaGraphStep(step, warmup=2)
+    for i in range(3):
+        gstep(*batch(i))
+    w, replays = cpu_weights(gm, step), gstep.replays
+    gm.eval()
+    with pytest.raises(RuntimeError, match=r"switched to eval mode after capture.*replays the train mode.*"
+                                           r"gm\.train\(\).*recapture\(\)"):
+        gstep(*batch(3))
+    assert gstep.replays == replays and all(torch.equal(a, b) for a, b in zip(w, cpu_weights(gm, step)))
+    gm.train()
+    gstep(*batch(3))
+    assert gstep.replays == replays + 1
+
+
+def test_a_host_read_in_the_loss_fails_the_capture_with_its_cause(fake_cuda):
+    def loss_fn(out, y):
+        loss = F.cross_entropy(out, y)
+        return loss * 2 if loss.item() > 100 else loss    # a Python branch on a device value
+
+    torch.manual_seed(0)
+    gm = autocastfx.convert(MLP(), (batch()[0],), pad_multiple=1)
+    step = autocastfx.train_step(gm, loss_fn, OPTIMIZERS["adamw"](gm.parameters()))
+    gstep = CudaGraphStep(step, warmup=2)
+    gstep(*batch(0))
+    with pytest.raises(RuntimeError, match=r"(?s)capturing the training step in a CUDA graph failed: RuntimeError: "
+                                           r"CUDA error: operation not permitted when stream is capturing .*ending the "
+                                           r"capture then raised .*previous error during capture.*\.item\(\).*eager"):
+        gstep(*batch(1))
+    assert gstep.graph is None and int(step.stats.steps) == 2, "the eager call ran; the failed capture did not"
+    assert fake_cuda["set"] == [fake_cuda["current"]], "the stream before the capture is restored"
+    assert all(p.grad is None for p in step.grad_holders)
+
+
+def test_emulated_shape_change_raises_and_recapture_takes_the_new_shape(fake_cuda):
+    gm, step = make("adamw")
+    gstep = CudaGraphStep(step, warmup=2)
+    for i in range(3):
+        gstep(*batch(i))
+    with pytest.raises(ValueError, match=r"captured float32\[8, 16\] on cpu, given float32\[4, 16\].*recapture"):
+        gstep(*batch(3, n=4))
+    gstep.recapture()
+    gstep(*batch(3, n=4))
+    assert gstep.captures == 2 and gstep.static_inputs.shape == (4, 16)
+    gstep(*batch(4, n=4))
+    assert gstep.replays == 2
+
+
 # =========================================================================================== GPU tier
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -504,13 +750,19 @@ def test_accumulation_and_clipping_inside_graphs(accum):
     with reproducible():
         (gm_e, eager), (gm_g, step) = cuda_steps("resnet", 2, accum_steps=accum, clip_grad_norm=0.25)
         gstep = CudaGraphStep(step, warmup=3)
-        for x, t in cuda_batches("resnet", 4 * accum, size=4):
+        data = cuda_batches("resnet", 4 * accum + 1, size=4)
+        for x, t in data[:-1]:
             assert torch.equal(eager(x, t), gstep(x, t))
+        torch.cuda.synchronize()
+        norm = step.stats.grad_norm.clone()
+        # the next cycle's first micro-batch: its graph's scratch memory must not be where stats.grad_norm lives
+        # (the graphs share one pool and the update graph was captured after the first)
+        assert torch.equal(eager(*data[-1]), gstep(*data[-1]))
         torch.cuda.synchronize()
     assert set(gstep.graphs) == {k for k, _ in graphed.positions(accum)} and gstep.replays > 0
     assert all_equal(weights(gm_e, eager), weights(gm_g, step))
-    assert torch.equal(eager.stats.grad_norm, step.stats.grad_norm)
-    assert eager.micro == step.micro == 4 * accum and int(step.stats.steps) == 4
+    assert torch.equal(step.stats.grad_norm, norm) and torch.equal(eager.stats.grad_norm, step.stats.grad_norm)
+    assert eager.micro == step.micro == 4 * accum + 1 and int(step.stats.steps) == 4
 
 
 @pytest.mark.gpu
@@ -584,6 +836,61 @@ def test_a_changed_shape_or_a_cpu_input_raises_and_recapture_takes_the_new_shape
     gstep.recapture()
     gstep(x4, t4)
     assert gstep.captures == 2 and gstep.static_inputs.shape == (4, 3, 16, 16)
+
+
+class DropoutMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.drop, self.fc2 = nn.Linear(16, 64), nn.Dropout(0.25), nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.fc2(self.drop(F.gelu(self.fc1(x))))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_dropout_in_the_graph_draws_what_the_eager_step_draws():
+    """torch.cuda.graph registers the default CUDA generator: each replay advances its offset by what the eager
+    step would draw, and the capture itself draws nothing. Run one after the other from one seed (the two share
+    the global generator), the graph step's masks and so its weights equal the eager step's."""
+    data = [tuple(t.cuda() for t in batch(i)) for i in range(10)]
+    runs = []
+    for graph in (False, True):
+        torch.manual_seed(0)
+        gm = autocastfx.convert(DropoutMLP().cuda(), (data[0][0],), pad_multiple=1)
+        step = autocastfx.train_step(gm, F.cross_entropy, torch.optim.AdamW(gm.parameters(), lr=LR))
+        run = CudaGraphStep(step, warmup=3) if graph else step
+        torch.cuda.manual_seed(1)
+        losses = torch.stack([run(x, y).clone() for x, y in data])
+        torch.cuda.synchronize()
+        runs.append((losses, weights(gm, step), torch.cuda.get_rng_state()))
+    (le, we, re), (lg, wg, rg) = runs
+    assert torch.equal(le, lg) and all_equal(we, wg)
+    assert torch.equal(re, rg), "the replays must advance the generator as the eager steps do"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_failed_capture_names_its_cause_and_leaves_the_eager_step_usable():
+    """A host read inside the step breaks the capture; torch.cuda.graph's exit then raises again before it puts
+    the stream back. The error names the first cause, this thread is back on its stream, and the eager step
+    (or a new graph step on a fixed loss) goes on."""
+    def loss_fn(out, t):
+        loss = flat_ce(out, t)
+        return loss * 2 if loss.item() > 1e6 else loss   # a Python branch on a device value
+    ((gm, step),) = cuda_steps("resnet", 1, loss_fn=loss_fn)
+    gstep = CudaGraphStep(step, warmup=1)
+    data = cuda_batches("resnet", 4)
+    before = torch.cuda.current_stream()
+    with pytest.raises(RuntimeError, match=r"(?s)capturing the training step in a CUDA graph failed: .*"
+                                           r"capturing.*\.item\(\)"):
+        gstep(*data[0])
+    assert torch.cuda.current_stream() == before
+    assert gstep.graph is None and all(p.grad is None for p in step.grad_holders)
+    for x, t in data[1:]:
+        step(x, t)
+    torch.cuda.synchronize()
+    assert int(step.stats.steps) == 4
 
 
 def test_train_step_with_cuda_graph_refuses_before_touching_the_optimizer():
