@@ -280,7 +280,8 @@ class TrainStep:
             add(f"{ind2}    m.grad = g")
         if self.clip is not None:
             add(f"{ind2}# {next(section)}. clip by global norm, after unscaling (no host read)")
-            add(f"{ind2}self.grad_norm = torch.nn.utils.clip_grad_norm_(self.optimizer_params, {self.clip!r}, foreach=True)")
+            add(f"{ind2}self.grad_norm.copy_(torch.nn.utils.clip_grad_norm_(self.optimizer_params, {self.clip!r}, "
+                "foreach=True))  # one tensor for the step's life: stats and a CUDA graph keep reading it")
         add(f"{ind2}# {next(section)}. optimizer step on the {'masters' if has_masters else 'parameters'}, skipped on overflow")
         if self.fused:
             add(f"{ind2}optimizer.grad_scale, optimizer.found_inf = None, S.found_inf  # fused kernel skips on the device")
@@ -382,7 +383,15 @@ class TrainStep:
         opt_sd = dict(sd["optimizer"])
         opt_sd["state"] = {k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in st.items()}
                            for k, st in sd["optimizer"]["state"].items()}
+        own = [{k: g[k] for k in ("capturable",) if k in g} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(opt_sd)
+        for group, keep in zip(self.optimizer.param_groups, own):  # a CUDA-graph step's checkpoint says
+            group.update(keep)                                     # capturable=True: this step's own flag stays
+            if not (group.get("capturable") or group.get("fused")):
+                for p in group["params"]:  # where torch keeps `step` for a plain loop: on the CPU
+                    st = self.optimizer.state.get(p, {})
+                    if torch.is_tensor(st.get("step")) and st["step"].device.type != "cpu":
+                        st["step"] = st["step"].to("cpu", torch.float32)
         if self.fused and "fused" in self.optimizer.defaults:
             for group in self.optimizer.param_groups:
                 group["fused"] = True
@@ -390,6 +399,8 @@ class TrainStep:
                     group["foreach"] = False
         self.state.load_state_dict(sd["scaler"])
         self.micro = sd.get("micro", 0)
+        for p in self.grad_holders:  # gradients of this run's micro-batches are not the checkpoint's
+            p.grad = None
         if sd.get("rng") is not None:
             torch.set_rng_state(sd["rng"])
         if sd.get("cuda_rng") is not None and torch.cuda.is_available():

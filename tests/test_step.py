@@ -258,6 +258,37 @@ def test_resume_is_bit_identical():
     assert float(step3.stats.scale) == float(step.stats.scale) and int(step3.stats.steps) == 6
 
 
+def test_load_keeps_this_steps_optimizer_flags_and_drops_stale_gradients():
+    """A checkpoint written by a CUDA-graph step has capturable=True in its groups; an eager step loading it
+    keeps its own flag (and keeps `step` where its loop wants it). Gradients a run had accumulated before
+    loading are not the checkpoint's: they are dropped, so the next update is the checkpoint's own."""
+    gm, o, step, x, y = setup("adam", accum_steps=2)
+    step(x, y)
+    step(x, y)
+    sd = copy.deepcopy(step.state_dict())
+    for group in sd["optimizer"]["param_groups"]:
+        group["capturable"] = True
+    gm2, o2, step2, _, _ = setup("adam", accum_steps=2)
+    step2(*data(seed=5))  # a micro-batch of another run, half way through its cycle
+    assert any(p.grad is not None for p in gm2.parameters())
+    step2.load_state_dict(sd)
+    assert all(not g.get("capturable", False) for g in o2.param_groups)
+    assert all(p.grad is None for p in list(gm2.parameters()) + autocastfx.master_parameters(gm2))
+    for xb, yb in [data(seed=1), data(seed=2)]:
+        step(xb, yb)
+        step2(xb, yb)
+    for a, b in zip(autocastfx.master_parameters(gm), autocastfx.master_parameters(gm2)):
+        assert torch.equal(a, b)
+
+
+def test_clipping_keeps_one_grad_norm_tensor():
+    gm, o, step, x, y = setup("adamw", clip_grad_norm=1.0)
+    norm = step.grad_norm
+    step(x, y)
+    step(*data(seed=1))
+    assert step.grad_norm is norm and step.stats.grad_norm is norm and float(norm) > 0
+
+
 def test_accumulation_equals_one_larger_batch():
     x, y = data(n=8)
     gm_a, o_a, step_a, _, _ = setup("sgd", accum_steps=2, loss_scale=1024.0)
