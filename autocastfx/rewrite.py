@@ -45,8 +45,9 @@ def undo(gm: fx.GraphModule) -> None:
 
 def absorb_casts(gm: fx.GraphModule) -> list[str]:
     """Remove the model's own float<->float casts (``.float()``, ``.half()``, ``.to(dtype)``, ``type_as``);
-    the plan decides those dtypes now. Returns the names removed. Integer/bool conversions are kept, and so are
-    casts that also change the memory format (``.to(torch.float32, memory_format=torch.channels_last)``)."""
+    the plan decides those dtypes now. Returns the names removed. Integer/bool conversions are kept. A cast
+    that also changes the memory format (``.to(torch.float32, memory_format=torch.channels_last)``) keeps its
+    layout change: it becomes ``x.contiguous(memory_format=...)``, which follows whatever dtype arrives."""
     removed = []
     for node in list(gm.graph.nodes):
         if node.op not in ("call_method", "call_function") or op_name(node) not in CAST_OPS:
@@ -59,9 +60,16 @@ def absorb_casts(gm: fx.GraphModule) -> list[str]:
             continue
         if src.dtype not in _CASTABLE or out.dtype not in _CASTABLE or src.shape != out.shape:
             continue
-        if not _only_changes_dtype(node, src.device):
+        layout = _changes_layout(node)
+        if not _only_changes_dtype(node, src.device, allow_layout=layout):
             continue
-        node.replace_all_uses_with(node.args[0])
+        replacement = node.args[0]
+        if layout:
+            with gm.graph.inserting_before(node):
+                replacement = gm.graph.call_method("contiguous", (node.args[0],),
+                                                   {"memory_format": node.kwargs["memory_format"]})
+            replacement.meta = {**node.meta, "autocastfx_info": dataclasses.replace(out, dtype=src.dtype)}
+        node.replace_all_uses_with(replacement)
         gm.graph.erase_node(node)
         removed.append(node.name)
     return removed
@@ -72,12 +80,12 @@ def _changes_layout(node: fx.Node) -> bool:
     return fmt is not None and fmt != torch.preserve_format
 
 
-def _only_changes_dtype(node: fx.Node, device: str) -> bool:
+def _only_changes_dtype(node: fx.Node, device: str, allow_layout: bool = False) -> bool:
     extra_args = node.args[1:]
     name = op_name(node)
     if name == "type_as":
         return len(extra_args) == 1 and not node.kwargs
-    if _changes_layout(node):  # .to(memory_format=torch.channels_last): a layout change the model asked for
+    if _changes_layout(node) and not allow_layout:  # .to(memory_format=...): a layout change the model asked for
         return False
     if name in ("float", "half", "bfloat16"):
         return not extra_args and set(node.kwargs) <= {"memory_format"}
