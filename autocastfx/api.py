@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
 import dataclasses
+import gc
 from typing import Any
 
 import torch

@@ -388,7 +388,6 @@ class CudaGraphStep:
         self._lrs: list[torch.Tensor] = []
         self._modules: list[torch.nn.Module] = []
         self._modes: list[bool] = []
-        self._grad_norm: torch.Tensor | None = None
         self._eager_to_cycle_start = False
 
     def _eager(self, inputs, targets):
@@ -399,31 +398,24 @@ class CudaGraphStep:
             loss = self.step(inputs, *targets)
         current.wait_stream(self._side)
         self._calls += 1
-        step = self.step
-        if self._grad_norm is not None and step.grad_norm is not self._grad_norm:
-            # an eager update (after a load inside a cycle) wrote a new grad_norm: back into the graph's tensor
-            with torch.no_grad():
-                self._grad_norm.copy_(step.grad_norm)
-            step.grad_norm = self._grad_norm
         return loss
 
     def _capture(self, sig: Signature, leaves: list[Any]) -> None:
         """Record the step for these arguments' shapes, one graph per kind of micro-batch, in one memory pool.
 
-        Nothing runs: the step's host state (micro-batch counter, gradients, grad_norm) is put back as the eager
+        Nothing runs: the step's host state (micro-batch counter, gradients) is put back as the eager
         call left it. Gradients are None at the start of a cycle, so the first graph's backward allocates them
         from the graph's pool and the update graph frees them there: every replay reuses the same memory.
 
         The graphs share the pool and replay in capture order, so a later graph's tensors may lie in memory an
-        earlier one uses as scratch (PyTorch, "Sharing memory across captures"): the update graph's grad_norm
-        would be overwritten by the next cycle's first micro-batch. The update graph therefore copies it into a
-        tensor allocated outside the pool, which ``stats.grad_norm`` keeps."""
+        earlier one uses as scratch (PyTorch, "Sharing memory across captures"). The clipping norm is not one of
+        them: the step writes it into its own tensor, made with the step, outside the pool, which
+        ``stats.grad_norm`` reads whether the last update was replayed or eager."""
         step = self.step
         with torch.no_grad():
             statics = [x.detach().clone() if torch.is_tensor(x) else x for x in leaves]
-            keep_norm = None if step.grad_norm is None else step.grad_norm.detach().clone()  # outside the pool
         static_inputs, static_targets = tree_unflatten(statics, sig.spec)
-        micro, grad_norm = step.micro, step.grad_norm
+        micro = step.micro
         for p in step.grad_holders:
             p.grad = None
         pool = torch.cuda.graph_pool_handle()
@@ -439,11 +431,8 @@ class CudaGraphStep:
                     # (.item() in forward or backward) fails from any thread
                     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                         outputs[kind] = step._fn(static_inputs, *static_targets)
-                        if kind == "update" and keep_norm is not None:
-                            keep_norm.copy_(step.grad_norm)
                     graphs[kind] = graph
         except Exception as e:
-            step.grad_norm = grad_norm
             # torch.cuda.graph.__exit__ ends the capture before it restores the stream: when ending raises (it does
             # after any error inside the capture), this thread would stay on the graph's capture stream
             torch.cuda.set_stream(current)
@@ -459,8 +448,6 @@ class CudaGraphStep:
             step.micro = micro
             for p in step.grad_holders:
                 p.grad = None
-        step.grad_norm = keep_norm
-        self._grad_norm = keep_norm
         self._graphs, self._outputs, self._sig = graphs, outputs, sig
         self._statics = [s for s in statics if torch.is_tensor(s)]
         self.static_inputs, self.static_targets = static_inputs, static_targets

@@ -38,7 +38,6 @@ _ZERO_PRESERVING = frozenset("""relu relu6 leaky_relu gelu silu hardswish mish t
     dropout dropout1d dropout2d dropout3d feature_dropout alpha_dropout max_pool1d max_pool2d max_pool3d
     avg_pool1d avg_pool2d avg_pool3d identity contiguous clone softshrink hardshrink""".split())
 DEFAULT_MAX_GROWTH = 4.0
-GATES = PAD_GATES
 DEFAULT_GATE = "model"
 
 
@@ -116,8 +115,8 @@ def plan_padding(gm: fx.GraphModule, multiple: int, max_growth: float = DEFAULT_
     ``hardware`` overrides the target the model judges for (default: the model's CUDA device, else an H100).
     """
     gate = DEFAULT_GATE if gate is None else gate
-    if gate not in GATES:
-        raise ValueError(f"pad_gate must be one of {', '.join(map(repr, GATES))}, got {gate!r}")
+    if gate not in PAD_GATES:
+        raise ValueError(f"pad_gate must be one of {', '.join(map(repr, PAD_GATES))}, got {gate!r}")
     device = _hw.model_device(gm)
     hw, why = (hardware, "given") if hardware is not None else _hw.target(device)
     if gate == "trial" and timer is None:

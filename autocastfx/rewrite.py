@@ -60,11 +60,10 @@ def absorb_casts(gm: fx.GraphModule) -> list[str]:
             continue
         if src.dtype not in _CASTABLE or out.dtype not in _CASTABLE or src.shape != out.shape:
             continue
-        layout = _changes_layout(node)
-        if not _only_changes_dtype(node, src.device, allow_layout=layout):
+        if not _only_changes_dtype(node, src.device):
             continue
         replacement = node.args[0]
-        if layout:
+        if _changes_layout(node):
             with gm.graph.inserting_before(node):
                 replacement = gm.graph.call_method("contiguous", (node.args[0],),
                                                    {"memory_format": node.kwargs["memory_format"]})
@@ -80,13 +79,12 @@ def _changes_layout(node: fx.Node) -> bool:
     return fmt is not None and fmt != torch.preserve_format
 
 
-def _only_changes_dtype(node: fx.Node, device: str, allow_layout: bool = False) -> bool:
+def _only_changes_dtype(node: fx.Node, device: str) -> bool:
+    """Whether the call converts dtype and nothing else the plan cannot redo (a memory format is kept apart)."""
     extra_args = node.args[1:]
     name = op_name(node)
     if name == "type_as":
         return len(extra_args) == 1 and not node.kwargs
-    if _changes_layout(node) and not allow_layout:  # .to(memory_format=...): a layout change the model asked for
-        return False
     if name in ("float", "half", "bfloat16"):
         return not extra_args and set(node.kwargs) <= {"memory_format"}
     if name == "type":

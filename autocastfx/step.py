@@ -127,6 +127,7 @@ class TrainStep:
         # float32 master gradients live only inside an update (one flat buffer, allocated per update): between
         # steps the step holds no gradient at all, as autocast + GradScaler with zero_grad(set_to_none=True)
         self._master_numel = sum(m.numel() for m in self.masters)
+        self._grad_views = _view_specs(self.masters)  # each master's place and layout in that buffer, fixed
         self._buckets = _buckets([m.numel() for m in self.masters], BUCKET_ELEMENTS)
         self.all_params = self.lows + self.fp32_params
         self.grad_holders = self.all_params + self.masters
@@ -312,7 +313,8 @@ class TrainStep:
         the loss did not reach a parameter). The copy goes bucket by bucket and frees each bucket's low ``.grad``
         as soon as it is copied, so at most one bucket is held in both precisions."""
         flat = torch.empty(self._master_numel, dtype=torch.float32, device=self.masters[0].device)
-        views = [_like(v, m) for v, m in zip(flat.split([m.numel() for m in self.masters]), self.masters)]
+        views = [flat.as_strided(*spec) if spec is not None else torch.empty_like(m)
+                 for spec, m in zip(self._grad_views, self.masters)]
         for lo, hi in self._buckets:
             have = [(v, p.grad) for v, p in zip(views[lo:hi], self.lows[lo:hi]) if p.grad is not None]
             if have:
@@ -410,14 +412,17 @@ class TrainStep:
 BUCKET_ELEMENTS = 1 << 24  # 16M elements (32 MiB of float16 gradients): one fused copy per bucket
 
 
-def _like(chunk: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
-    """A view of ``chunk`` (``master.numel()`` elements) with the master's shape and strides. An optimizer's
-    fused and foreach kernels walk a parameter and its gradient as flat memory, so a gradient laid out unlike its
-    parameter (an NCHW gradient for a channels_last weight) would pair the wrong elements. A master that is not
-    dense (never made by autocastfx, but possible after a user's own surgery) gets a tensor of its own."""
-    if _dense(master):
-        return chunk.as_strided(master.shape, master.stride())
-    return torch.empty_like(master, memory_format=torch.preserve_format)
+def _view_specs(masters: list[torch.Tensor]) -> list[tuple | None]:
+    """(shape, stride, offset) of each master's gradient in one flat buffer: the master's own shape and strides,
+    because an optimizer's fused and foreach kernels walk a parameter and its gradient as flat memory, and a
+    gradient laid out unlike its parameter (an NCHW gradient for a channels_last weight) would pair the wrong
+    elements. None for a master that is not dense (never made by autocastfx, but possible after a user's own
+    surgery): its gradient gets a tensor of its own."""
+    specs, offset = [], 0
+    for m in masters:
+        specs.append((tuple(m.shape), m.stride(), offset) if _dense(m) else None)
+        offset += m.numel()
+    return specs
 
 
 def _dense(t: torch.Tensor) -> bool:

@@ -65,6 +65,22 @@ def test_load_state_dict_copies_the_checkpoint_and_keeps_the_fused_skip():
                 assert torch.equal(v, sd["optimizer"]["state"][k][n]), (k, n)
 
 
+class _OptimizerLayouts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records, for each fused optimizer kernel call, the parameters whose gradient has other strides."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.mismatches = 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._opname.startswith("_fused_"):
+            self.calls += 1
+            params, grads = args[0], args[1]
+            self.mismatches += [(tuple(p.shape), p.stride(), g.stride()) for p, g in zip(params, grads)
+                                if p.stride() != g.stride()]
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_master_gradients_take_each_masters_layout(fused):
     """A model whose weights are stored channels_last (``model.to(memory_format=torch.channels_last)``) keeps
@@ -83,8 +99,11 @@ def test_master_gradients_take_each_masters_layout(fused):
         if layout is torch.channels_last:
             assert any(p.dim() == 4 and not p.is_contiguous() for p in masters)
         step = autocastfx.train_step(gm, F.cross_entropy, torch.optim.SGD(gm.parameters(), lr=0.1, momentum=0.9, fused=fused))
-        for _ in range(3):
-            step(x, target)
+        with _OptimizerLayouts() as seen:
+            for _ in range(3):
+                step(x, target)
+        if fused:  # at the aten level: the fused kernel saw every gradient laid out as its parameter
+            assert seen.calls and seen.mismatches == [], seen.mismatches
         results.append([p.detach().clone().contiguous() for p in masters])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)  # float16 kernels of the two layouts sum in other orders
