@@ -67,21 +67,23 @@ def _convert(model, example_inputs, example_kwargs, dtype, policy, pad_multiple,
         if "autocastfx" in gm.meta:
             how = gm.meta["autocastfx"].capture
             _weights.restore_masters(gm)     # start again from the float32 model
+            _modes.restore_union(gm)         # every mode's program, as the passes saw them
             _rewrite.undo(gm)
             del gm.meta["autocastfx"]
         _check_params(gm)
         _capture.propagate(gm, args, kwargs)
-    else:
-        _check_params(model)
-        gm, how = _capture.capture(model, args, kwargs, policy,  # runs propagate() on the example inputs
-                                   compile_code=False,  # its code is written once, after the passes
-                                   share_tensors=True)  # the model's tensors until own_tensors, below
-
-    with _one_recompile(gm):
         inlined = _inline.inline_opaque_calls(gm)  # torch.fx.wrap'd functions: traced by torch.export, inlined
         if any(d.inlined for d in inlined):
             _capture.propagate(gm, args, kwargs)
-        _modes.record(gm, model)  # flags that came from self.training follow gm.train()/gm.eval() from now on
+    else:
+        _check_params(model)
+        # the model in training mode and in eval mode, merged into one graph that every pass below sees; its
+        # opaque calls (torch.fx.wrap'd functions) traced by torch.export and inlined; propagated on the inputs
+        gm, how, inlined = _modes.capture(model, args, kwargs, policy,
+                                          share_tensors=True)  # the model's tensors until own_tensors, below
+
+    with _one_recompile(gm):
+        _modes.record(gm, model)  # a module of one program: flags from self.training follow gm.train()/eval()
         absorbed = _rewrite.absorb_casts(gm)
         layout = _layout.plan_layout(gm, memory_format)  # channels_last or not: padding's gate depends on it
         pad_plan = None
@@ -105,6 +107,7 @@ def _convert(model, example_inputs, example_kwargs, dtype, policy, pad_multiple,
             extra_totals={**({"padding": pad_plan.totals()} if pad_plan is not None else {}),
                           "layout": layout.totals(),
                           "shapes": gm.meta.get("autocastfx_propagate", "fake"),
+                          "modes": _modes.describe(gm),
                           **({"opaque_calls": [str(d) for d in inlined]} if inlined else {})})
         _modes.install(gm)
     return gm

@@ -132,8 +132,12 @@ def _storage(t: torch.Tensor) -> int | None:
     return t.untyped_storage().data_ptr()
 
 
-def _capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, compile_code: bool = True
-             ) -> tuple[fx.GraphModule, str]:
+def _capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, compile_code: bool = True,
+             method: str | None = None) -> tuple[fx.GraphModule, str]:
+    """Capture ``model`` as it is; ``method`` (``"symbolic_trace"`` or ``"torch.export"``) insists on one way,
+    as the second capture of a model in another mode must take the way the first took."""
+    if method == "torch.export":
+        return capture_export(model, args, kwargs)
     try:
         tracer = _Tracer(policy)
         graph = tracer.trace(model)
@@ -143,6 +147,8 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, compil
         propagate(gm, args, kwargs)
         return gm, "symbolic_trace"
     except Exception as e:  # noqa: BLE001 - every tracing failure goes to the fallback
+        if method is not None:
+            raise CaptureError(f"cannot trace {type(model).__name__} in this mode: {_one_line(e)}") from e
         trace_error = e
     return capture_export(model, args, kwargs, trace_error)
 

@@ -18,7 +18,10 @@ releases; the rewrite here is the same idea on flags, with no pattern matching.
 """
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
+
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -101,6 +104,9 @@ def record(gm: fx.GraphModule, model: nn.Module) -> int:
 
     A graph captured from a training-mode copy (``capture`` does that where it can) has every flag that came
     from ``self.training`` set to True; otherwise each flag is compared with its own module's mode."""
+    if gm.meta.get("autocastfx_program_keys"):  # one program per mode: nothing to mark, modules take the model's
+        _copy_module_modes(gm, model)
+        return 0
     captured_training = gm.meta.pop("autocastfx_captured_training", None)
 
     def mode_at_capture(node):
@@ -142,18 +148,30 @@ def record(gm: fx.GraphModule, model: nn.Module) -> int:
     for node in gm.graph.nodes:
         if "autocastfx_mode" in node.meta:
             _set_node(node, node.meta["autocastfx_mode"], _owner_training(node, model))
+    _copy_module_modes(gm, model)
+    gm.recompile()
+    return marked
+
+
+def _copy_module_modes(gm: fx.GraphModule, model: nn.Module) -> None:
     originals = dict(model.named_modules())
     for name, sub in gm.named_modules():
         if name in originals:
             sub.training = originals[name].training
-    gm.recompile()
-    return marked
 
 
 def set_mode(gm: fx.GraphModule, mode: bool) -> fx.GraphModule:
     """Switch the marked flags and the leaf modules to ``mode``; recompile only when a flag changed."""
     if not isinstance(mode, bool):
         raise ValueError(f"training mode is expected to be boolean, got {type(mode).__name__}")
+    programs: Programs | None = gm.meta.get("autocastfx_programs")
+    if programs is not None:
+        key = TRAIN if mode else EVAL
+        if programs.current != key:
+            programs.current = key
+            gm.graph = programs.graphs[key]  # the setter recompiles
+        nn.Module.train(gm, mode)
+        return gm
     changed = False
     for node in gm.graph.nodes:
         mark: ModeArg | None = node.meta.get("autocastfx_mode")
@@ -217,9 +235,454 @@ def install(gm: fx.GraphModule) -> None:
     gm.__dict__.pop("train", None)  # ep.module() sets instance attributes that raise NotImplementedError
     gm.__dict__.pop("eval", None)
     gm.__class__ = type("GraphModuleImpl", (base,), {})  # GraphModule keeps forward on a class of its own
+    keys = gm.meta.get("autocastfx_program_keys")
+    if keys:  # cut the union into one graph per mode, and run the one of the mode the model was in
+        union = gm.graph
+        current = gm.meta.pop("autocastfx_current_program")
+        graphs = {k: split(union, k) for k in keys}
+        gm.meta["autocastfx_programs"] = Programs(union, graphs, current)
+        gm.graph = graphs[current]
     gm.recompile()
 
 
 def mode_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    """The nodes whose behaviour follows ``gm.training`` (for the report and tests)."""
-    return [n for n in gm.graph.nodes if "autocastfx_mode" in n.meta]
+    """The nodes of the running graph whose behaviour follows ``gm.training`` (for the report and tests): those
+    that belong to some programs only or whose arguments differ between them, or the marked flags of a module
+    converted from one capture."""
+    keys = gm.meta.get("autocastfx_program_keys")
+    if not keys:
+        return [n for n in gm.graph.nodes if "autocastfx_mode" in n.meta]
+    every = frozenset(keys)
+    return [n for n in gm.graph.nodes if n.op != "output"
+            and ((n.meta.get(MEMBERS) is not None and n.meta[MEMBERS] != every) or MODE_ARGS in n.meta)]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Modes by behaviour: one program per mode, planned together.
+#
+# The model is captured once in training mode and once in eval mode (and once more as it is, when its modules
+# are in mixed modes). Whatever differs between those captures is what depends on the mode, whatever wrote it:
+# a ``training=`` flag, a wrapped function's argument, a hand-written drop-path (``if not self.training:
+# return x``), an ``if self.training`` branch. What is the same in both (weight standardisation's
+# ``batch_norm(weight, None, None, training=True)``) is not mode-dependent, however it is spelled.
+#
+# :func:`merge` lays the programs over one another in one graph, the union: a node of the second program that
+# computes what a node of the first computes (same op, same inputs) is that node; one whose only difference is
+# a flag or a probability (a bool or float argument, a batch norm that updates its statistics or not) is that
+# node with its argument noted per mode; anything else is added, marked as belonging to its program alone.
+# Outputs that differ are joined by a ``by_mode`` node. Every pass of the conversion (padding, layout, the cast
+# plan, the weights) runs once on the union, so both programs share one plan, one set of parameters and
+# buffers, and one set of masters. :func:`install` then cuts the union into one graph per mode, and
+# ``gm.train()``/``gm.eval()`` swap graphs.
+
+TRAIN, EVAL, GIVEN = "train", "eval", "given"
+MEMBERS = "autocastfx_members"        # node.meta: the programs a node belongs to (absent: made by a pass)
+MODE_ARGS = "autocastfx_mode_args"    # node.meta: {program: {position: value}} where its argument differs
+BY_MODE = "autocastfx_by_mode"        # node.meta of a by_mode node: {program: index of its value}
+
+
+class ProgramMismatch(Exception):
+    """Two captures cannot be laid over one another (other inputs, another output structure)."""
+
+
+def by_mode(*values):
+    """Stands, in the union of the programs, for a value that differs between them (see :func:`merge`); the
+    per-mode graphs never contain it. As a function it gives the first program's value."""
+    return values[0]
+
+
+@dataclasses.dataclass
+class Programs:
+    """What ``gm.meta["autocastfx_programs"]`` holds: the union the passes ran on, and a graph per mode."""
+    union: fx.Graph
+    graphs: dict[str, fx.Graph]
+    current: str
+
+
+_SWAP_CLASS = {t: "batch_norm_update" for t in _SWAPS}
+
+
+def _fetch(mod: nn.Module, target: str):
+    for part in str(target).split("."):
+        mod = getattr(mod, part, None)
+        if mod is None:
+            return None
+    return mod
+
+
+def _canon(a, env: dict | None = None):
+    """A hashable form of an argument; nodes by identity (after ``env``, which maps the other program's nodes
+    to the union's)."""
+    if isinstance(a, fx.Node):
+        return ("N", id(env[a] if env is not None else a))
+    if isinstance(a, (tuple, list)):
+        return (type(a).__name__, tuple(_canon(x, env) for x in a))
+    if isinstance(a, dict):
+        return ("dict", tuple((k, _canon(v, env)) for k, v in a.items()))
+    if isinstance(a, slice):
+        return ("slice", _canon(a.start, env), _canon(a.stop, env), _canon(a.step, env))
+    if isinstance(a, torch.Tensor):
+        return ("T", id(a))
+    return ("L", type(a).__name__, repr(a))
+
+
+def _flag_like(a) -> bool:
+    """An argument that can differ between modes without changing any shape: a flag or a probability."""
+    return isinstance(a, (bool, float)) and not isinstance(a, fx.Node)
+
+
+def _exact_key(op, target, args, kwargs, env=None):
+    return (op, target, _canon(args, env), _canon(kwargs, env))
+
+
+def _loose_key(op, target, args, kwargs, env=None):
+    top = lambda a: ("flag",) if _flag_like(a) else _canon(a, env)  # noqa: E731
+    return (op, _SWAP_CLASS.get(target, target), tuple(top(a) for a in args),
+            tuple((k, top(v)) for k, v in kwargs.items()))
+
+
+def merge(programs: dict[str, fx.GraphModule]) -> fx.GraphModule:
+    """Lay the programs over the first one, in its graph module; returns it (see the comment above). Raises
+    :class:`ProgramMismatch` where the programs cannot be laid over one another."""
+    keys = list(programs)
+    gm = programs[keys[0]]
+    for n in gm.graph.nodes:
+        n.meta[MEMBERS] = {keys[0]}
+    for key in keys[1:]:
+        _merge_into(gm, programs[key], key)
+    for n in gm.graph.nodes:
+        if MEMBERS in n.meta:
+            n.meta[MEMBERS] = frozenset(n.meta[MEMBERS])
+    gm.meta["autocastfx_program_keys"] = tuple(keys)
+    gm.graph.lint()
+    return gm
+
+
+def _merge_into(gm: fx.GraphModule, other: fx.GraphModule, key: str) -> None:
+    graph = gm.graph
+    order = {n: (i, 0) for i, n in enumerate(graph.nodes)}
+    exact: dict = collections.defaultdict(collections.deque)
+    loose: dict = collections.defaultdict(collections.deque)
+    placeholders, attrs = {}, {}
+    cursor = None
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            placeholders[n.target] = n
+            cursor = n
+        elif n.op == "get_attr":
+            attrs.setdefault(n.target, n)
+        elif n.op in ("call_function", "call_method", "call_module"):
+            exact[_exact_key(n.op, n.target, n.args, n.kwargs)].append(n)
+            loose[_loose_key(n.op, n.target, n.args, n.kwargs)].append(n)
+    matched: set = set()
+    env: dict[fx.Node, fx.Node] = {}
+
+    def take(queue):
+        while queue:
+            u = queue.popleft()
+            if u not in matched:
+                return u
+        return None
+
+    def place(u):
+        nonlocal cursor
+        if cursor is None or order[u] > order[cursor]:
+            cursor = u
+
+    def add(op, target, args, kwargs, like: fx.Node):
+        nonlocal cursor
+        fx.node.map_arg((args, kwargs), place)  # after every input (the cursor only moves forward)
+        ctx = graph.inserting_after(cursor) if cursor is not None else graph.inserting_before(next(iter(graph.nodes)))
+        with ctx:
+            u = graph.create_node(op, target, args, kwargs, name=like.name)
+        u.meta = {k: v for k, v in like.meta.items() if k not in (MEMBERS, MODE_ARGS)}
+        u.meta[MEMBERS] = {key}
+        base = order[cursor] if cursor is not None else (-1, 0)
+        order[u] = (base[0], base[1] + 1)
+        cursor = u
+        return u
+
+    out_other = None
+    for m in other.graph.nodes:
+        if m.op == "placeholder":
+            u = placeholders.get(m.target)
+            if u is None:
+                raise ProgramMismatch(f"input {m.target} appears in the {key} capture only")
+            u.meta[MEMBERS].add(key)
+            env[m] = u
+            place(u)
+            continue
+        if m.op == "output":
+            out_other = m
+            continue
+        args = fx.node.map_arg(m.args, lambda a: env[a])
+        kwargs = fx.node.map_arg(m.kwargs, lambda a: env[a])
+        if m.op == "get_attr":
+            env[m] = _merge_attr(gm, other, m, key, attrs, add)
+            place(env[m])
+            continue
+        target = m.target
+        if m.op == "call_module":
+            theirs, mine = _fetch(other, target), _fetch(gm, target)
+            if mine is not theirs:
+                target = _unique_attr(gm, str(target))
+                gm.add_submodule(target, theirs)
+        u = take(exact.get(_exact_key(m.op, target, args, kwargs), ()))
+        if u is None:
+            u = take(loose.get(_loose_key(m.op, target, args, kwargs), ()))
+            if u is not None:
+                _note_mode_args(u, key, target, args, kwargs)
+        if u is None:
+            u = add(m.op, target, args, kwargs, m)
+        else:
+            matched.add(u)
+            u.meta[MEMBERS].add(key)
+            place(u)
+        env[m] = u
+    _merge_output(graph, out_other, env, key)
+
+
+def _merge_attr(gm, other, m, key, attrs, add):
+    theirs, mine = _fetch(other, m.target), _fetch(gm, m.target)
+    same = mine is theirs or (isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor)
+                              and mine.shape == theirs.shape and mine.dtype == theirs.dtype
+                              and mine.device == theirs.device and torch.equal(mine, theirs))
+    if same and m.target in attrs:
+        u = attrs[m.target]
+        u.meta[MEMBERS].add(key)
+        return u
+    target = m.target
+    if not same:  # a constant of the other capture's own under a name the first one uses for something else
+        target = _unique_attr(gm, str(m.target))
+        if isinstance(theirs, nn.Parameter):
+            gm.register_parameter(target, theirs)
+        elif isinstance(theirs, torch.Tensor):
+            gm.register_buffer(target, theirs, persistent=False)
+        elif isinstance(theirs, nn.Module):
+            gm.add_submodule(target, theirs)
+        else:
+            setattr(gm, target, theirs)
+    u = add("get_attr", target, (), {}, m)
+    attrs[target] = u
+    return u
+
+
+def _unique_attr(gm: nn.Module, name: str) -> str:
+    base = name.replace(".", "_") + "_eval"
+    name, i = base, 0
+    while _fetch(gm, name) is not None:
+        i += 1
+        name = f"{base}{i}"
+    return name
+
+
+def _note_mode_args(u: fx.Node, key: str, target, args, kwargs) -> None:
+    diff = {}
+    if target is not u.target:
+        diff["target"] = target
+    for i, (a, b) in enumerate(zip(u.args, args)):
+        if _flag_like(b) and (a != b or type(a) is not type(b)):
+            diff[i] = b
+    for k, b in kwargs.items():
+        a = u.kwargs.get(k)
+        if _flag_like(b) and (a != b or type(a) is not type(b)):
+            diff[k] = b
+    if diff:
+        u.meta.setdefault(MODE_ARGS, {})[key] = diff
+
+
+def _merge_output(graph: fx.Graph, out_other: fx.Node, env: dict, key: str) -> None:
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    out.meta[MEMBERS].add(key)
+    theirs = fx.node.map_arg(out_other.args, lambda a: env[a])
+
+    def join(mine, their):
+        if isinstance(mine, fx.Node) or isinstance(their, fx.Node):
+            if mine is their:
+                return mine
+            if not (isinstance(mine, fx.Node) and isinstance(their, fx.Node)):
+                raise ProgramMismatch("an output is a tensor in one capture and a constant in the other")
+            if mine.target is by_mode and BY_MODE in mine.meta:
+                mine.args = mine.args + (their,)
+                mine.meta[BY_MODE][key] = len(mine.args) - 1
+                mine.meta[MEMBERS].add(key)
+                return mine
+            with graph.inserting_before(out):
+                sel = graph.call_function(by_mode, (mine, their))
+            sel.meta[BY_MODE] = {key: 1}  # every other program: index 0
+            sel.meta[MEMBERS] = set(out.meta[MEMBERS])
+            return sel
+        if isinstance(mine, (tuple, list)) and type(mine) is type(their) and len(mine) == len(their):
+            return type(mine)(join(a, b) for a, b in zip(mine, their))
+        if isinstance(mine, dict) and isinstance(their, dict) and list(mine) == list(their):
+            return {k: join(mine[k], their[k]) for k in mine}
+        if type(mine) is type(their) and mine == their:
+            return mine
+        raise ProgramMismatch(f"the outputs differ in structure between captures ({type(mine).__name__} and "
+                              f"{type(their).__name__})")
+
+    out.args = join(out.args, theirs)
+
+
+def split(graph: fx.Graph, key: str) -> fx.Graph:
+    """The graph of one program: the union's nodes that belong to it, and the nodes passes made that it reads;
+    its arguments as that program wrote them; ``by_mode`` nodes resolved."""
+    nodes = list(graph.nodes)
+    keep: set[fx.Node] = set()
+
+    def reads(user: fx.Node, n: fx.Node) -> bool:
+        if user.target is by_mode and BY_MODE in user.meta:
+            return user.args[user.meta[BY_MODE].get(key, 0)] is n
+        return True
+
+    for n in reversed(nodes):
+        members = n.meta.get(MEMBERS)
+        if n.op == "output" or (members is not None and key in members):
+            keep.add(n)
+        elif members is None and (any(u in keep and reads(u, n) for u in n.users)
+                                  or (not n.users and n.op != "placeholder" and n.is_impure())):
+            keep.add(n)
+    g = fx.Graph(tracer_cls=graph._tracer_cls)
+    g._codegen = copy.copy(graph._codegen)  # its pytree specs are read, never written
+    env: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        if n not in keep:
+            continue
+        if n.target is by_mode and BY_MODE in n.meta:
+            env[n] = env[n.args[n.meta[BY_MODE].get(key, 0)]]
+            continue
+        new = g.node_copy(n, lambda a: env[a])
+        for pos, value in n.meta.get(MODE_ARGS, {}).get(key, {}).items():
+            if pos == "target":
+                new.target = value
+            elif isinstance(pos, int):
+                new.args = new.args[:pos] + (value,) + new.args[pos + 1:]
+            else:
+                new.kwargs = {**new.kwargs, pos: value}
+        env[n] = new
+    g.lint()
+    return g
+
+
+def differences(graph: fx.Graph, keys: tuple[str, ...]) -> list[str]:
+    """Where the programs differ, one line a node, with the module that wrote it."""
+    from .plan import module_path
+
+    lines = []
+    every = frozenset(keys)
+    for n in graph.nodes:
+        if n.op == "output" or (n.target is by_mode and BY_MODE in n.meta):
+            continue
+        members = n.meta.get(MEMBERS)
+        where = module_path(n) or "the model's own forward"
+        what = getattr(n.target, "__name__", str(n.target))
+        if members is not None and members != every:
+            lines.append(f"{n.name} ({what}, in {where}): {' and '.join(sorted(members))} only")
+        for key, diff in n.meta.get(MODE_ARGS, {}).items():
+            args = ", ".join(f"{'argument ' + str(p) if isinstance(p, int) else p}: "
+                             f"{_arg(n, p)} in {keys[0]}, {getattr(v, '__name__', v)} in {key}"
+                             for p, v in diff.items())
+            lines.append(f"{n.name} ({what}, in {where}): {args}")
+    return lines
+
+
+def _arg(n: fx.Node, pos):
+    if pos == "target":
+        return getattr(n.target, "__name__", n.target)
+    return n.args[pos] if isinstance(pos, int) else n.kwargs.get(pos)
+
+
+def capture(model: nn.Module, args: tuple, kwargs: dict, policy, *, share_tensors: bool = False
+            ) -> tuple[fx.GraphModule, str, list]:
+    """Capture ``model`` in training mode and in eval mode (and as it is, when its modules are in mixed modes),
+    open up each program's opaque calls, and merge the programs; returns (union, how, inline decisions).
+
+    One deep copy serves every capture, its modes switched between them: the programs share the leaf modules
+    and the model's tensors. A model that cannot be captured in training mode (batch norm on a batch of one)
+    or in eval mode is captured in the mode it can be, as one program whose known flags follow the mode
+    (:func:`record`), and a warning says so."""
+    import warnings
+
+    from . import capture as _capture
+    from . import inline as _inline
+
+    work = _capture._copy(model, share_tensors)
+    given = {name: m.training for name, m in work.named_modules()}
+    mixed = len(set(given.values())) > 1
+    current = GIVEN if mixed else (TRAIN if model.training else EVAL)
+
+    def restore():
+        for name, m in work.named_modules():
+            m.training = given[name]
+
+    programs: dict[str, fx.GraphModule] = {}
+    why = None
+    try:
+        gm, how = _capture._capture(work.train(), args, kwargs, policy, compile_code=False)
+        programs[TRAIN] = gm
+        for key in (EVAL, GIVEN) if mixed else (EVAL,):
+            work.eval() if key == EVAL else restore()
+            try:
+                programs[key] = _capture._capture(work, args, kwargs, policy, compile_code=False, method=how)[0]
+            except Exception as e:  # noqa: BLE001 - told below, and the one program still works
+                why = f"it cannot be captured in {key} mode ({_capture._one_line(e)})"
+                break
+    except _capture.CaptureError as e:
+        if model.training:
+            raise
+        why = f"it cannot be captured in training mode ({_capture._one_line(e).splitlines()[0]})"
+        restore()
+        gm, how = _capture._capture(work, args, kwargs, policy, compile_code=False)
+        programs = {current: gm}
+    finally:
+        restore()
+    decisions = []
+    for p in programs.values():
+        found = _inline.inline_opaque_calls(p)
+        decisions += found
+        if any(d.inlined for d in found):
+            _capture.propagate(p, args, kwargs)
+    if why is None:
+        before = list(programs[TRAIN].graph.nodes)
+        try:
+            gm = merge(programs)
+        except ProgramMismatch as e:
+            why = f"its {TRAIN} and {EVAL} captures cannot be laid over one another ({e})"
+            kept = set(before)
+            for n in reversed(list(programs[TRAIN].graph.nodes)):
+                if n not in kept:
+                    programs[TRAIN].graph.erase_node(n)
+    if why is not None:
+        gm = programs[TRAIN] if TRAIN in programs else next(iter(programs.values()))
+        gm.meta.pop("autocastfx_program_keys", None)
+        for n in gm.graph.nodes:
+            n.meta.pop(MEMBERS, None)
+            n.meta.pop(MODE_ARGS, None)
+        if TRAIN in programs:
+            gm.meta["autocastfx_captured_training"] = True
+        warnings.warn(f"autocastfx: {type(model).__name__} is converted from one capture because {why}: "
+                      "gm.train()/gm.eval() switch the dropout and batch-norm flags they recognise, and other "
+                      "mode-dependent code keeps the form it was captured in", stacklevel=3)
+        return gm, how, decisions
+    gm.meta["autocastfx_current_program"] = current
+    _capture.propagate(gm, args, kwargs)
+    return gm, how, list({str(d): d for d in decisions}.values())  # the programs share most calls
+
+
+def restore_union(gm: fx.GraphModule) -> None:
+    """Put the union back in place of the per-mode graph (to convert a converted module again)."""
+    programs = gm.meta.pop("autocastfx_programs", None)
+    if programs is not None:
+        gm.meta["autocastfx_current_program"] = programs.current
+        gm.graph = programs.union
+
+
+def describe(gm: fx.GraphModule) -> dict:
+    """For the report: how train and eval differ in this converted module, node by node."""
+    keys = gm.meta.get("autocastfx_program_keys")
+    if keys:
+        return {"how": f"one program per mode ({', '.join(keys)}), captured and planned together",
+                "differences": differences(gm.graph, tuple(keys))}
+    return {"how": "one program; these flags follow gm.train()/gm.eval()",
+            "differences": [f"{n.name} ({getattr(n.target, '__name__', n.target)}): {n.meta['autocastfx_mode'].kind}"
+                            for n in mode_nodes(gm)]}

@@ -173,8 +173,9 @@ def test_attention_dropout_probability_follows_the_mode():
     torch.manual_seed(0)
     x = torch.randn(2, 8, 16)
     gm = autocastfx.convert(Attn().eval(), (x,))
-    (node,) = modes.mode_nodes(gm)
-    assert node.meta["autocastfx_mode"].train_value == 0.5
+    (node,) = modes.mode_nodes(gm)  # eval mode: the probability is 0.0, and 0.5 in the training program
+    assert node.kwargs["dropout_p"] == 0.0 and node.meta[modes.MODE_ARGS] == {modes.TRAIN: {}} or \
+        node.meta[modes.MODE_ARGS][modes.EVAL] == {"dropout_p": 0.0}
     assert torch.equal(gm(x), gm(x))
     gm.train()
     assert not torch.equal(gm(x), gm(x))
@@ -225,3 +226,208 @@ def test_train_rejects_non_bool():
     gm = autocastfx.convert(BNNet(), (torch.randn(2, 3, 4, 4),))
     with pytest.raises(ValueError, match="boolean"):
         gm.train("yes")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Modes found by behaviour: whatever differs between the model's train and eval captures, however written.
+
+class _RecordOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """The aten ops a forward ran, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func._opname)
+        return func(*args, **(kwargs or {}))
+
+
+_RANDOM = {"bernoulli", "bernoulli_", "rand", "rand_like", "uniform_", "native_dropout", "randn"}
+
+
+def drop_path(x, p: float, training: bool):
+    """Stochastic depth as timm and Hugging Face write it: identity unless training, a per-sample mask else."""
+    if p == 0.0 or not training:
+        return x
+    keep = 1 - p
+    mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+    return x * mask / keep
+
+
+class DropPath(nn.Module):
+    def __init__(self, p):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        return drop_path(x, self.p, self.training)
+
+
+class DropPathBlock(nn.Module):
+    def __init__(self, d=16, p=0.5):
+        super().__init__()
+        self.ln, self.fc1, self.fc2, self.dp = nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d), DropPath(p)
+
+    def forward(self, x):
+        return x + self.dp(self.fc2(F.gelu(self.fc1(self.ln(x)))))
+
+
+class DropPathNet(nn.Module):
+    """A ViT-like stack with hand-written stochastic depth (``if not self.training: return x``)."""
+
+    def __init__(self, d=16, depth=3, p=0.5, untraceable=False):
+        super().__init__()
+        self.blocks = nn.ModuleList(DropPathBlock(d, p) for _ in range(depth))
+        self.head = nn.Linear(d, 4)
+        self.untraceable = untraceable
+
+    def forward(self, x):
+        if self.untraceable:  # unpacking a traced shape fails symbolic tracing: torch.export captures it
+            b, t, _ = x.shape
+            x = x + torch.zeros(t, 1, device=x.device)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(x.mean(1))
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _autocast_error(model, x):
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(x)
+    return _rel(out, model(x))
+
+
+@pytest.mark.parametrize("path", ["symbolic_trace", "torch.export"])
+@pytest.mark.parametrize("start", ["eval", "train"])
+def test_hand_written_drop_path_is_off_in_eval_and_on_in_train(path, start):
+    torch.manual_seed(0)
+    model = DropPathNet(untraceable=path == "torch.export")
+    model.train(start == "train")
+    x = torch.randn(4, 6, 16)
+    gm = autocastfx.convert(model, (x,))
+    assert gm.meta["autocastfx"].capture == path
+    model.eval()
+    ref = model(x)
+    bound = max(2 * _autocast_error(model, x), 2e-3)
+    for _ in range(2):  # eval, train, eval again: nothing but the mode changes
+        gm.eval()
+        with _RecordOps() as seen:
+            outs = [gm(x) for _ in range(5)]
+        assert not _RANDOM & set(seen.ops), sorted(_RANDOM & set(seen.ops))  # no draw at all in eval mode
+        assert all(torch.equal(outs[0], o) for o in outs[1:])
+        assert _rel(outs[0], ref) < bound, (_rel(outs[0], ref), bound)
+        gm.train()
+        model.train()
+        torch.manual_seed(3)
+        want = model(x)
+        torch.manual_seed(3)
+        got = gm(x)  # the same samples dropped, in the same order of draws as the float32 model
+        assert _rel(got, want) < 1e-2
+        assert not torch.equal(gm(x), gm(x))
+        model.eval()
+    report = autocastfx.report(gm).totals["modes"]
+    assert any("bernoulli_" in line and "train only" in line and "blocks.0.dp" in line for line in report["differences"])
+
+
+@torch.fx.wrap
+def wrapped_stochastic_depth(x, p: float, training: bool = True):
+    """Like torchvision.ops.stochastic_depth: hidden from symbolic tracing by torch.fx.wrap, its ``training=``
+    argument written by the caller from ``self.training``."""
+    return drop_path(x, p, training)
+
+
+class WrappedDepth(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + wrapped_stochastic_depth(self.fc(x), 0.5, self.training)
+
+
+def test_training_argument_of_a_wrapped_function_follows_the_mode():
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    model = WrappedDepth()
+    policy = autocastfx.Policy.default().override(ops={"wrapped_stochastic_depth": "follow"})
+    gm = autocastfx.convert(model, (x,), policy=policy)  # converted in training mode: the call reads training=True
+    assert gm.training and not torch.equal(gm(x), gm(x))
+    gm.eval()
+    model.eval()
+    assert torch.equal(gm(x), gm(x))
+    assert _rel(gm(x), model(x)) < 2e-3
+    (node,) = [n for n in modes.mode_nodes(gm)]
+    assert node.target is wrapped_stochastic_depth and node.args[2] is False
+
+
+class StandardizedConv(nn.Conv2d):
+    """nfnet's scaled weight standardisation: the weight is normalised by batch_norm(training=True) in every mode."""
+
+    def forward(self, x):
+        w = F.batch_norm(self.weight.reshape(1, self.out_channels, -1), None, None, training=True, momentum=0.0,
+                         eps=1e-5).reshape_as(self.weight)
+        return F.conv2d(x, w, self.bias, self.stride, self.padding)
+
+
+class NFNetLike(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = StandardizedConv(3, 8, 3, padding=1), StandardizedConv(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(F.relu(self.c2(F.relu(self.c1(x)))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("start", ["eval", "train"])
+def test_structural_training_flag_is_not_a_mode(start):
+    torch.manual_seed(0)
+    model = NFNetLike().train(start == "train")
+    x = torch.randn(2, 3, 8, 8)
+    gm = autocastfx.convert(model, (x,))
+    assert modes.mode_nodes(gm) == []  # nothing differs between the two captures
+    model.eval()
+    for mode in (False, True, False):
+        gm.train(mode)
+        out = gm(x)  # eval mode used to fail: "running_mean must be defined in evaluation mode"
+        assert _rel(out, model(x)) < max(2 * _autocast_error(model, x), 2e-3)
+
+
+def test_mixed_modes_run_as_given_then_all_train_or_all_eval():
+    """A training model with one block in eval mode (frozen): converted as it is, the block keeps its eval form;
+    gm.train() then trains every block, as model.train() would, and gm.eval() turns every drop path off."""
+    torch.manual_seed(0)
+    model = DropPathNet(p=0.9).train()
+    model.blocks[1].eval()
+    x = torch.randn(16, 6, 16)
+    gm = autocastfx.convert(model, (x,))
+    assert set(gm.meta["autocastfx_program_keys"]) == {modes.TRAIN, modes.EVAL, modes.GIVEN}
+
+    def bernoullis(run):
+        with _RecordOps() as seen:
+            run()
+        return seen.ops.count("bernoulli_")
+
+    assert bernoullis(lambda: gm(x)) == 2 == bernoullis(lambda: model(x))
+    gm.train()
+    model.train()
+    assert bernoullis(lambda: gm(x)) == 3 == bernoullis(lambda: model(x))
+    gm.eval()
+    assert bernoullis(lambda: gm(x)) == 0
+
+
+def test_a_converted_module_converted_again_keeps_both_programs():
+    torch.manual_seed(0)
+    model = DropPathNet()
+    x = torch.randn(4, 6, 16)
+    gm = autocastfx.convert(model, (x,))
+    gm2 = autocastfx.convert(copy.deepcopy(gm).eval(), (x,), dtype=torch.bfloat16)
+    model.eval()
+    assert not gm2.training and torch.equal(gm2(x), gm2(x))
+    assert _rel(gm2(x), model(x)) < 2e-2
+    gm2.train()
+    assert not torch.equal(gm2(x), gm2(x))
