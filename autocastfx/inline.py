@@ -69,12 +69,17 @@ def _example(info: TensorInfo) -> torch.Tensor:
     return torch.zeros(info.shape, dtype=info.dtype, device=info.device)
 
 
-def inline_opaque_calls(gm: fx.GraphModule) -> list[InlineDecision]:
-    """Inline every opaque call that holds a tensor-core op; returns a decision for each opaque call."""
+def inline_opaque_calls(gm: fx.GraphModule, traces: dict | None = None) -> list[InlineDecision]:
+    """Inline every opaque call that holds a tensor-core op; returns a decision for each opaque call.
+
+    ``traces`` keeps each call's torch.export trace by function, constant arguments and the dtypes and shapes of
+    its tensors: the repeated blocks of a model, and the same call in its train and eval captures, are traced
+    once (pass one dict to several calls to share it between graphs)."""
     decisions = []
+    traces = {} if traces is None else traces
     for node in list(gm.graph.nodes):
         if is_opaque(node):
-            decisions.append(_inline_one(gm, node))
+            decisions.append(_inline_one(gm, node, traces))
     if any(d.inlined for d in decisions):
         gm.graph.eliminate_dead_code()
         gm.graph.lint()
@@ -82,7 +87,14 @@ def inline_opaque_calls(gm: fx.GraphModule) -> list[InlineDecision]:
     return decisions
 
 
-def _inline_one(gm: fx.GraphModule, node: fx.Node) -> InlineDecision:
+def _trace_key(node: fx.Node, infos: list[TensorInfo]):
+    it = iter(infos)
+    shape = fx.node.map_aggregate((node.args, node.kwargs),
+                                  lambda a: ("tensor", next(it)) if isinstance(a, fx.Node) else ("value", repr(a)))
+    return node.target, repr(shape)
+
+
+def _inline_one(gm: fx.GraphModule, node: fx.Node, traces: dict) -> InlineDecision:
     fn_name = getattr(node.target, "__qualname__", str(node.target))
 
     def keep(reason: str) -> InlineDecision:
@@ -95,13 +107,19 @@ def _inline_one(gm: fx.GraphModule, node: fx.Node) -> InlineDecision:
         bad = next(a.name for a, i in zip(inputs, infos) if not isinstance(i, TensorInfo))
         return keep(f"argument {bad} is computed by the graph but is not a tensor, so the call cannot be traced "
                     "on its own; it runs whole, in the dtype the plan gives it")
-    examples = [_example(i) for i in infos]
-    try:
-        with torch.no_grad():
-            ep = torch.export.export(_Call(node.target, node.args, node.kwargs), tuple(examples), strict=False)
-    except Exception as e:  # noqa: BLE001 - any failure leaves the call whole, with the cause
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        return keep(f"torch.export could not trace it ({type(e).__name__}: {first}); it runs whole")
+    key = _trace_key(node, infos)
+    if key not in traces:
+        examples = [_example(i) for i in infos]
+        try:
+            with torch.no_grad():
+                traces[key] = torch.export.export(_Call(node.target, node.args, node.kwargs), tuple(examples),
+                                                  strict=False)
+        except Exception as e:  # noqa: BLE001 - any failure leaves the call whole, with the cause
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            traces[key] = f"torch.export could not trace it ({type(e).__name__}: {first}); it runs whole"
+    ep = traces[key]
+    if isinstance(ep, str):
+        return keep(ep)
     sub = ep.graph_module
     low_ops = sorted({op_name(n) for n in sub.graph.nodes if n.op == "call_function" and op_name(n) in LOW_OPS})
     if not low_ops:

@@ -565,24 +565,29 @@ def split(graph: fx.Graph, key: str) -> fx.Graph:
 
 
 def differences(graph: fx.Graph, keys: tuple[str, ...]) -> list[str]:
-    """Where the programs differ, one line a node, with the module that wrote it."""
+    """Where the programs differ, one line per module and program (the nodes it wrote that only some programs
+    have), and one per node whose flag or probability differs."""
     from .plan import module_path
 
-    lines = []
+    lines: list[str] = []
+    groups: dict[tuple[str, frozenset], list[str]] = {}
     every = frozenset(keys)
     for n in graph.nodes:
         if n.op == "output" or (n.target is by_mode and BY_MODE in n.meta):
             continue
         members = n.meta.get(MEMBERS)
         where = module_path(n) or "the model's own forward"
-        what = getattr(n.target, "__name__", str(n.target))
         if members is not None and members != every:
-            lines.append(f"{n.name} ({what}, in {where}): {' and '.join(sorted(members))} only")
+            groups.setdefault((where, members), []).append(n.name)
         for key, diff in n.meta.get(MODE_ARGS, {}).items():
-            args = ", ".join(f"{'argument ' + str(p) if isinstance(p, int) else p}: "
+            what = getattr(n.target, "__name__", str(n.target))
+            args = ", ".join(f"{'argument ' + str(p) if isinstance(p, int) else p} "
                              f"{_arg(n, p)} in {keys[0]}, {getattr(v, '__name__', v)} in {key}"
                              for p, v in diff.items())
             lines.append(f"{n.name} ({what}, in {where}): {args}")
+    for (where, members), names in groups.items():
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        lines.append(f"in {where}, {' and '.join(sorted(members))} only: {shown}")
     return lines
 
 
@@ -636,9 +641,9 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy, *, share_tensor
         programs = {current: gm}
     finally:
         restore()
-    decisions = []
+    decisions, traces = [], {}
     for p in programs.values():
-        found = _inline.inline_opaque_calls(p)
+        found = _inline.inline_opaque_calls(p, traces)
         decisions += found
         if any(d.inlined for d in found):
             _capture.propagate(p, args, kwargs)

@@ -63,6 +63,14 @@ class Report:
         if t.get("opaque_calls"):
             lines.append("opaque calls (functions hidden from tracing):")
             lines.extend(f"  {line}" for line in t["opaque_calls"])
+        md = t.get("modes")
+        if md:
+            diff = md["differences"]
+            lines.append(f"modes: {md['how']}; the rows above are the {md.get('running', 'running')} program; "
+                         + ("the modes differ here:" if diff else "the modes do not differ"))
+            lines.extend(f"  {line}" for line in diff[:40])
+            if len(diff) > 40:
+                lines.append(f"  ... and {len(diff) - 40} more (Report.totals['modes'])")
         pad = t.get("padding")
         if pad:
             lines.append(f"padding to multiples of {pad['multiple']}: misaligned GEMM/conv ops {pad['misaligned_before']} "
@@ -143,4 +151,6 @@ def report(gm: fx.GraphModule) -> Report:
         "unclassified": list(plan.unclassified),
     }
     totals.update({k: v for k, v in info.extra_totals.items() if k != "saved_report"})
+    if "modes" in totals:
+        totals["modes"] = {**totals["modes"], "running": "training" if gm.training else "eval"}
     return Report(rows, totals)
