@@ -8,6 +8,7 @@ labels that objective is an s-t minimum cut (networkx), exact, in one max-flow.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import warnings
 from typing import Any, Iterable
@@ -348,6 +349,17 @@ def _target_name(node: fx.Node) -> str:
     return getattr(node.target, "__name__", str(node.target))
 
 
+def _out_of_range_constant(node: fx.Node, low: torch.dtype) -> float | None:
+    """A finite float constant among the node's arguments beyond what ``low`` can hold (Hugging Face attention
+    fills masks with ``torch.finfo(torch.float32).min``, which torch.export writes down as a number): in the low
+    dtype the op fails ("value cannot be converted to type c10::Half without overflow")."""
+    limit = torch.finfo(low).max
+    for a in itertools.chain(node.args, node.kwargs.values()):
+        if isinstance(a, float) and math.isfinite(a) and abs(a) > limit:
+            return a
+    return None
+
+
 def _builds_structure(node: fx.Node) -> bool:
     """A call that only packs values into a container: a namedtuple, a dataclass (Hugging Face's ModelOutput
     is one), or the dict/tuple/list constructors. Not an op: no warning, and it follows what it packs."""
@@ -444,6 +456,10 @@ def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, master_w
         if cls is None:
             unclassified.append(f"{node.name} ({op_name(node) if module is None else type(module).__name__})")
             cls, reason = OpClass.FP32, "unclassified op: float32 (add it to the policy)"
+        big = _out_of_range_constant(node, low)
+        if big is not None and cls in (OpClass.FOLLOW, OpClass.PROMOTE, OpClass.LOW):
+            cls, reason = OpClass.FP32, (f"takes the constant {big!r}, which {low} cannot hold (a mask fill "
+                                         "written for float32): float32")
         if cls is OpClass.FP32 and global_pool_dims(node, module) is not None:
             cls, reason = OpClass.FP32_OUT, reason + ": global average pooling, as mean(dtype=float32)"
         if cls is OpClass.FP32_OUT and not _accepts_dtype_kwarg(node) and global_pool_dims(node, module) is None:

@@ -493,3 +493,27 @@ def test_tied_weights_stay_tied_through_conversion_and_reconversion():
     assert len(gm.meta["autocastfx"].masters) == len({id(p) for p in gm.parameters() if p.dtype == torch.float16})
     gm2 = convert(gm, inputs)
     assert gm2.wte.weight is gm2.lm_head.weight
+
+
+def test_constant_beyond_the_low_dtype_keeps_its_op_in_float32():
+    """Hugging Face attention fills masks with torch.finfo(torch.float32).min; a capture writes the number
+    down, and masked_fill in float16 fails on it ("cannot be converted to type c10::Half without overflow")."""
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x, mask):
+            scores = self.q(x) @ self.k(x).transpose(-1, -2)
+            return scores.masked_fill(~mask, torch.finfo(torch.float32).min).softmax(-1)
+
+    torch.manual_seed(0)
+    x, mask = torch.randn(2, 4, 16), torch.rand(2, 4, 4) > 0.3
+    mask[..., 0] = True
+    model = Masked()
+    for dtype in (torch.float16, torch.bfloat16):
+        gm = autocastfx.convert(model, (x, mask), dtype=dtype)
+        out = gm(x, mask)
+        torch.testing.assert_close(out.float(), model(x, mask), rtol=2e-2, atol=2e-2)
+        row = next(r for r in autocastfx.report(gm).rows if r.target.endswith("masked_fill"))
+        assert row.dtype == "fp32", row  # bfloat16's largest value is under float32's too
