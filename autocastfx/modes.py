@@ -331,11 +331,35 @@ def _flag_like(a) -> bool:
     return isinstance(a, (bool, float)) and not isinstance(a, fx.Node)
 
 
+def _normalized(target, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """An aten op's arguments with the defaults written out: one capture writes ``sdpa(q, k, v, mask, 0.1)``
+    where the other leaves ``dropout_p`` to its default."""
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return tuple(args), dict(kwargs)
+    full, named = [], {}
+    for i, a in enumerate(schema.arguments):
+        if a.kwarg_only:
+            if a.name in kwargs or a.has_default_value():
+                named[a.name] = kwargs.get(a.name, a.default_value if a.has_default_value() else None)
+        elif i < len(args):
+            full.append(args[i])
+        elif a.name in kwargs:
+            full.append(kwargs[a.name])
+        elif a.has_default_value():
+            full.append(a.default_value)
+        else:
+            return tuple(args), dict(kwargs)  # not a call of this schema: leave it as written
+    return tuple(full), named
+
+
 def _exact_key(op, target, args, kwargs, env=None):
+    args, kwargs = _normalized(target, args, kwargs)
     return (op, target, _canon(args, env), _canon(kwargs, env))
 
 
 def _loose_key(op, target, args, kwargs, env=None):
+    args, kwargs = _normalized(target, args, kwargs)
     top = lambda a: ("flag",) if _flag_like(a) else _canon(a, env)  # noqa: E731
     return (op, _SWAP_CLASS.get(target, target), tuple(top(a) for a in args),
             tuple((k, top(v)) for k, v in kwargs.items()))
@@ -424,7 +448,7 @@ def _merge_into(gm: fx.GraphModule, other: fx.GraphModule, key: str) -> None:
         target = m.target
         if m.op == "call_module":
             theirs, mine = _fetch(other, target), _fetch(gm, target)
-            if mine is not theirs:
+            if mine is not theirs and not _same_program(mine, theirs):
                 target = _unique_attr(gm, str(target))
                 gm.add_submodule(target, theirs)
         u = take(exact.get(_exact_key(m.op, target, args, kwargs), ()))
@@ -467,6 +491,13 @@ def _merge_attr(gm, other, m, key, attrs, add):
     return u
 
 
+def _same_program(a, b) -> bool:
+    """Two graph modules that run the same code on no state of their own (torch.export's ``_guards_fn``)."""
+    return (isinstance(a, fx.GraphModule) and isinstance(b, fx.GraphModule) and a.code == b.code
+            and not list(a.parameters()) and not list(a.buffers()) and not list(b.parameters())
+            and not list(b.buffers()))
+
+
 def _unique_attr(gm: nn.Module, name: str) -> str:
     base = name.replace(".", "_") + "_eval"
     name, i = base, 0
@@ -480,11 +511,15 @@ def _note_mode_args(u: fx.Node, key: str, target, args, kwargs) -> None:
     diff = {}
     if target is not u.target:
         diff["target"] = target
-    for i, (a, b) in enumerate(zip(u.args, args)):
+    mine, mine_kw = _normalized(u.target, u.args, u.kwargs)
+    theirs, theirs_kw = _normalized(target, args, kwargs)
+    schema = getattr(u.target, "_schema", None)
+    for i, (a, b) in enumerate(zip(mine, theirs)):
         if _flag_like(b) and (a != b or type(a) is not type(b)):
-            diff[i] = b
-    for k, b in kwargs.items():
-        a = u.kwargs.get(k)
+            # where the union's node writes it: by position, or by name where it left it to its default
+            diff[i if i < len(u.args) or schema is None else schema.arguments[i].name] = b
+    for k, b in theirs_kw.items():
+        a = mine_kw.get(k)
         if _flag_like(b) and (a != b or type(a) is not type(b)):
             diff[k] = b
     if diff:
