@@ -1,0 +1,76 @@
+"""Real Hugging Face models that once went wrong after conversion, built from small configs (offline): Swin with
+stochastic depth (its hand-written drop-path ran in eval mode: random eval outputs) and DeBERTa-v2 (its attention
+mask filled with float32's smallest value, which float16 cannot hold). Each in eval and train mode, at the aten
+level, against the float32 model and torch.autocast in the same run, and through the generated step."""
+import time
+import warnings
+
+import pytest
+import torch
+
+tf = pytest.importorskip("transformers", reason="needs transformers: pip install 'autocastfx[hf]'")
+
+import autocastfx  # noqa: E402
+from helpers import AtenRecorder  # noqa: E402
+
+RANDOM = {"bernoulli", "bernoulli_", "rand", "rand_like", "uniform_", "native_dropout"}
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def swin():
+    cfg = tf.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=4,
+                        drop_path_rate=0.1, num_labels=10)
+    return tf.SwinForImageClassification(cfg), {"pixel_values": torch.randn(2, 3, 32, 32)}
+
+
+def deberta():
+    cfg = tf.DebertaV2Config(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                             intermediate_size=64, max_position_embeddings=64, num_labels=3, relative_attention=True,
+                             position_buckets=16, pos_att_type=["p2c", "c2p"], norm_rel_ebd="layer_norm",
+                             share_att_key=True, position_biased_input=False)
+    ids = torch.randint(0, 128, (2, 12))
+    return tf.DebertaV2ForSequenceClassification(cfg), {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+@pytest.mark.parametrize("build", [swin, deberta])
+def test_real_model_in_both_modes_and_training(build):
+    torch.manual_seed(0)
+    model, inputs = build()
+    model.eval()
+    t = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' own deprecation notes
+        gm = autocastfx.convert(model, example_kwargs=inputs)
+    seconds = time.perf_counter() - t
+    assert seconds < 30, seconds  # minutes when every input size was left free to torch.export
+    with torch.no_grad():
+        ref = model(**inputs).logits
+        with torch.autocast("cpu", dtype=torch.float16):
+            autocast_err = _rel(model(**inputs).logits, ref)
+        with AtenRecorder() as rec:
+            outs = [gm(**inputs).logits for _ in range(4)]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])  # eval is deterministic
+    assert not RANDOM & {c.name for c in rec.calls}
+    err = _rel(outs[0], ref)
+    assert err < max(2 * autocast_err, 2e-3), (err, autocast_err)
+    mm = [c for c in rec.calls if c.name in ("mm", "addmm", "bmm", "convolution", "_scaled_dot_product_flash_attention_for_cpu")]
+    assert mm and all(torch.float16 in c.in_dtypes and torch.float32 not in c.in_dtypes for c in mm if c.name != "convolution"), \
+        [(c.name, c.in_dtypes) for c in mm][:5]
+    gm.train()
+    model.train()
+    with torch.no_grad():  # drop-path keeps most samples at these rates: several calls, not two
+        ours = [gm(**inputs).logits for _ in range(8)]
+        theirs = [model(**inputs).logits for _ in range(8)]
+    assert any(not torch.equal(ours[0], o) for o in ours[1:])
+    assert any(not torch.equal(theirs[0], o) for o in theirs[1:])
+    step = autocastfx.train_step(gm, lambda out, y: torch.nn.functional.cross_entropy(out.logits.float(), y),
+                                 torch.optim.AdamW(gm.parameters(), lr=1e-3))
+    y = torch.tensor([1, 2])
+    losses = [float(step(inputs, y)) for _ in range(3)]
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    gm.eval()
+    with torch.no_grad():
+        assert torch.equal(gm(**inputs).logits, gm(**inputs).logits)
