@@ -33,3 +33,12 @@ def test_torchvision_classification_models():
 def test_timm_convnets_and_vits():
     pytest.importorskip("timm")
     _run("check_vision.py", "--timm")
+
+
+def test_modes_of_models_built_with_stochastic_depth():
+    """timm ViT/DeiT/ConvNeXt with drop_path_rate=0.1, timm nfnet_f0, torchvision swin_t, Hugging Face Swin and
+    DeBERTa-v2: eval deterministic and within parity, training draws as the model's, modes, float16 GEMMs, step."""
+    pytest.importorskip("timm")
+    pytest.importorskip("torchvision")
+    pytest.importorskip("transformers")
+    _run("check_modes.py")
