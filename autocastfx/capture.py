@@ -133,18 +133,20 @@ def _storage(t: torch.Tensor) -> int | None:
 
 
 def _capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, compile_code: bool = True,
-             method: str | None = None) -> tuple[fx.GraphModule, str]:
+             method: str | None = None, check: bool = True) -> tuple[fx.GraphModule, str]:
     """Capture ``model`` as it is; ``method`` (``"symbolic_trace"`` or ``"torch.export"``) insists on one way,
-    as the second capture of a model in another mode must take the way the first took."""
+    as the second capture of a model in another mode must take the way the first took. ``check=False`` skips
+    the run of a traced graph on the example inputs (its caller propagates what it makes of it)."""
     if method == "torch.export":
-        return capture_export(model, args, kwargs)
+        return capture_export(model, args, kwargs, check=check)
     try:
         tracer = _Tracer(policy)
         graph = tracer.trace(model)
         gm = _graph_module(tracer.root, graph, model.__class__.__name__, compile_code)
         if kwargs and not _accepts_kwargs(gm, kwargs):
             raise TypeError(f"traced forward does not take keyword inputs {sorted(kwargs)}")
-        propagate(gm, args, kwargs)
+        if check:
+            propagate(gm, args, kwargs)
         return gm, "symbolic_trace"
     except Exception as e:  # noqa: BLE001 - every tracing failure goes to the fallback
         if method is not None:
@@ -153,15 +155,16 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, compil
     return capture_export(model, args, kwargs, trace_error)
 
 
-def capture_export(model: nn.Module, args: tuple, kwargs: dict, trace_error: BaseException | None = None
-                   ) -> tuple[fx.GraphModule, str]:
+def capture_export(model: nn.Module, args: tuple, kwargs: dict, trace_error: BaseException | None = None,
+                   check: bool = True) -> tuple[fx.GraphModule, str]:
     _check_example_values(torch.utils._pytree.tree_leaves((tuple(args), dict(kwargs))))
     try:
         with _quiet():  # torch.export prints graphs and shape warnings while it fails; the error says it all
             ep = _export(model, tuple(args), dict(kwargs))
         gm = ep.module()
         _strip_export_asserts(gm)
-        propagate(gm, args, kwargs)
+        if check:
+            propagate(gm, args, kwargs)
         return gm, "torch.export"
     except Exception as e:  # noqa: BLE001
         export_error = e

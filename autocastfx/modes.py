@@ -236,13 +236,20 @@ def install(gm: fx.GraphModule) -> None:
     gm.__dict__.pop("eval", None)
     gm.__class__ = type("GraphModuleImpl", (base,), {})  # GraphModule keeps forward on a class of its own
     keys = gm.meta.get("autocastfx_program_keys")
-    if keys:  # cut the union into one graph per mode, and run the one of the mode the model was in
+    current = gm.meta.pop("autocastfx_current_program", None)
+    if keys and _programs_differ(gm.graph, keys):  # one graph per mode; run the one of the model's mode
         union = gm.graph
-        current = gm.meta.pop("autocastfx_current_program")
         graphs = {k: split(union, k) for k in keys}
         gm.meta["autocastfx_programs"] = Programs(union, graphs, current)
         gm.graph = graphs[current]
     gm.recompile()
+
+
+def _programs_differ(graph: fx.Graph, keys) -> bool:
+    """Whether any node belongs to some programs only or has arguments of its own per program: where none does
+    (every mode-dependent op is a leaf module that switches by itself), the union is the one graph to run."""
+    every = frozenset(keys)
+    return any(n.meta.get(MEMBERS, every) != every or MODE_ARGS in n.meta for n in graph.nodes)
 
 
 def mode_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -663,7 +670,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy, *, share_tensor
         for key in (EVAL, GIVEN) if mixed else (EVAL,):
             work.eval() if key == EVAL else restore()
             try:
-                programs[key] = _capture._capture(work, args, kwargs, policy, compile_code=False, method=how)[0]
+                programs[key] = _capture._capture(work, args, kwargs, policy, compile_code=False, method=how,
+                                                  check=False)[0]  # the union is propagated below
             except Exception as e:  # noqa: BLE001 - told below, and the one program still works
                 why = f"it cannot be captured in {key} mode ({_capture._one_line(e)})"
                 break
@@ -677,7 +685,9 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy, *, share_tensor
     finally:
         restore()
     decisions, traces = [], {}
-    for p in programs.values():
+    for key, p in programs.items():
+        if key != TRAIN and any(_inline.is_opaque(n) for n in p.graph.nodes):
+            _capture.propagate(p, args, kwargs)  # inlining reads the shapes of the calls' arguments
         found = _inline.inline_opaque_calls(p, traces)
         decisions += found
         if any(d.inlined for d in found):
@@ -694,19 +704,40 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy, *, share_tensor
                     programs[TRAIN].graph.erase_node(n)
     if why is not None:
         gm = programs[TRAIN] if TRAIN in programs else next(iter(programs.values()))
-        gm.meta.pop("autocastfx_program_keys", None)
-        for n in gm.graph.nodes:
-            n.meta.pop(MEMBERS, None)
-            n.meta.pop(MODE_ARGS, None)
-        if TRAIN in programs:
-            gm.meta["autocastfx_captured_training"] = True
-        warnings.warn(f"autocastfx: {type(model).__name__} is converted from one capture because {why}: "
-                      "gm.train()/gm.eval() switch the dropout and batch-norm flags they recognise, and other "
-                      "mode-dependent code keeps the form it was captured in", stacklevel=3)
-        return gm, how, decisions
+        return _single(gm, why, model, args, kwargs, decisions, how)
     gm.meta["autocastfx_current_program"] = current
-    _capture.propagate(gm, args, kwargs)
+    try:
+        _capture.propagate(gm, args, kwargs)
+    except Exception as e:  # noqa: BLE001 - the other capture does not run on the inputs: the first alone
+        why = f"its {EVAL} capture does not run on the example inputs ({_capture._one_line(e)})"
+        kept = set(before)
+        for n in reversed(list(gm.graph.nodes)):
+            if n not in kept:
+                gm.graph.erase_node(n)
+        return _single(gm, why, model, args, kwargs, decisions, how)
     return gm, how, list({str(d): d for d in decisions}.values())  # the programs share most calls
+
+
+def _single(gm: fx.GraphModule, why: str, model: nn.Module, args, kwargs, decisions, how: str):
+    """The one program there is, its known flags marked by :func:`record`, and a warning that says why."""
+    import warnings
+
+    from . import capture as _capture
+
+    gm.meta.pop("autocastfx_program_keys", None)
+    gm.meta.pop("autocastfx_current_program", None)
+    for n in gm.graph.nodes:
+        n.meta.pop(MEMBERS, None)
+        n.meta.pop(MODE_ARGS, None)
+    if why.startswith("it cannot be captured in training mode"):
+        gm.meta.pop("autocastfx_captured_training", None)
+    else:
+        gm.meta["autocastfx_captured_training"] = True
+        _capture.propagate(gm, args, kwargs)
+    warnings.warn(f"autocastfx: {type(model).__name__} is converted from one capture because {why}: "
+                  "gm.train()/gm.eval() switch the dropout and batch-norm flags they recognise, and other "
+                  "mode-dependent code keeps the form it was captured in", stacklevel=4)
+    return gm, how, decisions
 
 
 def restore_union(gm: fx.GraphModule) -> None:
