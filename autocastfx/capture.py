@@ -133,15 +133,18 @@ def _storage(t: torch.Tensor) -> int | None:
 
 
 def _capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, compile_code: bool = True,
-             method: str | None = None, check: bool = True) -> tuple[fx.GraphModule, str]:
+             method: str | None = None, check: bool = True, reads: list | None = None
+             ) -> tuple[fx.GraphModule, str]:
     """Capture ``model`` as it is; ``method`` (``"symbolic_trace"`` or ``"torch.export"``) insists on one way,
     as the second capture of a model in another mode must take the way the first took. ``check=False`` skips
-    the run of a traced graph on the example inputs (its caller propagates what it makes of it)."""
+    the run of a traced graph on the example inputs (its caller propagates what it makes of it). ``reads``
+    collects the modules whose ``training`` flag the model's code read while it was captured."""
     if method == "torch.export":
-        return capture_export(model, args, kwargs, check=check)
+        return capture_export(model, args, kwargs, check=check, reads=reads)
     try:
         tracer = _Tracer(policy)
-        graph = tracer.trace(model)
+        with watch_training(reads):
+            graph = tracer.trace(model)
         gm = _graph_module(tracer.root, graph, model.__class__.__name__, compile_code)
         if kwargs and not _accepts_kwargs(gm, kwargs):
             raise TypeError(f"traced forward does not take keyword inputs {sorted(kwargs)}")
@@ -152,15 +155,16 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, compil
         if method is not None:
             raise CaptureError(f"cannot trace {type(model).__name__} in this mode: {_one_line(e)}") from e
         trace_error = e
-    return capture_export(model, args, kwargs, trace_error)
+    return capture_export(model, args, kwargs, trace_error, reads=reads)
 
 
 def capture_export(model: nn.Module, args: tuple, kwargs: dict, trace_error: BaseException | None = None,
-                   check: bool = True) -> tuple[fx.GraphModule, str]:
+                   check: bool = True, reads: list | None = None) -> tuple[fx.GraphModule, str]:
     _check_example_values(torch.utils._pytree.tree_leaves((tuple(args), dict(kwargs))))
     try:
         with _quiet():  # torch.export prints graphs and shape warnings while it fails; the error says it all
-            ep = _export(model, tuple(args), dict(kwargs))
+            with watch_training(reads):
+                ep = _export(model, tuple(args), dict(kwargs))
         gm = ep.module()
         _strip_export_asserts(gm)
         if check:
@@ -177,6 +181,27 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict, trace_error: Bas
         "data-dependent Python control flow from forward (if x.sum() > 0: ...); or pass example_inputs "
         "that match forward's signature so the torch.export fallback can run."
     ) from export_error
+
+
+@contextlib.contextmanager
+def watch_training(reads: list | None):
+    """Append to ``reads`` every module whose ``training`` attribute is read meanwhile (``None``: watch nothing).
+    A capture that reads none wrote no mode-dependent code (leaf modules, which switch by themselves, are not
+    run by a capture), so the model's eval capture would be the same graph."""
+    if reads is None:
+        yield
+        return
+
+    def getattribute(self, name):
+        if name == "training":
+            reads.append(self)
+        return object.__getattribute__(self, name)
+
+    nn.Module.__getattribute__ = getattribute
+    try:
+        yield
+    finally:
+        del nn.Module.__getattribute__
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict):

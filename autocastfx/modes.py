@@ -664,9 +664,21 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy, *, share_tensor
 
     programs: dict[str, fx.GraphModule] = {}
     why = None
+    reads: list = []
     try:
-        gm, how = _capture._capture(work.train(), args, kwargs, policy, compile_code=False)
+        gm, how = _capture._capture(work.train(), args, kwargs, policy, compile_code=False, reads=reads)
         programs[TRAIN] = gm
+        if not reads and not _switches_itself(work):  # nothing read the mode: one graph serves both
+            for n in gm.graph.nodes:
+                n.meta[MEMBERS] = frozenset((TRAIN, EVAL))
+            gm.meta["autocastfx_program_keys"] = (TRAIN, EVAL)
+            gm.meta["autocastfx_current_program"] = TRAIN
+            gm.meta["autocastfx_modes_read"] = False
+            restore()
+            decisions = _inline.inline_opaque_calls(gm)
+            if any(d.inlined for d in decisions):
+                _capture.propagate(gm, args, kwargs)
+            return gm, how, decisions
         for key in (EVAL, GIVEN) if mixed else (EVAL,):
             work.eval() if key == EVAL else restore()
             try:
@@ -718,6 +730,12 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy, *, share_tensor
     return gm, how, list({str(d): d for d in decisions}.values())  # the programs share most calls
 
 
+def _switches_itself(model: nn.Module) -> bool:
+    """Whether a module of the model has its own ``train()``/``eval()``, which may set state other than the
+    ``training`` flags (then only a capture in each mode tells what differs)."""
+    return any(type(m).train is not nn.Module.train or type(m).eval is not nn.Module.eval for m in model.modules())
+
+
 def _single(gm: fx.GraphModule, why: str, model: nn.Module, args, kwargs, decisions, how: str):
     """The one program there is, its known flags marked by :func:`record`, and a warning that says why."""
     import warnings
@@ -751,6 +769,10 @@ def restore_union(gm: fx.GraphModule) -> None:
 def describe(gm: fx.GraphModule) -> dict:
     """For the report: how train and eval differ in this converted module, node by node."""
     keys = gm.meta.get("autocastfx_program_keys")
+    if keys and gm.meta.get("autocastfx_modes_read") is False:
+        return {"how": "one program for both modes: the model's code read no training flag while it was "
+                       "captured (its dropout and batch norms are modules that switch by themselves)",
+                "differences": []}
     if keys:
         return {"how": f"one program per mode ({', '.join(keys)}), captured and planned together",
                 "differences": differences(gm.graph, tuple(keys))}

@@ -482,3 +482,41 @@ def test_every_test_model_in_both_modes(name, path):
         assert theirs.keys() == stats(gm).keys()
         for k, v in stats(gm).items():
             torch.testing.assert_close(v.float(), theirs[k].float(), rtol=2e-2, atol=2e-3, msg=k)
+
+
+def test_a_model_that_reads_no_mode_is_captured_once():
+    """Dropout and batch norm as modules switch by themselves: the capture reads no training flag, so one graph
+    serves both modes and no second capture is made."""
+    model, (x,) = small_models.example("resnet")
+    gm = autocastfx.convert(model, (x,))
+    assert autocastfx.report(gm).totals["modes"]["differences"] == []
+    assert "autocastfx_programs" not in gm.meta and gm.meta["autocastfx_modes_read"] is False
+
+
+class OwnSwitch(nn.Module):
+    """A module with its own train(): the mode lives in an attribute of its own, which no flag watch sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.noisy = True
+
+    def train(self, mode: bool = True):
+        self.noisy = mode
+        return super().train(mode)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y + torch.randn_like(y) if self.noisy else y
+
+
+def test_a_module_with_its_own_train_method_is_captured_in_both_modes():
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    model = OwnSwitch().eval()
+    gm = autocastfx.convert(model, (x,))
+    assert torch.equal(gm(x), gm(x))
+    gm.train()
+    assert not torch.equal(gm(x), gm(x))
+    gm.eval()
+    assert _rel(gm(x), model(x)) < 2e-3
