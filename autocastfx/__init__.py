@@ -3,7 +3,8 @@ from .api import ConvertInfo, convert, master_parameters
 from .capture import CaptureError
 from .checks import StepError
 from .diagnose import GradHistogram, calibrate, grad_histogram
-from .export import FormatError, export, load, save
+from .export import ExportCheckError, FormatError, export, load, save
+from .inference import for_inference
 from .graphed import CudaGraphStep
 from .plan import CastPlan
 from .policy import OpClass, Policy
@@ -14,6 +15,6 @@ from .step import StepStats, TrainStep, train_step
 
 __all__ = ["convert", "report", "master_parameters", "Policy", "OpClass", "Report", "CastPlan", "Decision",
            "ConvertInfo", "CaptureError", "train_step", "TrainStep", "StepStats", "LossScaleError", "StepError",
-           "export", "save", "load", "FormatError", "calibrate", "grad_histogram", "GradHistogram",
+           "export", "save", "load", "FormatError", "ExportCheckError", "for_inference", "calibrate", "grad_histogram", "GradHistogram",
            "CudaGraphStep"]
 __version__ = "0.1.0"

@@ -106,7 +106,11 @@ def cmd_export(args) -> int:
     from .export import export
     gm, inputs = convert_from_args(args)
     export(gm, args.output, inputs)
-    print(f"wrote {args.output}: load it with torch.export.load({args.output!r}).module()")
+    if str(args.output).lower().endswith(".onnx"):
+        print(f"wrote {args.output}: loaded and checked in onnxruntime where it is installed; "
+              f"onnxruntime.InferenceSession({args.output!r}) runs it")
+    else:
+        print(f"wrote {args.output}: load it with torch.export.load({args.output!r}).module()")
     return 0
 
 
@@ -137,7 +141,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="autocastfx", description="Explicit mixed precision for PyTorch models.")
     sub = p.add_subparsers(dest="command", required=True)
     for name, fn, helptext in (("inspect", cmd_inspect, "convert and print the report"),
-                               ("export", cmd_export, "convert and write a torch.export .pt2"),
+                               ("export", cmd_export, "convert and write a torch.export .pt2 or, for -o NAME.onnx, an ONNX model"),
                                ("graph", cmd_graph, "convert and draw the graph")):
         s = sub.add_parser(name, help=helptext)
         s.add_argument("model", help="module.path:factory returning an nn.Module")

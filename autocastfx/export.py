@@ -72,12 +72,109 @@ def export_program(gm: fx.GraphModule, example_inputs: tuple | None = None, exam
                                dynamic_shapes=dynamic_shapes, strict=False)
 
 
+FORMATS = {".pt2": "a torch.export archive", ".onnx": "an ONNX model"}
+
+
+class ExportCheckError(RuntimeError):
+    """A written file that its runtime refuses, or whose outputs differ from the converted module's."""
+
+
 def export(gm: fx.GraphModule, path: str | os.PathLike, example_inputs: tuple | None = None, *,
-           example_kwargs: dict | None = None, dynamic_shapes: Any = None) -> torch.export.ExportedProgram:
-    """Write a ``torch.export`` archive of the converted module; it needs only torch to load and run."""
+           example_kwargs: dict | None = None, dynamic_shapes: Any = None, inference: bool | None = None,
+           check: bool = True) -> Any:
+    """Write the converted module to ``path``, in the format its extension names.
+
+    ``.pt2``: a ``torch.export`` archive of the module as it is (its current mode), which needs only torch to load
+    and run; returns the ExportedProgram. ``.onnx``: an ONNX model of :func:`autocastfx.for_inference`'s
+    deployment copy (eval program, batch norms folded, every weight low; ``inference=False`` exports the eval
+    program as converted), written by ``torch.onnx.export(dynamo=True)``; then, with ``check=True``, loaded in
+    onnxruntime where it is installed and run on the example inputs against the exported module (raises
+    :class:`ExportCheckError` if it does not load or does not match); returns the ONNXProgram."""
+    fmt = os.path.splitext(os.fspath(path))[1].lower()
+    if fmt not in FORMATS:
+        raise ValueError(f"cannot tell which format to write from {os.fspath(path)!r}: export() writes "
+                         + ", ".join(f"{k} ({v})" for k, v in FORMATS.items()) + "; name the file model.pt2 or "
+                         "model.onnx")
+    if fmt == ".onnx":
+        return export_onnx(gm, path, example_inputs, example_kwargs=example_kwargs, dynamic_shapes=dynamic_shapes,
+                           inference=True if inference is None else inference, check=check)
+    if inference:
+        from .inference import for_inference
+        gm = for_inference(gm, example_inputs, example_kwargs=example_kwargs)
     ep = export_program(gm, example_inputs, example_kwargs, dynamic_shapes)
     torch.export.save(ep, os.fspath(path))
     return ep
+
+
+def export_onnx(gm: fx.GraphModule, path: str | os.PathLike, example_inputs: tuple | None = None, *,
+                example_kwargs: dict | None = None, dynamic_shapes: Any = None, inference: bool = True,
+                check: bool = True, rtol: float = 2e-2) -> Any:
+    """See :func:`export`. The exporter's own graph optimizer is used (it makes the smaller file); should the
+    runtime refuse that file, it is written again without it and checked again."""
+    import logging
+
+    for need in ("onnx", "onnxscript"):
+        try:
+            __import__(need)
+        except ImportError as e:
+            raise ImportError(f"writing ONNX needs {need}: pip install 'autocastfx[onnx]'") from e
+    from .inference import for_inference
+
+    _info(gm)
+    if example_inputs is None and example_kwargs is None:
+        example_inputs, example_kwargs = example_inputs_of(gm)
+    args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})
+    module = for_inference(gm, args, example_kwargs=kwargs) if inference else _eval_copy(gm)
+    path = os.fspath(path)
+    refused = None
+    for optimize in (True, False):
+        level = logging.getLogger("torch.onnx").level
+        logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+        try:
+            program = torch.onnx.export(module, args, path, kwargs=kwargs or None, dynamo=True, optimize=optimize,
+                                        dynamic_shapes=dynamic_shapes, verbose=False)
+        finally:
+            logging.getLogger("torch.onnx").setLevel(level)
+        if not check:
+            return program
+        refused = _check_onnx(module, path, args, kwargs, rtol)
+        if refused is None:
+            return program
+        if not refused.startswith("onnxruntime refuses"):
+            break
+    raise ExportCheckError(f"{path}: {refused}")
+
+
+def _eval_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    import copy
+    return copy.deepcopy(gm).eval()
+
+
+def _check_onnx(module: nn.Module, path: str, args: tuple, kwargs: dict, rtol: float) -> str | None:
+    """None if onnxruntime (where installed) loads the file and its outputs match the module's, else why not."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None  # nothing to check it with here; onnx.checker at least
+    try:
+        session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    except Exception as e:  # noqa: BLE001 - the runtime's words are the message
+        return f"onnxruntime refuses the file: {str(e).strip().splitlines()[0][:300]}"
+    flat = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    feeds = {i.name: t.detach().cpu().numpy() for i, t in zip(session.get_inputs(), flat)}
+    got = session.run(None, feeds)
+    with torch.no_grad():
+        want = [t for t in torch.utils._pytree.tree_leaves(module(*args, **kwargs)) if isinstance(t, torch.Tensor)]
+    if len(got) != len(want):
+        return f"onnxruntime gives {len(got)} outputs, the module {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        g, w = torch.from_numpy(g).double(), w.detach().double().cpu()
+        if g.shape != w.shape:
+            return f"output {i} has shape {tuple(g.shape)} in onnxruntime, {tuple(w.shape)} in the module"
+        err = ((g - w).norm() / w.norm().clamp_min(1e-12)).item() if w.is_floating_point() else float(not torch.equal(g, w))
+        if not err <= rtol:
+            return f"output {i} differs from the module's by {err:.2e} (relative), more than {rtol:.0e}"
+    return None
 
 
 # --------------------------------------------------------------------------------------------- save/load
