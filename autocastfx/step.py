@@ -55,7 +55,18 @@ class StepStats:
         return [(scales[i], bool(flows[i])) for i in idx]
 
 
+class Forwarded:
+    """The output of a forward its caller already ran (a trainer that calls the model in its own training code):
+    the step takes it as the model's output instead of calling the model."""
+    __slots__ = ("output",)
+
+    def __init__(self, output: Any):
+        self.output = output
+
+
 def _call(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, Forwarded):
+        return inputs.output
     if isinstance(inputs, tuple):
         return model(*inputs)
     if isinstance(inputs, dict):
@@ -342,6 +353,16 @@ class TrainStep:
             with self.checker.guard(inputs, bound):
                 loss = self._fn(inputs, *targets)
             self.checker.seen.add(key)
+        self.state.poll()
+        return loss
+
+    def after_forward(self, output: Any, *targets) -> torch.Tensor:
+        """The step for a forward the caller ran itself: ``loss_fn(output, *targets)``, then backward, and on the
+        last micro-batch of an update the whole update, exactly as ``step(inputs, *targets)`` does after its
+        forward. For trainers whose own code calls the model (Lightning's ``training_step``); the output must come
+        from the converted module's forward in this grad-enabled region."""
+        check_grad_mode()
+        loss = self._fn(Forwarded(output), *targets)
         self.state.poll()
         return loss
 

@@ -1,0 +1,169 @@
+"""Hugging Face ``Trainer`` with the generated, loss-scaled step: one line, ``autocastfx.integrations.hf.Trainer``
+in place of ``transformers.Trainer``.
+
+    from autocastfx.integrations.hf import Trainer
+    trainer = Trainer(model=model, args=TrainingArguments(...), train_dataset=..., eval_dataset=...)
+    trainer.train()                                   # or train(resume_from_checkpoint=True)
+
+How it hooks in (transformers 5.x):
+- ``train()`` converts the model first (``autocastfx.convert``; example inputs: the collated first examples of
+  the training set, read without the sampler, so the data order is the one a float32 run sees), so that the
+  checkpoint to resume from loads into the converted module;
+- ``create_optimizer()`` builds the optimizer as usual and the generated step over it
+  (``loss_fn=lambda out: out.loss``: the model's own ``labels=`` loss; ``accum_steps`` from
+  ``gradient_accumulation_steps``; ``clip_grad_norm`` from ``max_grad_norm``, which the Trainer's own clipping
+  then leaves alone); the Trainer keeps a stand-in optimizer whose ``step()`` and ``zero_grad()`` do nothing,
+  because the generated step has already updated the float32 masters, skipped an overflowing update and
+  freed the gradients; the learning-rate scheduler drives the real optimizer;
+- ``training_step()`` runs the generated step on the batch (forward, scaled backward, and on the last
+  micro-batch the update);
+- checkpoints hold the step's state (masters, loss scale and its history) in ``autocastfx_step.pt`` beside the
+  optimizer's, and resuming loads it;
+- ``log()`` adds ``loss_scale``, ``skipped_steps`` and ``grad_norm`` to each training log: the step keeps them
+  on the device and they are read only when the Trainer logs.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import transformers
+
+import autocastfx
+
+STEP_FILE = "autocastfx_step.pt"
+
+
+class _Applied(torch.optim.Optimizer):
+    """What the Trainer holds as its optimizer: the real one's groups and state, with ``step()`` and
+    ``zero_grad()`` left to the generated step."""
+
+    def __init__(self, real: torch.optim.Optimizer):  # noqa: D107 - no super().__init__: nothing of its own
+        self.real = real
+        self.defaults = real.defaults
+
+    @property
+    def param_groups(self):
+        return self.real.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.real.param_groups = value
+
+    @property
+    def state(self):
+        return self.real.state
+
+    def step(self, closure=None):
+        return None
+
+    def zero_grad(self, set_to_none: bool = True):
+        return None
+
+    def state_dict(self):
+        return self.real.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.real.load_state_dict(state_dict)
+
+    def __repr__(self):
+        return f"applied by the generated step: {self.real!r}"
+
+
+class Trainer(transformers.Trainer):
+    """``transformers.Trainer`` whose training runs through autocastfx's generated step.
+
+    ``dtype`` (float16 or bfloat16), ``convert_kwargs`` (more ``autocastfx.convert`` options) and ``step_kwargs``
+    (more ``autocastfx.train_step`` options, e.g. ``init_scale``) are this class's own keywords; everything else
+    is ``transformers.Trainer``'s. Leave ``TrainingArguments(fp16=...)`` off: the converted module already is the
+    mixed-precision program."""
+
+    def __init__(self, *args, dtype: torch.dtype = torch.float16, convert_kwargs: dict | None = None,
+                 step_kwargs: dict | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.args.fp16 or self.args.bf16:
+            raise ValueError("autocastfx.integrations.hf.Trainer runs the converted module's own mixed precision: "
+                             "leave TrainingArguments(fp16=False, bf16=False) and pick the low dtype with "
+                             "Trainer(dtype=torch.float16 or torch.bfloat16)")
+        self.dtype = dtype
+        self.convert_kwargs = dict(convert_kwargs or {})
+        self.step_kwargs = dict(step_kwargs or {})
+        self.step: autocastfx.TrainStep | None = None
+        self.clip = None
+
+    # ------------------------------------------------------------------------------------ conversion
+    def train(self, *args, **kwargs):
+        if "autocastfx" not in getattr(self.model, "meta", {}):
+            self.model = self.model_wrapped = self._convert(self.model)
+        self.model_accepts_loss_kwargs = False  # the converted forward takes the inputs it was converted with
+        if self.args.max_grad_norm and self.args.max_grad_norm > 0:  # clipped by the step, after unscaling
+            self.clip, self.args.max_grad_norm = self.args.max_grad_norm, 0.0
+        return super().train(*args, **kwargs)
+
+    def _convert(self, model):
+        n = min(self.args.per_device_train_batch_size, len(self.train_dataset))
+        batch = self.data_collator([self.train_dataset[i] for i in range(n)])
+        batch = {k: v.to(self.args.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        if "labels" not in batch:
+            raise ValueError("the training batches have no 'labels': autocastfx.integrations.hf.Trainer trains "
+                             "with the model's own loss (out.loss), which it computes from labels=")
+        model.to(self.args.device)
+        return autocastfx.convert(model, example_kwargs=batch, dtype=self.dtype, **self.convert_kwargs)
+
+    # ---------------------------------------------------------------------------------- optimisation
+    def create_optimizer(self, model=None):
+        if self.step is None:
+            real = super().create_optimizer(model)
+            self.step = autocastfx.train_step(
+                self.model, lambda out: out.loss, real, accum_steps=self.args.gradient_accumulation_steps,
+                clip_grad_norm=self.clip, **self.step_kwargs)
+            self.real_optimizer = real
+            self.optimizer = _Applied(real)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        # the schedule drives the real optimizer, whose groups the generated step steps
+        return super().create_scheduler(num_training_steps, optimizer=self.real_optimizer)
+
+    def training_step(self, model, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        step = self.step
+        if self.accelerator.gradient_state.sync_gradients and step.accum_steps > 1:
+            # the Trainer ends an epoch's last, shorter window early: this batch completes an update
+            step.micro = (step.micro // step.accum_steps) * step.accum_steps + step.accum_steps - 1
+        loss = step(inputs)
+        return loss.detach() / step.accum_steps
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.step is not None and self.args.should_save:
+            torch.save(self.step.state_dict(), os.path.join(output_dir, STEP_FILE))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self.step is not None:
+            path = os.path.join(checkpoint, STEP_FILE)
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"{checkpoint} has no {STEP_FILE}: it was not written by "
+                                        "autocastfx.integrations.hf.Trainer, so its float32 masters and loss "
+                                        "scale are missing")
+            self.step.load_state_dict(torch.load(path, weights_only=False))
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if state_dict is None and "autocastfx" in getattr(self.model, "meta", {}):
+            # the converted module's state dict; safetensors refuses tied tensors (GPT-2's embedding and head), so
+            # each name gets its own copy, and loading it back into the tied module writes one tensor twice
+            state_dict = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        super()._save(output_dir, state_dict=state_dict)
+
+    # ---------------------------------------------------------------------------------------- logging
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        if self.step is not None and "loss" in logs:
+            s = self.step.stats.summary()  # read here, at the Trainer's logging interval only
+            logs = {**logs, "loss_scale": s["scale"], "skipped_steps": s["skipped"]}
+            if s["grad_norm"] is not None:
+                logs["grad_norm"] = s["grad_norm"]
+        super().log(logs, *args, **kwargs)

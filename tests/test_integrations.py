@@ -1,0 +1,99 @@
+"""Trainer integrations: the generated step inside Hugging Face's Trainer and Lightning's Trainer, with
+accumulation, clipping, a scheduler, evaluation, checkpoints and resume, against the same trainer in float32."""
+import math
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import AtenRecorder
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+# ------------------------------------------------------------------------------------------ Hugging Face
+
+def _hf_run(out, steps, resume=None, float32=False, record=False, stop_at=None):
+    tf = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from autocastfx.integrations.hf import Trainer
+
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=32, use_cache=False,
+                        bos_token_id=0, eos_token_id=0, loss_type="ForCausalLM")
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": torch.randint(0, 64, (16,), generator=g)} for _ in range(32)]
+    for d in data:
+        d["labels"] = d["input_ids"].clone()
+    args = tf.TrainingArguments(str(out), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                                max_steps=steps, learning_rate=2e-3, max_grad_norm=1.0, lr_scheduler_type="linear",
+                                warmup_steps=1, logging_steps=1, save_steps=2, eval_strategy="steps", eval_steps=2,
+                                report_to=[], use_cpu=True, seed=0, data_seed=0, disable_tqdm=True)
+    cls = tf.Trainer if float32 else Trainer
+    trainer = cls(model=tf.GPT2LMHeadModel(cfg), args=args, train_dataset=data, eval_dataset=data[:8])
+    trainer.model_accepts_loss_kwargs = False  # both: the mean over each micro-batch's tokens, as the model gives it
+    if stop_at is not None:  # an interrupted run: the schedule of the whole run, stopped after its checkpoint
+        class Stop(tf.TrainerCallback):
+            def on_step_end(self, args, state, control, **kw):
+                control.should_training_stop = state.global_step >= stop_at
+        trainer.add_callback(Stop())
+    if record:
+        with AtenRecorder() as rec:
+            trainer.train(resume_from_checkpoint=resume)
+        return trainer, rec
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def _losses(trainer, key="loss"):
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+def test_hugging_face_trainer_trains_through_the_generated_step(tmp_path):
+    ours, rec = _hf_run(tmp_path / "ours", 4, record=True)
+    ref = _hf_run(tmp_path / "ref", 4, float32=True)
+    a, b = _losses(ours), _losses(ref)
+    assert len(a) == len(b) == 4
+    worst = max(abs(x - y) for x, y in zip(a, b))
+    print(f"HF Trainer: losses {a} vs float32 {b}; largest difference {worst:.2e}")
+    assert worst < 2e-2  # float16 noise on a loss near 4
+    assert max(abs(x - y) for x, y in zip(_losses(ours, "eval_loss"), _losses(ref, "eval_loss"))) < 2e-2
+    logs = [h for h in ours.state.log_history if "loss" in h]
+    assert all("loss_scale" in h and "skipped_steps" in h and math.isfinite(h["grad_norm"]) for h in logs)
+    assert all(h["grad_norm"] >= 0 for h in logs)
+    mms = [c for c in rec.calls if c.name in ("mm", "addmm", "bmm")]
+    assert mms and sum(torch.float16 in c.in_dtypes for c in mms) > len(mms) // 2
+    assert "autocastfx_step.pt" in os.listdir(tmp_path / "ours" / "checkpoint-2")
+
+
+def test_hugging_face_trainer_resumes_as_if_never_stopped(tmp_path):
+    whole = _hf_run(tmp_path / "whole", 4)
+    _hf_run(tmp_path / "part", 4, stop_at=2)
+    resumed = _hf_run(tmp_path / "part", 4, resume=str(tmp_path / "part" / "checkpoint-2"))
+    a = [h for h in whole.state.log_history if "loss" in h][2:]
+    b = [h for h in resumed.state.log_history if "loss" in h and h["step"] > 2]
+    assert [h["loss"] for h in a] == [h["loss"] for h in b]
+    assert [h["loss_scale"] for h in a] == [h["loss_scale"] for h in b]
+    for k, v in whole.model.state_dict().items():
+        assert torch.equal(v, resumed.model.state_dict()[k]), k
+
+
+def test_hugging_face_trainer_refuses_its_own_fp16_flag(tmp_path):
+    tf = pytest.importorskip("transformers")
+    from autocastfx.integrations.hf import Trainer
+
+    cfg = tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32)
+    args = tf.TrainingArguments(str(tmp_path), fp16=True, use_cpu=True, report_to=[])
+    with pytest.raises((ValueError, TypeError)):
+        Trainer(model=tf.GPT2LMHeadModel(cfg), args=args, train_dataset=[])
