@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from . import weights as _weights
 from .checks import StepError
-from .step import DYNAMIC, Local, TrainStep
+from .step import DYNAMIC, Local, TrainStep, _is_converted, all_masters, converted_units
 
 try:  # FSDP2 and DTensor: torch >= 2.6 on every platform with torch.distributed
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -90,13 +90,16 @@ class FSDP(Local):
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
-        meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
+        self._check_group_dtypes(model)
+        meshes = []
+        for p in model.parameters():
+            if isinstance(p, DTensor) and all(p.device_mesh != m for m in meshes):
+                meshes.append(p.device_mesh)
         if len(meshes) != 1:
             raise StepError(f"the sharded module's parameters live on {len(meshes)} device meshes: the step reduces "
                             "its overflow flag over one mesh; shard every block and the root on the same mesh")
-        self.mesh = next(iter(meshes.values()))
+        self.mesh = meshes[0]
         self.group = self.mesh.get_group()
-        self._check_group_dtypes(model)
         unsharded = [n for n, p in model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
         if unsharded:
             raise StepError(f"parameters {unsharded[:3]} of the sharded module are not sharded (fully_shard(..., "
@@ -127,17 +130,17 @@ class FSDP(Local):
                     "shards as masters, gathered low, norms in a float32 group of their own), or convert with "
                     "master_weights=False (every parameter float32, cast in the graph) before fully_shard")
 
-    def master_pairs(self, gm) -> list[tuple[nn.Parameter, nn.Parameter]]:
-        """(sharded low weight, its master cut to the same shard). The full float32 master in
-        ``gm.meta["autocastfx"].masters`` is replaced there by its shard, so that it is freed."""
+    def master_pairs(self, gm) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
+        """(qualified name, sharded low weight, its master cut to the same shard). The full float32 master in
+        ``meta["autocastfx"].masters`` is replaced there by its shard, so that it is freed."""
         pairs = []
-        for unit in converted_units(gm):
+        for prefix, unit in converted_units(gm):
             info = unit.meta["autocastfx"]
             params = dict(unit.named_parameters(remove_duplicate=False))
             for name, master in list(info.masters.items()):
                 low = params[name]
                 if isinstance(master, DTensor):
-                    pairs.append((low, master))
+                    pairs.append((prefix + name, low, master))
                     continue
                 if not isinstance(low, DTensor):
                     raise StepError(f"the low-precision weight {name!r} is not sharded, but the module is: shard "
@@ -147,7 +150,7 @@ class FSDP(Local):
                                                           shape=low.shape, stride=low.stride()),
                                        requires_grad=master.requires_grad)
                 info.masters[name] = sharded
-                pairs.append((low, sharded))
+                pairs.append((prefix + name, low, sharded))
         return pairs
 
     def local(self, t):
@@ -176,8 +179,24 @@ class FSDP(Local):
         dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.group)
         return sq.sqrt()
 
-    def check_optimizer(self, optimizer) -> None:
-        pass
+    def drop_unsynced_grads(self) -> None:
+        """Forget the gradients of an unfinished accumulation cycle: with gradient sync off, FSDP2 keeps them
+        unsharded inside its own parameter state, where setting ``.grad = None`` on the shards does not reach."""
+        for m in self.model.modules():
+            if not isinstance(m, FSDPModule):
+                continue
+            for group in getattr(m._get_fsdp_state(), "_fsdp_param_groups", ()):
+                for fp in group.fsdp_params:
+                    fp.unsharded_accumulated_grad = None
+                    unsharded = getattr(fp, "_unsharded_param", None)
+                    if unsharded is not None:
+                        unsharded.grad = None
+
+    def allows_fused(self, optimizer: torch.optim.Optimizer) -> bool:
+        """DTensor runs the fused Adam and AdamW kernels on the shards (torch has sharding rules for them); other
+        fused kernels (SGD's) it refuses, so those optimizers run their foreach kernels and the step reads
+        ``found_inf`` on the host once per update to skip."""
+        return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
 
 
 class _GradientSync:
@@ -202,17 +221,6 @@ def _local_slice(full: torch.Tensor, like) -> torch.Tensor:
     return full[index].to(like.device).clone(memory_format=torch.contiguous_format).contiguous()
 
 
-def converted_units(gm: nn.Module) -> list[nn.Module]:
-    """The converted modules inside ``gm``: its converted blocks (submodules with ``meta["autocastfx"]`` of their
-    own), innermost first, then ``gm`` itself."""
-    out = [m for name, m in gm.named_modules() if name and _is_converted(m)]
-    out.reverse()  # named_modules() is pre-order: reversed, a block comes before any block that holds it
-    return out + [gm]
-
-
-def _is_converted(m: nn.Module) -> bool:
-    meta = getattr(m, "meta", None)
-    return isinstance(meta, dict) and meta.get("autocastfx") is not None
 
 
 # ------------------------------------------------------------------------------------------------ shard
@@ -246,7 +254,7 @@ def shard(gm: nn.Module, mesh=None, reshard_after_forward: bool = True) -> nn.Mo
         from torch.distributed.device_mesh import init_device_mesh
         device = next(gm.parameters()).device
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    units = converted_units(gm)
+    units = [u for _, u in converted_units(gm)]
     plans = []
     for unit in units:  # every check before anything changes
         info = unit.meta["autocastfx"]
@@ -269,7 +277,9 @@ def shard(gm: nn.Module, mesh=None, reshard_after_forward: bool = True) -> nn.Mo
             unit.register_forward_pre_hook(lambda *_, g=first: g.unshard())
         _weights.restore_masters(unit)  # the float32 masters are the module's parameters again: FSDP2 shards them
         info.masters.clear()
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward,
+        # the root keeps its weights gathered from forward to backward (FSDP2's own rule for the root: they would
+        # be gathered again at once), so reshard_after_forward is for the blocks
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward if unit is not gm else None,
                     mp_policy=MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32))
         unit.meta["autocastfx_shard"] = {"low": low, "float32_groups": len(fp32_owners)}
     return gm
@@ -314,13 +324,8 @@ def _groups(unit: nn.Module, units: list[nn.Module]) -> tuple[list[str], list[nn
 def _named_state(step: TrainStep) -> tuple[dict[str, torch.Tensor], dict[int, str]]:
     """(name -> float32 tensor the optimizer steps, id(tensor) -> name) over every converted unit: the masters
     under their weight's name, float32 parameters under their own."""
-    named: dict[str, torch.Tensor] = {}
     gm = step.gm
-    prefix = {id(m): n for n, m in gm.named_modules()}
-    for unit in converted_units(gm):
-        pre = prefix[id(unit)] + "." if prefix[id(unit)] else ""
-        for n, m in unit.meta["autocastfx"].masters.items():
-            named[pre + n] = m
+    named: dict[str, torch.Tensor] = dict(all_masters(gm))
     low_ids = {id(p) for p in step.lows}
     for n, p in gm.named_parameters():
         if id(p) not in low_ids and p.requires_grad:
@@ -422,6 +427,7 @@ def load_checkpoint(step, path: str | os.PathLike) -> None:
             torch._foreach_copy_(step.parallel.locals(step.lows), step.parallel.locals(step.masters))
         for p in step.grad_holders:
             p.grad = None
+        step.parallel.drop_unsynced_grads()
     scaler = dict(sd["scaler"])
     scaler["auto_pending"] = bool(sd["extra"]["auto_pending"])
     step.state.load_state_dict(scaler)

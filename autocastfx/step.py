@@ -74,8 +74,13 @@ class Local:
         self.model = model
         self.gm = model
 
-    def master_pairs(self, gm) -> list[tuple[nn.Parameter, nn.Parameter]]:
-        return _weights.master_pairs(gm)
+    def master_pairs(self, gm) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
+        """(qualified name, low weight, float32 master) over ``gm`` and its converted blocks."""
+        out = []
+        for prefix, unit in converted_units(gm):
+            params = dict(unit.named_parameters(remove_duplicate=False))
+            out += [(prefix + n, params[n], m) for n, m in unit.meta["autocastfx"].masters.items()]
+        return out
 
     def local(self, t):
         return t
@@ -94,6 +99,31 @@ class Local:
 
     def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+
+    def drop_unsynced_grads(self) -> None:
+        """Gradients held outside ``.grad`` by an unfinished accumulation cycle: none here."""
+
+    def allows_fused(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the optimizer's fused kernel (which skips an overflowing update on the device) runs here."""
+        return True
+
+
+def converted_units(gm: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name prefix, module) for the converted blocks inside ``gm`` (submodules with ``meta["autocastfx"]`` of
+    their own, each planned and holding its masters apart), innermost first, then ``("", gm)``."""
+    out = [(name + ".", m) for name, m in gm.named_modules() if name and _is_converted(m)]
+    out.reverse()  # named_modules() is pre-order: reversed, a block comes before any block that holds it
+    return out + [("", gm)]
+
+
+def all_masters(gm: nn.Module) -> dict[str, nn.Parameter]:
+    """Qualified name -> float32 master, over ``gm`` and its converted blocks."""
+    return {prefix + n: m for prefix, unit in converted_units(gm) for n, m in unit.meta["autocastfx"].masters.items()}
+
+
+def _is_converted(m: nn.Module) -> bool:
+    meta = getattr(m, "meta", None)
+    return isinstance(meta, dict) and meta.get("autocastfx") is not None
 
 
 def _call(model: nn.Module, inputs: Any) -> Any:
@@ -159,9 +189,10 @@ class TrainStep:
                                 low_max=torch.finfo(info.dtype).max)
 
         repointed = self._repointed_groups(info)  # raises before anything is changed
-        name_of_master = {id(m): n for n, m in info.masters.items()}
-        pairs = P.master_pairs(gm)  # FSDP2: each master cut to its weight's shard here
-        self.names = list(info.masters)
+        name_of_master = {id(m): n for n, m in all_masters(gm).items()}
+        triples = P.master_pairs(gm)  # FSDP2: each master cut to its weight's shard here
+        pairs = [(lo, m) for _, lo, m in triples]
+        self.names = [n for n, _, _ in triples]
         self.lows = [lo for lo, _ in pairs]
         self.masters = [m for _, m in pairs]
         low_ids = {id(p) for p in self.lows}
@@ -200,7 +231,7 @@ class TrainStep:
         gm_params, by_id = _weights.aliases(self.gm)
         canonical = {i: names[0] for i, names in by_id.items()}
         alias = {name: canonical[id(p)] for name, p in gm_params.items()}
-        master_by_name = dict(info.masters)
+        master_by_name = all_masters(self.gm)
         master_ids = {id(m) for m in master_by_name.values()}
         groups = []
         for g, group in enumerate(self.optimizer.param_groups):
@@ -239,7 +270,7 @@ class TrainStep:
         opt = self.optimizer
         if getattr(opt, "_step_supports_amp_scaling", False):
             return True
-        if "fused" not in opt.defaults:
+        if "fused" not in opt.defaults or not self.parallel.allows_fused(opt):
             return False
         for group in opt.param_groups:
             group["fused"] = True
@@ -466,6 +497,7 @@ class TrainStep:
         self.micro = sd.get("micro", 0)
         for p in self.grad_holders:  # gradients of this run's micro-batches are not the checkpoint's
             p.grad = None
+        self.parallel.drop_unsynced_grads()
         if sd.get("rng") is not None:
             torch.set_rng_state(sd["rng"])
         if sd.get("cuda_rng") is not None and torch.cuda.is_available():
