@@ -146,6 +146,25 @@ class SyncCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class DtypeRecorder(TorchDispatchMode):
+    """Every aten call's floating-point argument dtypes, and the CUDA kernel contract checked on each
+    (autocastfx/kernels.py; tests/test_contract.py does the same on one process)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.violations = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from autocastfx import kernels
+        name = func._opname
+        dts = tuple(a.dtype if isinstance(a, torch.Tensor) and a.is_floating_point() else None for a in args)
+        self.calls.append((name, dts))
+        if name in kernels.RULES_BY_OP:
+            self.violations += kernels.violations(
+                name, args, lambda a: a.dtype if isinstance(a, torch.Tensor) and a.is_floating_point() else None)
+        return func(*args, **(kwargs or {}))
+
+
 def local_bytes(t):
     t = t._local_tensor if hasattr(t, "_local_tensor") else t
     return t.numel() * t.element_size()
@@ -233,14 +252,20 @@ def _run(rank, mode, steps, out, **kw):
         gm = autocastfx.shard(converted())
     step = autocastfx.train_step(gm, loss_fn, make_sgd(gm.parameters()), clip_grad_norm=1.0, **kw)
     grads = grad_bytes_at_update(step)
-    losses, counter = [], SyncCounter()
-    step(*rank_batch(0, rank))  # the first call checks the new input signature: host reads allowed there
+    losses, counter, dtypes = [], SyncCounter(), DtypeRecorder()
+    norm_weights = []  # what each norm module reads as its weight during the forward: gathered, in its dtype
+    hooks = [m.register_forward_pre_hook(lambda m, a: norm_weights.append((type(m.weight).__name__, m.weight.dtype)))
+             for m in gm.modules() if isinstance(m, nn.RMSNorm)]
+    with dtypes:
+        step(*rank_batch(0, rank))  # the first call checks the new input signature: host reads allowed there
+    for h in hooks:
+        h.remove()
     with CollectiveBytes() as comm:
         step(*rank_batch(1, rank))
     with counter:
         for i in range(2, steps):
             losses.append(step(*rank_batch(i, rank)))
-    out[mode] = {"weights": weights_by_name(step), "losses": [float(v) for v in losses], "syncs": counter.syncs,
+    out[mode] = {"weights": weights_by_name(step), "aten": (list(set(dtypes.calls)), dtypes.violations), "norm_weights": norm_weights, "losses": [float(v) for v in losses], "syncs": counter.syncs,
                  "bytes": {**state_bytes(step), "grads": max(grads)}, "all_gather": comm.all_gather,
                  "reduce_scatter": comm.reduce_scatter, "stats": step.stats.summary(), "code": step.code}
     return gm, step
@@ -304,7 +329,26 @@ def _worker(rank, init_file, out_dir):
         out["resumed"] = [float(step2(*rank_batch(i, rank))) for i in range(6, 12)]
         out["resumed_w"] = weights_by_name(step2)
 
-        # 4. refusals, before anything changes
+        # 4. retry on overflow: a scale that overflows float16 is lowered and the batch redone, the same on both
+        gm = autocastfx.shard(converted())
+        step = autocastfx.train_step(gm, loss_fn, make_opt(gm.parameters()), init_scale=2.0**40, on_overflow="retry",
+                                     max_retries=40)
+        for i in range(2):
+            step(*rank_batch(i, rank))
+        out["retry"] = {"stats": step.stats.summary(), "history": step.stats.history(),
+                        "finite": all(bool(torch.isfinite(p._local_tensor).all()) for p in gm.parameters())}
+
+        # 5. accumulation: the reduce-scatter runs on the last micro-batch of a cycle only
+        gm = autocastfx.shard(converted())
+        step = autocastfx.train_step(gm, loss_fn, make_opt(gm.parameters()), accum_steps=3)
+        per_micro = []
+        for i in range(6):
+            with CollectiveBytes() as comm:
+                step(*rank_batch(i, rank))
+            per_micro.append(comm.reduce_scatter)
+        out["accum_reduce_scatter"] = per_micro
+
+        # 6. refusals, before anything changes
         from torch.distributed.fsdp import fully_shard
         gm = converted()
         fully_shard(gm)
@@ -395,6 +439,34 @@ def test_fsdp_step_has_no_host_sync_and_reduces_found_inf(ranks):
         code = ranks[0][mode]["code"]
         assert "P.all_reduce_max(S.found_inf)" in code and "FSDP2" in code
     assert "torch._foreach_copy_(P.locals(self.lows), P.locals(self.masters))" not in ranks[0]["shard"]["code"]
+
+
+def test_retry_on_overflow_and_accumulation_under_fsdp(ranks):
+    a, b = ranks[0]["retry"], ranks[1]["retry"]
+    assert a["finite"] and b["finite"]
+    assert a["history"] == b["history"] and a["stats"] == b["stats"]
+    assert sum(flow for _, flow in a["history"]) >= 10  # 2^40 came down by halving, every attempt recorded
+    assert a["history"][-1][1] is False and [flow for _, flow in a["history"]].count(False) == 2  # both stepped
+    for r in ranks:
+        rs = r["accum_reduce_scatter"]
+        assert rs[0] == rs[1] == rs[3] == rs[4] == 0 and rs[2] > 0 and rs[5] == rs[2], rs
+
+
+@pytest.mark.parametrize("mode", ["shard", "blocks_shard", "plain"])
+def test_sharded_step_keeps_the_kernel_contract(ranks, mode):
+    """At the aten level: no call breaks the CUDA norm rules; under shard() the norms get float32 weights and
+    the matmuls float16 operands, as in one process."""
+    calls, violations = ranks[0][mode]["aten"]
+    assert violations == [], violations[:5]
+    mms = [d for op, d in calls if op in ("mm", "addmm", "bmm")]
+    if mode == "shard":  # every matmul of the converted model runs in float16 (the root of blocks_shard is not converted)
+        assert mms and all(d == (torch.float16, torch.float16) for d in mms), mms
+    else:
+        assert (torch.float16, torch.float16) in mms
+    norms = ranks[0][mode]["norm_weights"]
+    assert len(norms) == 5  # 2 per layer and the final one
+    # the norms read plain gathered tensors in float32 (FSDP2's all-gather of the float32 group), not DTensors
+    assert set(norms) == {("Parameter", torch.float32)}, norms
 
 
 def test_inf_on_one_rank_makes_both_skip(ranks):
