@@ -450,7 +450,9 @@ class TrainStep:
         self.state.check()
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything to resume bit for bit: scale state, masters, the module, the optimizer, the RNG."""
+        """Everything to resume bit for bit: scale state, masters, the module, the optimizer, the RNG. This
+        process's view (under FSDP2, its shards): ``autocastfx.save_checkpoint`` writes one checkpoint for all
+        ranks that loads on any number of them."""
         return {
             "scaler": self.state.state_dict(),
             "masters": {n: m.detach().clone() for n, m in zip(self.names, self.masters)},
@@ -472,7 +474,8 @@ class TrainStep:
         with torch.no_grad():
             for n, m in zip(self.names, self.masters):
                 m.copy_(sd["masters"][n])
-            torch._foreach_copy_(self.lows, self.masters)
+            if self.masters:
+                torch._foreach_copy_(self.parallel.locals(self.lows), self.parallel.locals(self.masters))
         # the optimizer keeps the checkpoint's tensors where no cast is needed: copy them, so that training on
         # does not write into the caller's checkpoint; then the fused, on-device skip again (a checkpoint from
         # a plain optimizer carries fused=False in its groups)

@@ -328,6 +328,12 @@ def _worker(rank, init_file, out_dir):
         autocastfx.load_checkpoint(step2, ckpt)
         out["resumed"] = [float(step2(*rank_batch(i, rank))) for i in range(6, 12)]
         out["resumed_w"] = weights_by_name(step2)
+        # the same checkpoint into DistributedDataParallel: replicated weights, masters whole
+        gm3 = converted()
+        ddp = nn.parallel.DistributedDataParallel(gm3)
+        step3 = autocastfx.train_step(ddp, loss_fn, make_opt(gm3.parameters()), accum_steps=2)
+        autocastfx.load_checkpoint(step3, ckpt)
+        out["ddp_loaded"] = all(torch.equal(w, out["saved"]["weights"][n]) for n, w in weights_by_name(step3).items())
 
         # 4. retry on overflow: a scale that overflows float16 is lowered and the batch redone, the same on both
         gm = autocastfx.shard(converted())
@@ -479,6 +485,7 @@ def test_inf_on_one_rank_makes_both_skip(ranks):
 
 def test_dcp_resume_is_bit_identical(ranks):
     for r in ranks:
+        assert r["ddp_loaded"]
         assert r["after"] == r["resumed"]
         for n, w in r["after_w"].items():
             assert torch.equal(w, r["resumed_w"][n]), n
