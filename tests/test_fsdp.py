@@ -265,6 +265,8 @@ def _run(rank, mode, steps, out, **kw):
     with counter:
         for i in range(2, steps):
             losses.append(step(*rank_batch(i, rank)))
+    if mode.startswith("blocks"):  # sharded masters of converted blocks, into a checkpoint
+        autocastfx.save_checkpoint(step, os.path.join(out["dir"], mode))
     out[mode] = {"weights": weights_by_name(step), "aten": (list(set(dtypes.calls)), dtypes.violations), "norm_weights": norm_weights, "losses": [float(v) for v in losses], "syncs": counter.syncs,
                  "bytes": {**state_bytes(step), "grads": max(grads)}, "all_gather": comm.all_gather,
                  "reduce_scatter": comm.reduce_scatter, "stats": step.stats.summary(), "code": step.code}
@@ -276,7 +278,7 @@ def _worker(rank, init_file, out_dir):
     warnings.simplefilter("ignore")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     torch.manual_seed(0)
-    out = {}
+    out = {"dir": out_dir}
     try:
         # 1. the plain recipe (master_weights=False: one dtype per group) and the helper: 20 steps each
         _run(rank, "plain", STEPS, out)
@@ -383,7 +385,6 @@ def ranks():
     d = tempfile.mkdtemp()
     mp.spawn(_worker, args=(os.path.join(d, "init"), d), nprocs=WORLD, join=True)
     r = [torch.load(os.path.join(d, f"rank{i}.pt"), weights_only=False) for i in range(WORLD)]
-    r[0]["dir"] = d
     return r
 
 
@@ -435,6 +436,15 @@ def test_sharded_masters_and_block_trees_match_one_process(ranks, mode):
     # per rank: half of the one process's state, the masters sharded with their weights
     assert sum(ranks[0][mode]["bytes"].values()) <= sum(
         {**state_bytes(step), "grads": 0}.values()) / WORLD * 1.05 + ranks[0][mode]["bytes"]["grads"]
+    # the ranks' checkpoint (masters sharded per block) into a one-process block tree
+    fresh = build()
+    loaded = autocastfx.train_step(fresh, loss_fn, make_sgd(fresh.parameters()), clip_grad_norm=1.0)
+    autocastfx.load_checkpoint(loaded, os.path.join(ranks[0]["dir"], mode))
+    for n, w in weights_by_name(loaded).items():
+        assert torch.equal(w, w0[n]), n
+    for lo, m in zip(loaded.lows, loaded.masters):
+        assert torch.equal(lo, m.to(lo.dtype))
+    assert torch.isfinite(loaded(*global_batch(BLOCK_STEPS)))
 
 
 def test_fsdp_step_has_no_host_sync_and_reduces_found_inf(ranks):
