@@ -264,8 +264,8 @@ def shard(gm: nn.Module, mesh=None, reshard_after_forward: bool = True) -> nn.Mo
                              "stays float32. With master_weights=False every weight is float32 in the module and "
                              "cast inside the graph, so FSDP2 would gather float32 (twice the bytes); convert again "
                              "without master_weights=False")
-        plans.append(_groups(unit, units))
-    for unit, (low_names, fp32_owners) in zip(units, plans):
+        plans.append(_float32_owners(unit, units))
+    for unit, fp32_owners in zip(units, plans):
         info = unit.meta["autocastfx"]
         low = info.dtype
         if fp32_owners:
@@ -285,10 +285,10 @@ def shard(gm: nn.Module, mesh=None, reshard_after_forward: bool = True) -> nn.Mo
     return gm
 
 
-def _groups(unit: nn.Module, units: list[nn.Module]) -> tuple[list[str], list[nn.Module]]:
-    """(names of the unit's stored-low weights, the modules that own its float32 parameters), leaving out what a
-    nested converted block owns. Raises for a module that holds both kinds (FSDP2 gathers a module's
-    parameters in one dtype)."""
+def _float32_owners(unit: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """The submodules that own the unit's trainable float32 parameters (those the plan did not store low),
+    leaving out what a nested converted block owns. Raises for a module that holds both kinds (FSDP2 gathers a
+    group in one dtype) and for a float32 parameter of the unit itself."""
     info = unit.meta["autocastfx"]
     nested = {id(m) for m in units if m is not unit}
     inner_params: set[int] = set()
@@ -300,8 +300,8 @@ def _groups(unit: nn.Module, units: list[nn.Module]) -> tuple[list[str], list[nn
     owners: dict[int, nn.Module] = {}
     kinds: dict[int, set] = {}
     for name, p in params.items():
-        if id(p) in inner_params or not p.requires_grad:
-            continue
+        if id(p) in inner_params or not p.is_floating_point():
+            continue  # frozen float32 parameters too: the low group would gather them in the low dtype
         owner_name = name.rpartition(".")[0]
         owner = unit.get_submodule(owner_name)
         kinds.setdefault(id(owner), set()).add("low" if id(p) in low_ids else "float32")
@@ -309,14 +309,16 @@ def _groups(unit: nn.Module, units: list[nn.Module]) -> tuple[list[str], list[nn
             if owner is unit:
                 raise ValueError(f"the float32 parameter {name!r} belongs to the converted module itself, not to "
                                  "a submodule: shard() cannot gather it in float32 beside the low weights. Keep it "
-                                 "in a submodule of the model (as nn.LayerNorm keeps its weight), or use "
-                                 "fully_shard() with MixedPrecisionPolicy(param_dtype=None)")
+                                 "in a submodule of the model (as nn.LayerNorm keeps its weight), or convert with "
+                                 "master_weights=False and use fully_shard(gm)")
             owners[id(owner)] = owner
     mixed = [i for i, k in kinds.items() if len(k) == 2 and i in owners]
     if mixed:
-        raise ValueError("a submodule holds both stored-low and float32 parameters; FSDP2 gathers one dtype per "
-                         "group, so shard() cannot keep its float32 ones float32. Use fully_shard() directly")
-    return [n for n in info.masters], list(owners.values())
+        names = [n for n, m in unit.named_modules() if id(m) in mixed]
+        raise ValueError(f"submodule {names[0]!r} holds both stored-low and float32 parameters; FSDP2 gathers one "
+                         "dtype per group, so shard() cannot keep its float32 ones float32. Convert with "
+                         "master_weights=False and use fully_shard(gm)")
+    return list(owners.values())
 
 
 # ----------------------------------------------------------------------------------------- checkpoints

@@ -66,7 +66,8 @@ class Local:
     the tensor(s) the step's fused kernels work on (a sharded parameter's local shard; here the tensor itself).
     ``as_grad``: a master's gradient as the optimizer must see it. ``all_reduce_max``: one overflow decision for
     every process (emitted into the step only where ``distributed``). ``sync(last)``: the context a micro-batch's
-    forward and backward run in (gradient sync on the last only). ``grad_norm``: the global norm for clipping."""
+    forward and backward run in (gradient sync on the last only). Clipping uses torch's ``clip_grad_norm_`` here
+and under DDP (whole gradients); a sharded wrapper adds ``grad_norm``, the norm over every shard."""
     kind = "local"
     distributed = False
 
@@ -96,9 +97,6 @@ class Local:
 
     def sync(self, last: bool):
         return contextlib.nullcontext()
-
-    def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
 
     def drop_unsynced_grads(self) -> None:
         """Gradients held outside ``.grad`` by an unfinished accumulation cycle: none here."""
