@@ -62,12 +62,13 @@ class StepStats:
 class Local:
     """What the step asks of the data-parallel wrapper, answered for one process.
 
-    ``master_pairs``: (low-precision weight, float32 master) for every stored-low weight. ``local``/``locals``:
-    the tensor(s) the step's fused kernels work on (a sharded parameter's local shard; here the tensor itself).
-    ``as_grad``: a master's gradient as the optimizer must see it. ``all_reduce_max``: one overflow decision for
-    every process (emitted into the step only where ``distributed``). ``sync(last)``: the context a micro-batch's
-    forward and backward run in (gradient sync on the last only). Clipping uses torch's ``clip_grad_norm_`` here
-and under DDP (whole gradients); a sharded wrapper adds ``grad_norm``, the norm over every shard."""
+    ``master_pairs``: (qualified name, low-precision weight, float32 master) for every stored-low weight, in
+    the module and its converted blocks. ``local``/``locals``: the tensor(s) the step's fused kernels work on (a
+    sharded parameter's local shard; here the tensor itself). ``as_grad``: a master's gradient as the optimizer
+    must see it. ``all_reduce_max``: one overflow decision for every process (emitted into the step only where
+    ``distributed``). ``sync(last)``: the context a micro-batch's forward and backward run in (gradient sync on
+    the last only). Clipping uses torch's ``clip_grad_norm_`` here and under DDP (whole gradients); a sharded
+    wrapper adds ``grad_norm``, the norm over every shard."""
     kind = "local"
     distributed = False
 
@@ -337,12 +338,14 @@ class TrainStep:
         ind2 = ind + "    "
         add(f"{ind2}# {next(section)}. gradients into float32" + (" master .grad," if has_masters else ",")
             + (" unscaled and" if scaled else "") + " checked for inf/NaN in one fused pass")
+        fp32_grads = "[p.grad for p in self.fp32_params if p.grad is not None]"
+        if sharded:
+            fp32_grads = f"P.locals({fp32_grads})"  # the shards' local tensors: the kernels below take plain ones
         if has_masters:
             add(f"{ind2}master_grads = self._grads_to_masters()  # one float32 buffer; low .grad freed at once")
-            add(f"{ind2}grads = master_grads + {'P.locals(' if sharded else ''}[p.grad for p in self.fp32_params if p.grad is not None]{')' if sharded else ''}")
+            add(f"{ind2}grads = master_grads + {fp32_grads}")
         else:
-            add(f"{ind2}grads = {'P.locals(' if sharded else ''}[p.grad for p in self.fp32_params if p.grad is not None]{')' if sharded else ''}"
-                + ("  # the shards' local tensors" if sharded else ""))
+            add(f"{ind2}grads = {fp32_grads}")
         add(f"{ind2}S.found_inf.zero_()")
         add(f"{ind2}torch._amp_foreach_non_finite_check_and_unscale_(grads, S.found_inf, S.inv_scale)")
         if dist:
