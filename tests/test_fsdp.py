@@ -555,19 +555,27 @@ def test_example_trains_with_torchrun_on_two_processes(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     ckpt = str(tmp_path / "ckpt")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(root, "examples", "fsdp_train.py"), "--steps", "20", "--layers", "1", "--log-every", "5",
-           "--checkpoint", ckpt]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group: a hang is killed whole
-    try:
-        stdout, stderr = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        stdout, stderr = proc.communicate()
-    assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
+
+    def torchrun(*args):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               os.path.join(root, "examples", "fsdp_train.py"), "--layers", "1", "--log-every", "5",
+               "--checkpoint", ckpt, *args]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)  # its own process group: a hang is killed whole
+        try:
+            stdout, stderr = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            stdout, stderr = proc.communicate()
+        assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
+        return stdout
+
+    stdout = torchrun("--steps", "20")
     lines = stdout.splitlines()
     assert any("2 process(es), gloo on CPU" in line for line in lines), stdout
     losses = [float(line.split("loss")[1].split()[0]) for line in lines if line.startswith("update")]
     assert len(losses) == 4 and losses[-1] < losses[0], losses
     assert os.path.isdir(ckpt) and any(name.endswith(".distcp") for name in os.listdir(ckpt))
+    resumed = torchrun("--steps", "25", "--resume").splitlines()
+    assert any("resumed from" in line and "at update 20" in line for line in resumed), resumed
+    assert [line.split()[1] for line in resumed if line.startswith("update")] == ["25"]
