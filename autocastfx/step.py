@@ -247,7 +247,8 @@ class TrainStep:
                     raise StepError(
                         f"the optimizer holds a tensor of shape {tuple(p.shape)} (param group {g}, entry {i}) that is "
                         "neither a parameter of the converted module nor of the model it was converted from: build "
-                        "the optimizer over gm.parameters() or over the original model's parameters, after convert()")
+                        "the optimizer over gm.parameters() or over the original model's parameters, after convert() "
+                        "(and after fully_shard() or autocastfx.shard(), which replace the module's parameters)")
                 name = alias.get(name, name)
                 pairs.append((p, master_by_name.get(name, gm_params.get(name))))
             groups.append(pairs)

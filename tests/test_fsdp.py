@@ -375,6 +375,17 @@ def _worker(rank, init_file, out_dir):
             autocastfx.shard(converted(master_weights=False))
         except ValueError as e:
             out["refusals"]["shard_mw_false"] = str(e)
+        try:
+            autocastfx.shard(gm)
+        except ValueError as e:
+            out["refusals"]["shard_twice"] = str(e)
+        gm = converted()
+        early = make_opt(gm.parameters())  # built before shard(): over tensors shard() replaces
+        autocastfx.shard(gm)
+        try:
+            autocastfx.train_step(gm, loss_fn, early)
+        except ValueError as e:
+            out["refusals"]["optimizer_before_shard"] = str(e)
     finally:
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
@@ -548,6 +559,8 @@ def test_refusals_before_anything_changes(ranks):
     assert "FSDP2" in errors["{'cuda_graph': True}"]
     assert ranks[0]["optimizer_untouched"]
     assert "master_weights=True" in errors["shard_mw_false"]
+    assert "already sharded" in errors["shard_twice"]
+    assert "after fully_shard() or autocastfx.shard()" in errors["optimizer_before_shard"]
 
 
 def test_example_trains_with_torchrun_on_two_processes(tmp_path):
