@@ -3,6 +3,7 @@ from .api import ConvertInfo, convert, master_parameters
 from .capture import CaptureError
 from .checks import StepError
 from .diagnose import GradHistogram, calibrate, grad_histogram
+from .distributed import load_checkpoint, save_checkpoint, shard, train_step
 from .export import ExportCheckError, FormatError, export, load, save
 from .inference import for_inference
 from .graphed import CudaGraphStep
@@ -11,10 +12,10 @@ from .policy import OpClass, Policy
 from .report import Report, report
 from .rewrite import Decision
 from .scaling import LossScaleError
-from .step import StepStats, TrainStep, train_step
+from .step import StepStats, TrainStep
 
 __all__ = ["convert", "report", "master_parameters", "Policy", "OpClass", "Report", "CastPlan", "Decision",
            "ConvertInfo", "CaptureError", "train_step", "TrainStep", "StepStats", "LossScaleError", "StepError",
-           "export", "save", "load", "FormatError", "ExportCheckError", "for_inference", "calibrate", "grad_histogram", "GradHistogram",
-           "CudaGraphStep"]
+           "export", "save", "load", "FormatError", "ExportCheckError", "for_inference", "calibrate",
+           "grad_histogram", "GradHistogram", "CudaGraphStep", "shard", "save_checkpoint", "load_checkpoint"]
 __version__ = "0.1.0"

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
-from . import step as _step  # a module, not its names: step.py may import this one
+from . import step as _step  # one way: step.py never imports this module
 
 #: Python values an input may hold beside tensors; a graph bakes them in, so they must not change.
 CONSTANT_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
@@ -484,14 +484,29 @@ def refuse_before_building(model, optimizer, on_overflow: str) -> None:
     fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False)
                  or "fused" in getattr(optimizer, "defaults", {}))
     device = params[0].device if params else torch.device("cpu")
+    kind = "ddp" if ddp else "fsdp" if _is_fsdp(gm) else "local"
     _refuse_what_cannot_be_captured(types.SimpleNamespace(
-        ddp=ddp, on_overflow=on_overflow, fused=fused, optimizer=optimizer, all_params=params, masters=[],
-        gm=gm, state=types.SimpleNamespace(scale=torch.empty(0, device=device))))
+        parallel=types.SimpleNamespace(kind=kind), on_overflow=on_overflow, fused=fused, optimizer=optimizer,
+        all_params=params, masters=[], gm=gm, state=types.SimpleNamespace(scale=torch.empty(0, device=device))))
+
+
+def _is_fsdp(module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(module, torch.nn.Module) and any(isinstance(m, FSDPModule) for m in module.modules())
 
 
 def _refuse_what_cannot_be_captured(step) -> None:
     """Every reason a step cannot be a graph, checked before anything is changed."""
-    if step.ddp:
+    if step.parallel.kind == "fsdp":
+        raise ValueError(
+            "CudaGraphStep does not support FSDP2 (fully_shard): FSDP2 all-gathers and reduce-scatters from Python "
+            "hooks that allocate and free their buffers each step and reshard between forward and backward, which "
+            "a replayed graph cannot follow. Train a sharded module with the eager step (cuda_graph=False): it has "
+            "no per-step host sync either; or graph the forward of each block with torch.compile.")
+    if step.parallel.kind == "ddp":
         raise ValueError(
             "CudaGraphStep does not support DistributedDataParallel: capturing DDP needs its own recipe (the "
             "reducer's bucket all-reduces captured with NCCL, DDP built and warmed up on a side stream, "

@@ -81,8 +81,9 @@ class ScalerConfig:
 class ScaleState:
     """Device tensors: scale, growth tracker, hysteresis left, counters, ring-buffer history."""
 
-    def __init__(self, cfg: ScalerConfig, device: torch.device):
+    def __init__(self, cfg: ScalerConfig, device: torch.device, reduce_max=None):
         self.cfg = cfg
+        self.reduce_max = reduce_max  # across processes: every rank must pick the same "auto" scale
         f32 = dict(dtype=torch.float32, device=device)
         i32 = dict(dtype=torch.int32, device=device)
         self.scale = torch.full((), cfg.first_scale, **f32)
@@ -148,6 +149,9 @@ class ScaleState:
             amax = torch.stack(torch._foreach_norm(grads, float("inf"))).max()
         else:
             amax = torch.zeros((), dtype=torch.float32, device=self.scale.device)
+        if self.reduce_max is not None:
+            amax = amax.float()
+            self.reduce_max(amax)
         safe = torch.exp2(torch.floor(torch.log2(cfg.low_max / (amax.float() * AUTO_MARGIN))))
         safe = safe.clamp_(min=cfg.min_scale, max=AUTO_MAX_SCALE)
         self.scale.copy_(torch.where(self.found_inf > 0, self.scale, safe))

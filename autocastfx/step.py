@@ -9,6 +9,10 @@
 ``print(step.code)`` shows exactly what runs: only the branches the options need are generated. Around it,
 ``TrainStep.__call__`` does the host-side work: the first call with a new input signature is checked and
 guarded (autocastfx.checks), and after every call a host copy of the "stuck at min_scale" flag is read.
+
+What depends on how the model is spread over processes, the step asks of a ``parallel`` object: :class:`Local`
+here (one process); autocastfx.distributed answers for DistributedDataParallel and FSDP2, and builds steps through
+``train_step()``. This module imports neither that one nor autocastfx.graphed: both import it.
 """
 from __future__ import annotations
 
@@ -64,6 +68,72 @@ class Forwarded:
         self.output = output
 
 
+class Local:
+    """What the step asks of the data-parallel wrapper, answered for one process.
+
+    ``master_pairs``: (qualified name, low-precision weight, float32 master) for every stored-low weight, in
+    the module and its converted blocks. ``local``/``locals``: the tensor(s) the step's fused kernels work on (a
+    sharded parameter's local shard; here the tensor itself). ``as_grad``: a master's gradient as the optimizer
+    must see it. ``all_reduce_max``: one overflow decision for every process (emitted into the step only where
+    ``distributed``). ``sync(last)``: the context a micro-batch's forward and backward run in (gradient sync on
+    the last only). Clipping uses torch's ``clip_grad_norm_`` here and under DDP (whole gradients); a sharded
+    wrapper adds ``grad_norm``, the norm over every shard."""
+    kind = "local"
+    distributed = False
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.gm = model
+
+    def master_pairs(self, gm) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
+        """(qualified name, low weight, float32 master) over ``gm`` and its converted blocks."""
+        out = []
+        for prefix, unit in converted_units(gm):
+            params = dict(unit.named_parameters(remove_duplicate=False))
+            out += [(prefix + n, params[n], m) for n, m in unit.meta["autocastfx"].masters.items()]
+        return out
+
+    def local(self, t):
+        return t
+
+    def locals(self, ts):
+        return ts
+
+    def as_grad(self, master, view):
+        return view
+
+    def all_reduce_max(self, t: torch.Tensor) -> None:
+        pass
+
+    def sync(self, last: bool):
+        return contextlib.nullcontext()
+
+    def drop_unsynced_grads(self) -> None:
+        """Gradients held outside ``.grad`` by an unfinished accumulation cycle: none here."""
+
+    def allows_fused(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the optimizer's fused kernel (which skips an overflowing update on the device) runs here."""
+        return True
+
+
+def converted_units(gm: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name prefix, module) for the converted blocks inside ``gm`` (submodules with ``meta["autocastfx"]`` of
+    their own, each planned and holding its masters apart), innermost first, then ``("", gm)``."""
+    out = [(name + ".", m) for name, m in gm.named_modules() if name and _is_converted(m)]
+    out.reverse()  # named_modules() is pre-order: reversed, a block comes before any block that holds it
+    return out + [("", gm)]
+
+
+def all_masters(gm: nn.Module) -> dict[str, nn.Parameter]:
+    """Qualified name -> float32 master, over ``gm`` and its converted blocks."""
+    return {prefix + n: m for prefix, unit in converted_units(gm) for n, m in unit.meta["autocastfx"].masters.items()}
+
+
+def _is_converted(m: nn.Module) -> bool:
+    meta = getattr(m, "meta", None)
+    return isinstance(meta, dict) and meta.get("autocastfx") is not None
+
+
 def _call(model: nn.Module, inputs: Any) -> Any:
     if isinstance(inputs, Forwarded):
         return inputs.output
@@ -77,14 +147,19 @@ def _call(model: nn.Module, inputs: Any) -> Any:
 class TrainStep:
     """``step(inputs, *targets) -> loss``; see :func:`train_step`."""
 
-    def __init__(self, model, loss_fn, optimizer, *, loss_scale, init_scale, growth_factor, backoff_factor,
-                 growth_interval, min_scale, hysteresis, on_overflow, max_retries, accum_steps, clip_grad_norm):
-        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-        gm = model.module if ddp else model
+    def __init__(self, model, loss_fn, optimizer, *, loss_scale=DYNAMIC, init_scale="auto", growth_factor=2.0,
+                 backoff_factor=0.5, growth_interval=2000, min_scale=1.0, hysteresis=1, on_overflow="skip",
+                 max_retries=8, accum_steps=1, clip_grad_norm=None, parallel: Local | None = None):
+        if parallel is None:
+            if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+                raise TypeError("a step over DistributedDataParallel is built by autocastfx.train_step(), which "
+                                "knows how to reduce the overflow flag across processes")
+            parallel = Local(model)
+        gm = parallel.gm
         info = getattr(gm, "meta", {}).get("autocastfx") if isinstance(getattr(gm, "meta", None), dict) else None
         if info is None:
             raise TypeError("train_step() needs the module autocastfx.convert() returned (or DistributedDataParallel "
-                            f"around it), got {type(gm).__name__}: convert the model first")
+                            f"around it, or it sharded with FSDP2), got {type(gm).__name__}: convert the model first")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not callable(loss_fn):
@@ -116,30 +191,38 @@ class TrainStep:
             init_scale = 2.0**16  # no scaling: the value is never used
 
         self.model, self.gm, self.loss_fn, self.optimizer = model, gm, loss_fn, optimizer
-        self.ddp, self.accum_steps, self.on_overflow = ddp, accum_steps, on_overflow
+        self.parallel = P = parallel
+        self.ddp = P.kind == "ddp"
+        self.accum_steps, self.on_overflow = accum_steps, on_overflow
         self.clip, self.max_retries = clip_grad_norm, max_retries
         self.cfg = ScalerConfig(mode, init_scale, growth_factor, backoff_factor, growth_interval, min_scale, hysteresis,
                                 low_max=torch.finfo(info.dtype).max)
 
-        pairs = _weights.master_pairs(gm)
-        self.names = list(info.masters)
+        repointed = self._repointed_groups(info)  # raises before anything is changed
+        name_of_master = {id(m): n for n, m in all_masters(gm).items()}
+        triples = P.master_pairs(gm)  # FSDP2: each master cut to its weight's shard here
+        pairs = [(lo, m) for _, lo, m in triples]
+        self.names = [n for n, _, _ in triples]
         self.lows = [lo for lo, _ in pairs]
         self.masters = [m for _, m in pairs]
         low_ids = {id(p) for p in self.lows}
         self.fp32_params = [p for p in unique_by_id(gm.parameters()) if p.requires_grad and id(p) not in low_ids]
         device = (self.lows + self.fp32_params)[0].device if (self.lows or self.fp32_params) else torch.device("cpu")
-        repointed = self._repointed_groups(info)  # raises before anything is changed
+        if P.kind == "fsdp":  # the masters were cut to shards: point the optimizer at those
+            by_name = dict(zip(self.names, self.masters))
+            repointed = [[(p, by_name.get(name_of_master.get(id(t)), t)) for p, t in group] for group in repointed]
         for lo, m in pairs:
             if m.device != lo.device:
                 m.data = m.data.to(lo.device)
-        self.state = ScaleState(self.cfg, device)
+        self.state = ScaleState(self.cfg, device, reduce_max=P.all_reduce_max if P.distributed else None)
         self._repoint_optimizer(repointed)
         self.fused = self._use_fused_skip()
         # float32 master gradients live only inside an update (one flat buffer, allocated per update): between
         # steps the step holds no gradient at all, as autocast + GradScaler with zero_grad(set_to_none=True)
-        self._master_numel = sum(m.numel() for m in self.masters)
-        self._grad_views = _view_specs(self.masters)  # each master's place and layout in that buffer, fixed
-        self._buckets = _buckets([m.numel() for m in self.masters], BUCKET_ELEMENTS)
+        local_masters = P.locals(self.masters)  # under FSDP2: this rank's shards
+        self._master_numel = sum(m.numel() for m in local_masters)
+        self._grad_views = _view_specs(local_masters)  # each master's place and layout in that buffer, fixed
+        self._buckets = _buckets([m.numel() for m in local_masters], BUCKET_ELEMENTS)
         self.all_params = self.lows + self.fp32_params
         self.grad_holders = self.all_params + self.masters
         self.grad_norm = torch.zeros((), device=device) if clip_grad_norm is not None else None
@@ -147,7 +230,7 @@ class TrainStep:
         self.checker = InputChecker(gm, device)  # host-side checks of each new input signature
         self.code = self._generate()
         namespace = {"torch": torch, "contextlib": contextlib, "self": self, "model": model, "loss_fn": loss_fn,
-                     "optimizer": optimizer, "S": self.state, "_call": _call, "check_loss": check_loss}
+                     "optimizer": optimizer, "S": self.state, "P": P, "_call": _call, "check_loss": check_loss}
         exec(compile(self.code, "<autocastfx train_step>", "exec"), namespace)  # noqa: S102 - our own source
         self._fn: Callable = namespace["train_step"]
 
@@ -158,8 +241,8 @@ class TrainStep:
         gm_params, by_id = _weights.aliases(self.gm)
         canonical = {i: names[0] for i, names in by_id.items()}
         alias = {name: canonical[id(p)] for name, p in gm_params.items()}
-        master_by_name = dict(zip(self.names, self.masters))
-        master_ids = {id(m) for m in self.masters}
+        master_by_name = all_masters(self.gm)
+        master_ids = {id(m) for m in master_by_name.values()}
         groups = []
         for g, group in enumerate(self.optimizer.param_groups):
             pairs = []
@@ -175,7 +258,8 @@ class TrainStep:
                     raise StepError(
                         f"the optimizer holds a tensor of shape {tuple(p.shape)} (param group {g}, entry {i}) that is "
                         "neither a parameter of the converted module nor of the model it was converted from: build "
-                        "the optimizer over gm.parameters() or over the original model's parameters, after convert()")
+                        "the optimizer over gm.parameters() or over the original model's parameters, after convert() "
+                        "(and after fully_shard() or autocastfx.shard(), which replace the module's parameters)")
                 name = alias.get(name, name)
                 pairs.append((p, master_by_name.get(name, gm_params.get(name))))
             groups.append(pairs)
@@ -197,7 +281,7 @@ class TrainStep:
         opt = self.optimizer
         if getattr(opt, "_step_supports_amp_scaling", False):
             return True
-        if "fused" not in opt.defaults:
+        if "fused" not in opt.defaults or not self.parallel.allows_fused(opt):
             return False
         for group in opt.param_groups:
             group["fused"] = True
@@ -230,14 +314,15 @@ class TrainStep:
                + (f", {accum} micro-batches per update" if accum > 1 else "")
                + (f", clip grad norm {self.clip:g}" if self.clip is not None else "")
                + (", retry on overflow" if self.on_overflow == "retry" else "")
-               + (", DistributedDataParallel" if self.ddp else ""))
+               + ({"ddp": ", DistributedDataParallel", "fsdp": ", FSDP2 (sharded masters)"}.get(self.parallel.kind, "")))
+        dist = self.parallel.distributed
+        sharded = self.parallel.kind == "fsdp"
         add("def train_step(inputs, *targets):")
         add(f'    """One mixed-precision training step: {doc}."""')
         if accum > 1:
             add(f"    last = self.micro % {accum} == {accum - 1}  # host counter: no device read")
-            if self.ddp:
-                add("    sync = contextlib.nullcontext() if last else model.no_sync()  # all-reduce on the last only")
-                add("    with sync:")
+            if dist:
+                add("    with P.sync(last):  # gradient all-reduce / reduce-scatter on the last micro-batch only")
                 ind = "        "
             else:
                 ind = "    "
@@ -265,15 +350,18 @@ class TrainStep:
         ind2 = ind + "    "
         add(f"{ind2}# {next(section)}. gradients into float32" + (" master .grad," if has_masters else ",")
             + (" unscaled and" if scaled else "") + " checked for inf/NaN in one fused pass")
+        fp32_grads = "[p.grad for p in self.fp32_params if p.grad is not None]"
+        if sharded:
+            fp32_grads = f"P.locals({fp32_grads})"  # the shards' local tensors: the kernels below take plain ones
         if has_masters:
             add(f"{ind2}master_grads = self._grads_to_masters()  # one float32 buffer; low .grad freed at once")
-            add(f"{ind2}grads = master_grads + [p.grad for p in self.fp32_params if p.grad is not None]")
+            add(f"{ind2}grads = master_grads + {fp32_grads}")
         else:
-            add(f"{ind2}grads = [p.grad for p in self.fp32_params if p.grad is not None]")
+            add(f"{ind2}grads = {fp32_grads}")
         add(f"{ind2}S.found_inf.zero_()")
         add(f"{ind2}torch._amp_foreach_non_finite_check_and_unscale_(grads, S.found_inf, S.inv_scale)")
-        if self.ddp:
-            add(f"{ind2}torch.distributed.all_reduce(S.found_inf, op=torch.distributed.ReduceOp.MAX)  # one decision on every rank")
+        if dist:
+            add(f"{ind2}P.all_reduce_max(S.found_inf)  # one skip decision on every rank")
         if loop:
             add(f"{ind2}overflow = bool(S.found_inf)  # retry needs this one host read per attempt")
             add(f"{ind}if not overflow or attempt == {self.max_retries}:")
@@ -289,11 +377,15 @@ class TrainStep:
             add(f"{ind}with torch.no_grad():")
         if has_masters:
             add(f"{ind2}for m, g in zip(self.masters, master_grads):")
-            add(f"{ind2}    m.grad = g")
+            add(f"{ind2}    m.grad = {'P.as_grad(m, g)' if sharded else 'g'}")
         if self.clip is not None:
             add(f"{ind2}# {next(section)}. clip by global norm, after unscaling (no host read)")
-            add(f"{ind2}self.grad_norm.copy_(torch.nn.utils.clip_grad_norm_(self.optimizer_params, {self.clip!r}, "
-                "foreach=True))  # one tensor for the step's life: stats and a CUDA graph keep reading it")
+            if sharded:
+                add(f"{ind2}self.grad_norm.copy_(P.grad_norm(grads))  # over every shard of every rank")
+                add(f"{ind2}torch._foreach_mul_(grads, torch.clamp({self.clip!r} / (self.grad_norm + 1e-6), max=1.0))")
+            else:
+                add(f"{ind2}self.grad_norm.copy_(torch.nn.utils.clip_grad_norm_(self.optimizer_params, {self.clip!r}, "
+                    "foreach=True))  # one tensor for the step's life: stats and a CUDA graph keep reading it")
         add(f"{ind2}# {next(section)}. optimizer step on the {'masters' if has_masters else 'parameters'}, skipped on overflow")
         if self.fused:
             add(f"{ind2}optimizer.grad_scale, optimizer.found_inf = None, S.found_inf  # fused kernel skips on the device")
@@ -302,7 +394,10 @@ class TrainStep:
             add(f"{ind2}if not bool(S.found_inf):  # this optimizer has no fused kernel: one host read to skip")
             add(f"{ind2}    optimizer.step()")
         if has_masters:
-            add(f"{ind2}torch._foreach_copy_(self.lows, self.masters)  # masters -> low-precision weights")
+            if sharded:
+                add(f"{ind2}torch._foreach_copy_(P.locals(self.lows), P.locals(self.masters))  # master shards -> low shards")
+            else:
+                add(f"{ind2}torch._foreach_copy_(self.lows, self.masters)  # masters -> low-precision weights")
         add(f"{ind2}for p in self.{'grad_holders' if has_masters else 'all_params'}:  # gradients freed: "
             "the next backward writes, not adds")
         add(f"{ind2}    p.grad = None")
@@ -323,11 +418,12 @@ class TrainStep:
         """The low-precision gradients as float32, in views of one buffer allocated for this update (zero where
         the loss did not reach a parameter). The copy goes bucket by bucket and frees each bucket's low ``.grad``
         as soon as it is copied, so at most one bucket is held in both precisions."""
+        local = self.parallel.local
         flat = torch.empty(self._master_numel, dtype=torch.float32, device=self.masters[0].device)
-        views = [flat.as_strided(*spec) if spec is not None else torch.empty_like(m)
+        views = [flat.as_strided(*spec) if spec is not None else torch.empty_like(local(m))
                  for spec, m in zip(self._grad_views, self.masters)]
         for lo, hi in self._buckets:
-            have = [(v, p.grad) for v, p in zip(views[lo:hi], self.lows[lo:hi]) if p.grad is not None]
+            have = [(v, local(p.grad)) for v, p in zip(views[lo:hi], self.lows[lo:hi]) if p.grad is not None]
             if have:
                 torch._foreach_copy_([v for v, _ in have], [g for _, g in have])
             if len(have) != hi - lo:
@@ -377,7 +473,9 @@ class TrainStep:
         self.state.check()
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything to resume bit for bit: scale state, masters, the module, the optimizer, the RNG."""
+        """Everything to resume bit for bit: scale state, masters, the module, the optimizer, the RNG. This
+        process's view (under FSDP2, its shards): ``autocastfx.save_checkpoint`` writes one checkpoint for all
+        ranks that loads on any number of them."""
         return {
             "scaler": self.state.state_dict(),
             "masters": {n: m.detach().clone() for n, m in zip(self.names, self.masters)},
@@ -399,7 +497,8 @@ class TrainStep:
         with torch.no_grad():
             for n, m in zip(self.names, self.masters):
                 m.copy_(sd["masters"][n])
-            torch._foreach_copy_(self.lows, self.masters)
+            if self.masters:
+                torch._foreach_copy_(self.parallel.locals(self.lows), self.parallel.locals(self.masters))
         # the optimizer keeps the checkpoint's tensors where no cast is needed: copy them, so that training on
         # does not write into the caller's checkpoint; then the fused, on-device skip again (a checkpoint from
         # a plain optimizer carries fused=False in its groups)
@@ -424,6 +523,7 @@ class TrainStep:
         self.micro = sd.get("micro", 0)
         for p in self.grad_holders:  # gradients of this run's micro-batches are not the checkpoint's
             p.grad = None
+        self.parallel.drop_unsynced_grads()
         if sd.get("rng") is not None:
             torch.set_rng_state(sd["rng"])
         if sd.get("cuda_rng") is not None and torch.cuda.is_available():
@@ -469,41 +569,4 @@ def _buckets(sizes: list[int], limit: int) -> list[tuple[int, int]]:
     return out
 
 
-def train_step(gm, loss_fn, optimizer, *, loss_scale=DYNAMIC, init_scale="auto", growth_factor=2.0,
-               backoff_factor=0.5, growth_interval=2000, min_scale=1.0, hysteresis=1, on_overflow="skip",
-               max_retries=8, accum_steps=1, clip_grad_norm=None, cuda_graph: bool = False) -> TrainStep:
-    """A generated, loss-scaled training step for a converted module (see the module docstring).
-
-    Call it as ``step(inputs, *targets)``: ``inputs`` is a tensor, a tuple of positional inputs or a dict of
-    keyword inputs; the loss is ``loss_fn(output, *targets)``, with zero or more targets (a model that computes
-    its own loss from ``labels=``: ``loss_fn=lambda out: out.loss`` and ``step({"input_ids": ids, "labels": y})``).
-    ``loss_scale``: "dynamic" (default for float16), a number for a static scale, or None (off; the default
-    for bfloat16). ``init_scale``: "auto" (default: the first update runs at scale 1, is applied, and the scale
-    jumps to the largest power of two, at most 2^16, that keeps its gradients 8x under the float16 maximum, all
-    on the device), or the first dynamic scale as a number (GradScaler's 2^16). Dynamic scaling grows by
-    ``growth_factor`` after ``growth_interval`` clean steps and backs off by ``backoff_factor`` after
-    ``hysteresis`` consecutive overflows; every overflowing step is skipped.
-    ``on_overflow="retry"`` redoes the batch at the lowered scale up to ``max_retries`` times.
-    ``accum_steps``: call the step once per micro-batch; the update happens on every ``accum_steps``-th call.
-    ``cuda_graph=True``: the step captured and replayed as one CUDA graph (``autocastfx.graphed.CudaGraphStep``).
-    """
-    if not isinstance(cuda_graph, bool):
-        raise ValueError(f"cuda_graph must be True or False, got {cuda_graph!r}")
-    if cuda_graph and on_overflow == "retry":
-        raise ValueError("cuda_graph=True cannot be combined with on_overflow='retry': retrying reads the overflow "
-                         "flag on the host, which a replayed CUDA graph cannot do. Use on_overflow='skip' (the "
-                         "default) with cuda_graph=True, or keep retry without the graph")
-    if cuda_graph:
-        from .graphed import refuse_before_building  # imported here: the step works without it
-        refuse_before_building(gm, optimizer, on_overflow)  # before the optimizer is re-pointed and fused
-    step = TrainStep(gm, loss_fn, optimizer, loss_scale=loss_scale, init_scale=init_scale,
-                     growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval,
-                     min_scale=min_scale, hysteresis=hysteresis, on_overflow=on_overflow, max_retries=max_retries,
-                     accum_steps=accum_steps, clip_grad_norm=clip_grad_norm)
-    if cuda_graph:
-        from .graphed import CudaGraphStep  # imported here: the step works without it
-        return CudaGraphStep(step)
-    return step
-
-
-__all__ = ["train_step", "TrainStep", "StepStats", "LossScaleError", "StepError"]
+__all__ = ["TrainStep", "Local", "StepStats", "LossScaleError", "StepError", "DYNAMIC"]

@@ -31,9 +31,10 @@ def _worker(rank, init_file, out_dir, accum):
         ddp = torch.nn.parallel.DistributedDataParallel(gm)
         opt = torch.optim.SGD(gm.parameters(), lr=0.1, momentum=0.9)
         step = autocastfx.train_step(ddp, F.cross_entropy, opt, init_scale=1024.0, accum_steps=accum)
-        assert "all_reduce(S.found_inf" in step.code
+        assert "P.all_reduce_max(S.found_inf)" in step.code
         if accum > 1:
-            assert "model.no_sync()" in step.code
+            assert "with P.sync(last):" in step.code
+            assert type(step.parallel.sync(False)).__name__ == type(ddp.no_sync()).__name__
         # rank 0 alone sees an overflow in update 2: every rank must skip it
         p = dict(gm.named_parameters())["fc1.weight"]
         calls = {"n": 0}

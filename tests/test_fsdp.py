@@ -1,0 +1,594 @@
+"""train_step under FSDP2 (fully_shard): 2 processes, gloo, on the CPU.
+
+One spawn runs every distributed scenario (starting processes and converting costs more than the steps); each
+test reads what the ranks wrote and compares it with a one-process step on the same global batch, run here.
+"""
+import os
+import sys
+import tempfile
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import autocastfx
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
+
+WORLD = 2
+STEPS = 20
+BLOCK_STEPS = 8
+VOCAB, D, T, PER_RANK = 64, 32, 8, 2
+SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "equal", "item"}
+
+
+# ------------------------------------------------------------------------- a small Llama-style model
+class LlamaRMSNorm(nn.Module):
+    """Hugging Face Llama's norm as written there: the cast plan stores its weight low (the product is a low op)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        v = x.float().pow(2).mean(-1, keepdim=True)
+        return self.weight * (x.float() * torch.rsqrt(v + 1e-6)).to(x.dtype)
+
+
+class Layer(nn.Module):
+    def __init__(self, d, heads, norm=nn.RMSNorm):
+        super().__init__()
+        self.heads = heads
+        self.input_layernorm = norm(d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+        self.post_attention_layernorm = norm(d)
+        self.gate_proj = nn.Linear(d, 2 * d, bias=False)
+        self.up_proj = nn.Linear(d, 2 * d, bias=False)
+        self.down_proj = nn.Linear(2 * d, d, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.input_layernorm(x)).split(d, -1)
+        q, k, v = (z.reshape(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.o_proj(a)
+        y = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
+
+
+class TinyLlama(nn.Module):
+    def __init__(self, vocab=VOCAB, d=D, heads=4, layers=2, norm=nn.RMSNorm):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(Layer(d, heads, norm) for _ in range(layers))
+        self.norm = norm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+def loss_fn(out, y):
+    return F.cross_entropy(out.flatten(0, 1).float(), y.flatten())
+
+
+def global_batch(i):
+    g = torch.Generator().manual_seed(1000 + i)
+    return (torch.randint(0, VOCAB, (WORLD * PER_RANK, T), generator=g),
+            torch.randint(0, VOCAB, (WORLD * PER_RANK, T), generator=g))
+
+
+def rank_batch(i, rank):
+    x, y = global_batch(i)
+    return x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
+
+
+def converted(master_weights=True, norm=nn.RMSNorm):
+    torch.manual_seed(0)
+    model = TinyLlama(norm=norm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autocastfx.convert(model, (global_batch(0)[0][:PER_RANK],), master_weights=master_weights)
+
+
+def block_tree(norm=nn.RMSNorm):
+    """A module tree as block conversion makes it: each decoder layer a converted GraphModule of its own (its own
+    plan and masters), called by the root's graph as a submodule (call_module), the root's own layers float32."""
+    import torch.fx as fx
+    from autocastfx.policy import Policy
+    torch.manual_seed(0)
+    model = TinyLlama(norm=norm)
+    h = model.embed_tokens(global_batch(0)[0][:PER_RANK]).detach()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.layers = nn.ModuleList(autocastfx.convert(layer, (h,)) for layer in model.layers)
+
+    class Tracer(fx.Tracer):
+        def is_leaf_module(self, m, qualname):
+            return isinstance(getattr(m, "meta", None), dict) and "autocastfx" in m.meta or \
+                super().is_leaf_module(m, qualname)
+    root = fx.GraphModule(model, Tracer().trace(model))
+    root.layers = model.layers  # the container kept (fx copies the path to each block as bare modules)
+    root.meta["autocastfx"] = autocastfx.ConvertInfo(
+        dtype=torch.float16, policy=Policy.default(), capture="by hand", plan=None, masters={}, absorbed=[],
+        options={"master_weights": True})
+    assert [n.op for n in root.graph.nodes].count("call_module") >= 2 and isinstance(root.layers, nn.ModuleList)
+    return root
+
+
+def make_opt(params):
+    return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)
+
+
+def make_sgd(params):
+    # the comparison with one process: SGD keeps float16 rounding noise in the gradients at its size (Adam divides
+    # a near-zero gradient by its own running size, which turns rounding noise into whole learning-rate steps)
+    return torch.optim.SGD(params, lr=0.2, momentum=0.9)
+
+
+class SyncCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.syncs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._opname in SYNC_OPS:
+            self.syncs.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class DtypeRecorder(TorchDispatchMode):
+    """Every aten call's floating-point argument dtypes, and the CUDA kernel contract checked on each
+    (autocastfx/kernels.py; tests/test_contract.py does the same on one process)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.violations = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from autocastfx import kernels
+        name = func._opname
+        dts = tuple(a.dtype if isinstance(a, torch.Tensor) and a.is_floating_point() else None for a in args)
+        self.calls.append((name, dts))
+        if name in kernels.RULES_BY_OP:
+            self.violations += kernels.violations(
+                name, args, lambda a: a.dtype if isinstance(a, torch.Tensor) and a.is_floating_point() else None)
+        return func(*args, **(kwargs or {}))
+
+
+def local_bytes(t):
+    t = t._local_tensor if hasattr(t, "_local_tensor") else t
+    return t.numel() * t.element_size()
+
+
+def state_bytes(step):
+    """Parameters + masters + optimizer state held by this process, and the gradients the optimizer reads."""
+    params = sum(local_bytes(p) for p in step.gm.parameters())
+    masters = sum(local_bytes(m) for m in step.masters)
+    opt = sum(local_bytes(v) for st in step.optimizer.state.values() for v in st.values()
+              if torch.is_tensor(v) and v.dim() > 0)
+    return {"params": params, "masters": masters, "optimizer": opt}
+
+
+def grad_bytes_at_update(step):
+    """Wrap optimizer.step to record the bytes of every gradient alive when it runs (float32 master gradients and
+    any low-precision .grad still held)."""
+    seen = []
+    opt = step.optimizer
+    inner = opt.step
+
+    def recording(*a, **k):
+        held = {id(p): p.grad for p in list(step.gm.parameters()) + step.masters if p.grad is not None}
+        seen.append(sum(local_bytes(g) for g in held.values()))
+        return inner(*a, **k)
+    opt.step = recording
+    return seen
+
+
+class CollectiveBytes:
+    """Bytes moved by FSDP2's all-gathers and reduce-scatters (dist.all_gather_single / reduce_scatter_single,
+    the calls FSDP2 makes), counted from the output buffer of each call."""
+
+    def __init__(self):
+        self.all_gather = self.reduce_scatter = 0
+
+    def __enter__(self):
+        self._ag, self._rs = dist.all_gather_single, dist.reduce_scatter_single
+
+        def ag(output, input, *a, **k):
+            self.all_gather += output.numel() * output.element_size()
+            return self._ag(output, input, *a, **k)
+
+        def rs(output, input, *a, **k):
+            self.reduce_scatter += input.numel() * input.element_size()
+            return self._rs(output, input, *a, **k)
+        dist.all_gather_single, dist.reduce_scatter_single = ag, rs
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_gather_single, dist.reduce_scatter_single = self._ag, self._rs
+
+
+def full(t):
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def optimizer_state_by_name(step, key):
+    from autocastfx.distributed import _named_state
+    _, name_of = _named_state(step)
+    return {name_of[id(p)]: full(step.optimizer.state[p][key]) for p in step.optimizer_params}
+
+
+def weights_by_name(step):
+    """The float32 weights the optimizer steps, gathered, by parameter name."""
+    from autocastfx.distributed import _named_state
+    named, _ = _named_state(step)
+    return {n: full(t) for n, t in named.items()}
+
+
+# ----------------------------------------------------------------------------------------- the ranks
+def _run(rank, mode, steps, out, **kw):
+    from torch.distributed.fsdp import fully_shard
+    if mode == "plain":  # every parameter float32 in the module: one dtype per group
+        gm = converted(master_weights=False)
+        fully_shard(gm)
+    elif mode == "blocks":  # the plain recipe on a module tree: each converted block, then the root
+        gm = block_tree(norm=LlamaRMSNorm)
+        for block in gm.layers:
+            fully_shard(block)
+        fully_shard(gm)
+    elif mode == "blocks_shard":
+        gm = autocastfx.shard(block_tree())
+    else:
+        gm = autocastfx.shard(converted())
+    step = autocastfx.train_step(gm, loss_fn, make_sgd(gm.parameters()), clip_grad_norm=1.0, **kw)
+    grads = grad_bytes_at_update(step)
+    losses, counter, dtypes = [], SyncCounter(), DtypeRecorder()
+    norm_weights = []  # what each norm module reads as its weight during the forward: gathered, in its dtype
+    hooks = [m.register_forward_pre_hook(lambda m, a: norm_weights.append((type(m.weight).__name__, m.weight.dtype)))
+             for m in gm.modules() if isinstance(m, nn.RMSNorm)]
+    with dtypes:
+        step(*rank_batch(0, rank))  # the first call checks the new input signature: host reads allowed there
+    for h in hooks:
+        h.remove()
+    with CollectiveBytes() as comm:
+        step(*rank_batch(1, rank))
+    with counter:
+        for i in range(2, steps):
+            losses.append(step(*rank_batch(i, rank)))
+    if mode.startswith("blocks"):  # sharded masters of converted blocks, into a checkpoint
+        autocastfx.save_checkpoint(step, os.path.join(out["dir"], mode))
+    out[mode] = {"weights": weights_by_name(step), "aten": (list(set(dtypes.calls)), dtypes.violations), "norm_weights": norm_weights, "losses": [float(v) for v in losses], "syncs": counter.syncs,
+                 "bytes": {**state_bytes(step), "grads": max(grads)}, "all_gather": comm.all_gather,
+                 "reduce_scatter": comm.reduce_scatter, "stats": step.stats.summary(), "code": step.code}
+    return gm, step
+
+
+def _worker(rank, init_file, out_dir):
+    sys.path.insert(0, os.path.dirname(__file__))
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    torch.manual_seed(0)
+    out = {"dir": out_dir}
+    try:
+        # 1. the plain recipe (master_weights=False: one dtype per group) and the helper: 20 steps each
+        _run(rank, "plain", STEPS, out)
+        _run(rank, "shard", STEPS, out)
+        for mode in ("blocks", "blocks_shard"):
+            _run(rank, mode, BLOCK_STEPS, out)
+
+        # 2. an inf in rank 0's gradient shard only, in update 3: both ranks skip it
+        gm = autocastfx.shard(converted())
+        step = autocastfx.train_step(gm, loss_fn, make_opt(gm.parameters()), init_scale=1024.0)
+        P, inner, inject = step.parallel, step.parallel.locals, {"now": False}
+
+        def locals_(ts):
+            got = inner(ts)
+            if inject["now"] and rank == 0 and got and got[0].dtype == torch.float32:
+                got[0].view(-1)[0] = float("inf")
+                inject["now"] = False
+            return got
+        P.locals = locals_
+        before = None
+        for i in range(5):
+            if i == 2:
+                inject["now"] = True
+                before = [p._local_tensor.clone() for p in gm.parameters()]
+            step(*rank_batch(i, rank))
+            if i == 2:
+                out["inf_unchanged"] = all(torch.equal(b, p._local_tensor) for b, p in zip(before, gm.parameters()))
+        out["inf"] = {"stats": step.stats.summary(), "history": step.stats.history(),
+                      "local": [p._local_tensor.clone() for p in gm.parameters()]}
+
+        # 3. distributed checkpoint: 3 steps, save, 3 more; a fresh run loads and must repeat them bit for bit
+        ckpt = os.path.join(out_dir, "ckpt")
+        gm = autocastfx.shard(converted())
+        step = autocastfx.train_step(gm, loss_fn, make_opt(gm.parameters()), accum_steps=2)
+        for i in range(6):
+            step(*rank_batch(i, rank))
+        autocastfx.save_checkpoint(step, ckpt)
+        out["saved"] = {"weights": weights_by_name(step), "stats": step.stats.summary(),
+                        "exp_avg": optimizer_state_by_name(step, "exp_avg")}
+        counter = SyncCounter()
+        with counter:  # AdamW: its fused kernel skips on the device under FSDP2 too
+            after = [step(*rank_batch(i, rank)) for i in range(6, 12)]
+        out["adam_syncs"] = counter.syncs
+        out["after"] = [float(v) for v in after]
+        out["after_w"] = weights_by_name(step)
+        gm2 = autocastfx.shard(converted())
+        step2 = autocastfx.train_step(gm2, loss_fn, make_opt(gm2.parameters()), accum_steps=2)
+        step2(*rank_batch(0, rank))  # a half-done accumulation cycle, dropped by the load
+        autocastfx.load_checkpoint(step2, ckpt)
+        out["resumed"] = [float(step2(*rank_batch(i, rank))) for i in range(6, 12)]
+        out["resumed_w"] = weights_by_name(step2)
+        # the same checkpoint into DistributedDataParallel: replicated weights, masters whole
+        gm3 = converted()
+        ddp = nn.parallel.DistributedDataParallel(gm3)
+        step3 = autocastfx.train_step(ddp, loss_fn, make_opt(gm3.parameters()), accum_steps=2)
+        autocastfx.load_checkpoint(step3, ckpt)
+        out["ddp_loaded"] = all(torch.equal(w, out["saved"]["weights"][n]) for n, w in weights_by_name(step3).items())
+
+        # 4. retry on overflow: a scale that overflows float16 is lowered and the batch redone, the same on both
+        gm = autocastfx.shard(converted())
+        step = autocastfx.train_step(gm, loss_fn, make_opt(gm.parameters()), init_scale=2.0**40, on_overflow="retry",
+                                     max_retries=40)
+        for i in range(2):
+            step(*rank_batch(i, rank))
+        out["retry"] = {"stats": step.stats.summary(), "history": step.stats.history(),
+                        "finite": all(bool(torch.isfinite(p._local_tensor).all()) for p in gm.parameters())}
+
+        # 5. accumulation: the reduce-scatter runs on the last micro-batch of a cycle only
+        gm = autocastfx.shard(converted())
+        step = autocastfx.train_step(gm, loss_fn, make_opt(gm.parameters()), accum_steps=3)
+        per_micro = []
+        for i in range(6):
+            with CollectiveBytes() as comm:
+                step(*rank_batch(i, rank))
+            per_micro.append(comm.reduce_scatter)
+        out["accum_reduce_scatter"] = per_micro
+
+        # 6. refusals, before anything changes
+        from torch.distributed.fsdp import fully_shard
+        gm = converted()
+        fully_shard(gm)
+        opt = make_opt(gm.parameters())
+        groups = [list(g["params"]) for g in opt.param_groups]
+        errors = {}
+        for kw in ({}, {"cuda_graph": True}):
+            try:
+                autocastfx.train_step(gm, loss_fn, opt, **kw)
+            except (ValueError, TypeError) as e:
+                errors[str(kw)] = f"{type(e).__name__}: {e}"
+        out["refusals"] = errors
+        out["optimizer_untouched"] = [list(g["params"]) for g in opt.param_groups] == groups \
+            and not opt.param_groups[0].get("fused")
+        try:
+            autocastfx.shard(converted(master_weights=False))
+        except ValueError as e:
+            out["refusals"]["shard_mw_false"] = str(e)
+        try:
+            autocastfx.shard(gm)
+        except ValueError as e:
+            out["refusals"]["shard_twice"] = str(e)
+        gm = converted()
+        early = make_opt(gm.parameters())  # built before shard(): over tensors shard() replaces
+        autocastfx.shard(gm)
+        try:
+            autocastfx.train_step(gm, loss_fn, early)
+        except ValueError as e:
+            out["refusals"]["optimizer_before_shard"] = str(e)
+    finally:
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    d = tempfile.mkdtemp()
+    mp.spawn(_worker, args=(os.path.join(d, "init"), d), nprocs=WORLD, join=True)
+    r = [torch.load(os.path.join(d, f"rank{i}.pt"), weights_only=False) for i in range(WORLD)]
+    return r
+
+
+def one_process(steps=STEPS, make=make_sgd, build=converted, **kw):
+    """The same training on one process, each update on the global batch (both ranks' rows at once)."""
+    gm = build()
+    step = autocastfx.train_step(gm, loss_fn, make(gm.parameters()), clip_grad_norm=1.0, **kw)
+    grads = grad_bytes_at_update(step)
+    losses = [float(step(*global_batch(i))) for i in range(steps)]
+    return gm, step, losses, grads
+
+
+# ------------------------------------------------------------------------------------------- the tests
+def test_fsdp_matches_one_process_within_float16_noise(ranks):
+    gm, step, losses, _ = one_process()
+    ref = weights_by_name(step)
+    for mode in ("plain", "shard"):
+        w0, w1 = ranks[0][mode]["weights"], ranks[1][mode]["weights"]
+        assert set(w0) == set(ref), (mode, sorted(set(w0) ^ set(ref)))
+        worst = max(float((w0[n] - ref[n]).abs().max()) for n in ref)
+        print(f"{mode}: largest |w_fsdp - w_one_process| after {STEPS} steps: {worst:.2e}")
+        for n in ref:
+            assert torch.equal(w0[n], w1[n])  # one set of weights
+            torch.testing.assert_close(w0[n], ref[n], rtol=0, atol=1e-3, msg=f"{mode} {n}")
+        # the mean of the ranks' losses is the one-process loss on the global batch
+        assert ranks[0][mode]["stats"]["scale"] == ranks[1][mode]["stats"]["scale"] == float(step.stats.scale)
+        mean = [(a + b) / 2 for a, b in zip(ranks[0][mode]["losses"], ranks[1][mode]["losses"])]
+        torch.testing.assert_close(torch.tensor(mean), torch.tensor(losses[2:]), rtol=0, atol=2e-3)
+        # clipping by the global norm: the ranks report one norm, the one-process step's
+        assert ranks[0][mode]["stats"]["grad_norm"] == ranks[1][mode]["stats"]["grad_norm"]
+        assert abs(ranks[0][mode]["stats"]["grad_norm"] - float(step.stats.grad_norm)) < 2e-2 * float(
+            step.stats.grad_norm)
+
+
+@pytest.mark.parametrize("mode", ["blocks", "blocks_shard"])
+def test_sharded_masters_and_block_trees_match_one_process(ranks, mode):
+    build = {"blocks": lambda: block_tree(norm=LlamaRMSNorm), "blocks_shard": block_tree}[mode]
+    gm, step, losses, _ = one_process(steps=BLOCK_STEPS, build=build)
+    ref = weights_by_name(step)
+    w0, w1 = ranks[0][mode]["weights"], ranks[1][mode]["weights"]
+    assert set(w0) == set(ref), sorted(set(w0) ^ set(ref))
+    if mode == "blocks":  # every block weight is stored low: its float32 master is sharded by the step
+        assert len(step.masters) == len(ranks[0][mode]["weights"]) - 3 == 14
+    worst = max(float((w0[n] - ref[n]).abs().max()) for n in ref)
+    print(f"{mode}: largest |w_fsdp - w_one_process| after {BLOCK_STEPS} steps: {worst:.2e}")
+    for n in ref:
+        assert torch.equal(w0[n], w1[n])
+        torch.testing.assert_close(w0[n], ref[n], rtol=0, atol=1e-3, msg=f"{mode} {n}")
+    # per rank: half of the one process's state, the masters sharded with their weights
+    assert sum(ranks[0][mode]["bytes"].values()) <= sum(
+        {**state_bytes(step), "grads": 0}.values()) / WORLD * 1.05 + ranks[0][mode]["bytes"]["grads"]
+    # the ranks' checkpoint (masters sharded per block) into a one-process block tree
+    fresh = build()
+    loaded = autocastfx.train_step(fresh, loss_fn, make_sgd(fresh.parameters()), clip_grad_norm=1.0)
+    autocastfx.load_checkpoint(loaded, os.path.join(ranks[0]["dir"], mode))
+    for n, w in weights_by_name(loaded).items():
+        assert torch.equal(w, w0[n]), n
+    for lo, m in zip(loaded.lows, loaded.masters):
+        assert torch.equal(lo, m.to(lo.dtype))
+    assert torch.isfinite(loaded(*global_batch(BLOCK_STEPS)))
+
+
+def test_fsdp_step_has_no_host_sync_and_reduces_found_inf(ranks):
+    assert ranks[0]["adam_syncs"] == [] and ranks[1]["adam_syncs"] == []
+    for mode in ("plain", "shard"):
+        # SGD: DTensor has no rule for its fused kernel, so the step skips with one host read per update
+        assert ranks[0][mode]["syncs"] == ["aten._local_scalar_dense.default"] * (STEPS - 2), mode
+        code = ranks[0][mode]["code"]
+        assert "P.all_reduce_max(S.found_inf)" in code and "FSDP2" in code
+    assert "torch._foreach_copy_(P.locals(self.lows), P.locals(self.masters))" not in ranks[0]["shard"]["code"]
+
+
+def test_retry_on_overflow_and_accumulation_under_fsdp(ranks):
+    a, b = ranks[0]["retry"], ranks[1]["retry"]
+    assert a["finite"] and b["finite"]
+    assert a["history"] == b["history"] and a["stats"] == b["stats"]
+    assert sum(flow for _, flow in a["history"]) >= 10  # 2^40 came down by halving, every attempt recorded
+    assert a["history"][-1][1] is False and [flow for _, flow in a["history"]].count(False) == 2  # both stepped
+    for r in ranks:
+        rs = r["accum_reduce_scatter"]
+        assert rs[0] == rs[1] == rs[3] == rs[4] == 0 and rs[2] > 0 and rs[5] == rs[2], rs
+
+
+@pytest.mark.parametrize("mode", ["shard", "blocks_shard", "plain"])
+def test_sharded_step_keeps_the_kernel_contract(ranks, mode):
+    """At the aten level: no call breaks the CUDA norm rules; under shard() the norms get float32 weights and
+    the matmuls float16 operands, as in one process."""
+    calls, violations = ranks[0][mode]["aten"]
+    assert violations == [], violations[:5]
+    mms = [d for op, d in calls if op in ("mm", "addmm", "bmm")]
+    if mode == "shard":  # every matmul of the converted model runs in float16 (the root of blocks_shard is not converted)
+        assert mms and all(d == (torch.float16, torch.float16) for d in mms), mms
+    else:
+        assert (torch.float16, torch.float16) in mms
+    norms = ranks[0][mode]["norm_weights"]
+    assert len(norms) == 5  # 2 per layer and the final one
+    # the norms read plain gathered tensors in float32 (FSDP2's all-gather of the float32 group), not DTensors
+    assert set(norms) == {("Parameter", torch.float32)}, norms
+
+
+def test_inf_on_one_rank_makes_both_skip(ranks):
+    a, b = ranks[0]["inf"], ranks[1]["inf"]
+    assert ranks[0]["inf_unchanged"] and ranks[1]["inf_unchanged"]  # the update was skipped on both ranks
+    assert a["stats"]["skipped"] == b["stats"]["skipped"] == 1
+    assert a["stats"]["scale"] == b["stats"]["scale"] == 512.0
+    assert a["history"] == b["history"] and a["history"][2] == (1024.0, True)
+
+
+def test_dcp_resume_is_bit_identical(ranks):
+    for r in ranks:
+        assert r["ddp_loaded"]
+        assert r["after"] == r["resumed"]
+        for n, w in r["after_w"].items():
+            assert torch.equal(w, r["resumed_w"][n]), n
+
+
+def test_two_rank_checkpoint_loads_into_one_process_and_trains_on(ranks):
+    saved = ranks[0]["saved"]
+    gm = converted()
+    step = autocastfx.train_step(gm, loss_fn, make_opt(gm.parameters()), accum_steps=2)
+    autocastfx.load_checkpoint(step, os.path.join(ranks[0]["dir"], "ckpt"))
+    got = weights_by_name(step)
+    for n, w in saved["weights"].items():
+        assert torch.equal(got[n], w), n
+    for lo, m in zip(step.lows, step.masters):
+        assert torch.equal(lo, m.to(lo.dtype))
+    got_avg = optimizer_state_by_name(step, "exp_avg")
+    for n, v in saved["exp_avg"].items():
+        assert torch.equal(got_avg[n], v), n
+    assert step.stats.summary()["scale"] == saved["stats"]["scale"]
+    assert int(step.stats.steps) == saved["stats"]["steps"] == 3
+    # trains on: the next updates on the global batch follow the 2-rank run's losses within float16 noise
+    losses = [float(step(*global_batch(i))) for i in range(6, 12)]
+    mean = [(a + b) / 2 for a, b in zip(ranks[0]["after"], ranks[1]["after"])]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(mean), rtol=0, atol=5e-3)
+    assert int(step.stats.steps) == 6
+
+
+def test_per_rank_bytes_are_a_half_of_one_process(ranks):
+    _, step, _, grads = one_process(steps=3)
+    one = {**state_bytes(step), "grads": max(grads)}
+    total_one = sum(one.values())
+    for mode in ("plain", "shard"):
+        for r in ranks:
+            per_rank = sum(r[mode]["bytes"].values())
+            print(f"{mode}: per rank {r[mode]['bytes']} = {per_rank} B; one process {one} = {total_one} B")
+            assert per_rank <= total_one / WORLD * 1.05, (mode, per_rank, total_one)
+
+
+def test_shard_gathers_half_the_bytes_of_float32_fsdp(ranks):
+    for r in ranks:
+        low, fp32 = r["shard"]["all_gather"], r["plain"]["all_gather"]
+        print(f"all-gather bytes per step: shard() {low}, FSDP2 in float32 {fp32} ({low / fp32:.3f}x)")
+        assert 0 < low <= 0.5 * fp32 * 1.01  # the norms' float32 weights: < 1% of the bytes here
+
+
+def test_refusals_before_anything_changes(ranks):
+    errors = ranks[0]["refusals"]
+    assert "several dtypes" in errors["{}"] and "autocastfx.shard" in errors["{}"]
+    assert "master_weights=False" in errors["{}"]
+    assert "FSDP2" in errors["{'cuda_graph': True}"]
+    assert ranks[0]["optimizer_untouched"]
+    assert "master_weights=True" in errors["shard_mw_false"]
+    assert "already sharded" in errors["shard_twice"]
+    assert "after fully_shard() or autocastfx.shard()" in errors["optimizer_before_shard"]
+
+
+def test_example_trains_with_torchrun_on_two_processes(tmp_path):
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    ckpt = str(tmp_path / "ckpt")
+
+    def torchrun(*args):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               os.path.join(root, "examples", "fsdp_train.py"), "--layers", "1", "--log-every", "5",
+               "--checkpoint", ckpt, *args]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)  # its own process group: a hang is killed whole
+        try:
+            stdout, stderr = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            stdout, stderr = proc.communicate()
+        assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
+        return stdout
+
+    stdout = torchrun("--steps", "20")
+    lines = stdout.splitlines()
+    assert any("2 process(es), gloo on CPU" in line for line in lines), stdout
+    losses = [float(line.split("loss")[1].split()[0]) for line in lines if line.startswith("update")]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+    assert os.path.isdir(ckpt) and any(name.endswith(".distcp") for name in os.listdir(ckpt))
+    resumed = torchrun("--steps", "25", "--resume").splitlines()
+    assert any("resumed from" in line and "at update 20" in line for line in resumed), resumed
+    assert [line.split()[1] for line in resumed if line.startswith("update")] == ["25"]
