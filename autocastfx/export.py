@@ -135,6 +135,8 @@ def export_onnx(gm: fx.GraphModule, path: str | os.PathLike, example_inputs: tup
                                         dynamic_shapes=dynamic_shapes, verbose=False)
         finally:
             logging.getLogger("torch.onnx").setLevel(level)
+        if inference and optimize:
+            _store_folded_casts_low(path)
         if not check:
             return program
         refused = _check_onnx(module, path, args, kwargs, rtol)
@@ -143,6 +145,59 @@ def export_onnx(gm: fx.GraphModule, path: str | os.PathLike, example_inputs: tup
         if not refused.startswith("onnxruntime refuses"):
             break
     raise ExportCheckError(f"{path}: {refused}")
+
+
+def _store_folded_casts_low(path: str) -> int:
+    """The exporter's optimizer folds constants: a weight stored float16 and cast up where it is read becomes a
+    float32 initializer (small ones: norms' weights, a class token broadcast to the batch), twice the bytes. Every
+    float32 initializer whose values are all float16 values (so it is a cast-up, or as good as one) is stored
+    float16 again with a Cast beside it: the same numbers, half the bytes. Returns how many were."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from onnx.external_data_helper import load_external_data_for_model
+
+    model = onnx.load(path, load_external_data=False)
+    external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+    if external:
+        load_external_data_for_model(model, os.path.dirname(os.path.abspath(path)))
+    graph = model.graph
+    inputs = {i.name for i in graph.input}
+    taken = {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output} | inputs
+    casts, keep, moved = [], [], 0
+    for t in graph.initializer:
+        if t.data_type != onnx.TensorProto.FLOAT or t.name in inputs:
+            keep.append(t)
+            continue
+        a = numpy_helper.to_array(t)
+        if a.size < 2 or not np.isfinite(a).all():
+            keep.append(t)
+            continue
+        low = a.astype(np.float16)
+        if not np.array_equal(low.astype(np.float32), a):
+            keep.append(t)
+            continue
+        name, i = f"{t.name}_float16", 0
+        while name in taken:
+            i += 1
+            name = f"{t.name}_float16_{i}"
+        taken.add(name)
+        keep.append(numpy_helper.from_array(low, name))
+        casts.append(helper.make_node("Cast", [name], [t.name], to=onnx.TensorProto.FLOAT, name=f"{name}_cast"))
+        moved += 1
+    if not moved:
+        return 0
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+    nodes = casts + list(graph.node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    data = os.path.basename(path) + ".data"
+    if external and os.path.exists(os.path.join(os.path.dirname(os.path.abspath(path)), data)):
+        os.remove(os.path.join(os.path.dirname(os.path.abspath(path)), data))
+    onnx.save_model(model, path, save_as_external_data=external, all_tensors_to_one_file=True, location=data)
+    return moved
 
 
 def _eval_copy(gm: fx.GraphModule) -> fx.GraphModule:
