@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from . import blocks as _blocks
 from . import capture as _capture
 from . import inline as _inline
 from . import layout as _layout
@@ -42,20 +43,41 @@ class ConvertInfo:
 
 def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kwargs: dict | None = None,
             dtype: torch.dtype = torch.float16, policy: Policy | None = None, pad_multiple: int = 8,
-            master_weights: bool = True, keep_io_types: bool = True, memory_format: str = "auto"
-            ) -> fx.GraphModule:
+            master_weights: bool = True, keep_io_types: bool = True, memory_format: str = "auto",
+            blocks: Any = "auto") -> fx.GraphModule:
     """Rewrite ``model`` into an explicit mixed-precision ``torch.fx.GraphModule``; ``model`` is not modified.
 
     See the README for what each option does. Raises ValueError for bad options, TypeError for a model
     that is not an ``nn.Module``, and ``autocastfx.CaptureError`` when the model cannot be captured.
     """
+    if blocks is not None and blocks is not False and not isinstance(model, fx.GraphModule) \
+            and isinstance(model, nn.Module):
+        names = _blocks.choose(model, blocks, policy if policy is not None else Policy.default())
+        if names:
+            args, kwargs = _check_inputs(model, example_inputs, example_kwargs, dtype, pad_multiple)
+            _check_params(model)
+            options = dict(dtype=dtype, policy=policy, pad_multiple=pad_multiple, master_weights=master_weights,
+                           keep_io_types=keep_io_types, memory_format=memory_format)
+            return _blocks.convert_tree(model, names, args, kwargs, convert, options,
+                                        explicit=blocks not in ("auto", True))
     with _no_gc():  # a conversion makes many small objects and frees few: cyclic collections only cost time
         return _convert(model, example_inputs, example_kwargs, dtype, policy, pad_multiple, master_weights,
                         keep_io_types, memory_format)
 
 
+def convert_block(block: nn.Module, args: tuple, kwargs: dict, options: dict, keep_io_types: bool = False
+                  ) -> fx.GraphModule:
+    """A block of a model, converted as a module of its own: its inputs and outputs in the dtypes its plan
+    prefers (or, with ``keep_io_types``, its outputs in its first input's dtype); an input first becomes the
+    dtype the block was converted for, no copy when it already is."""
+    o = options
+    with _no_gc():
+        return _convert(block, args, kwargs, o["dtype"], o["policy"], o["pad_multiple"], o["master_weights"],
+                        keep_io_types, o["memory_format"], entry_casts=True)
+
+
 def _convert(model, example_inputs, example_kwargs, dtype, policy, pad_multiple, master_weights, keep_io_types,
-             memory_format) -> fx.GraphModule:
+             memory_format, entry_casts: bool = False) -> fx.GraphModule:
     args, kwargs = _check_inputs(model, example_inputs, example_kwargs, dtype, pad_multiple)
     memory_format = _layout.check_memory_format(memory_format)
     policy = policy if policy is not None else Policy.default()
@@ -98,6 +120,8 @@ def _convert(model, example_inputs, example_kwargs, dtype, policy, pad_multiple,
         masters = _weights.store_low(gm, plan.low_params, dtype)
         _layout.store_weights(gm, layout)  # after the masters, which keep NCHW like their gradients
         _rewrite.apply_plan(gm, plan)
+        if entry_casts:
+            _rewrite.entry_casts(gm)
         _capture.own_tensors(gm, model)  # what still is the model's (float32 weights, buffers) is copied
         gm.meta["autocastfx"] = ConvertInfo(
             dtype=dtype, policy=policy, capture=how, plan=plan, masters=masters, absorbed=absorbed,
@@ -168,7 +192,11 @@ def _check_inputs(model, example_inputs, example_kwargs, dtype, pad_multiple):
 
 
 def _check_params(model: nn.Module) -> None:
+    units = {id(t) for name, m in model.named_modules() if name and _blocks.is_unit(m)
+             for t in list(m.parameters()) + list(m.buffers())}  # converted blocks: theirs are low already
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if id(t) in units:
+            continue
         if t.is_meta:
             raise ValueError(f"{name} is on the meta device and has no values; materialise the model first "
                              "(model.to_empty(device='cpu') and initialise it, or load a checkpoint)")

@@ -29,7 +29,7 @@ class _Tracer(fx.Tracer):
         self.policy = policy
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return self.policy.is_leaf(m)
+        return self.policy.is_leaf(m) or (bool(qualname) and _is_unit(m))  # a converted block: one call
 
     def trace(self, root, concrete_args=None):
         self._param_names = {id(p): n for n, p in root.named_parameters()} if isinstance(root, nn.Module) else {}
@@ -77,17 +77,31 @@ def _copy(model: nn.Module, share_tensors: bool) -> nn.Module:
     if share_tensors:
         for t in itertools.chain(model.parameters(), model.buffers()):
             memo[id(t)] = t
+        for name, m in model.named_modules():
+            if name and _is_unit(m):  # a converted block inside: the capture calls it, never copies it
+                memo[id(m)] = m
     return copy.deepcopy(model, memo)
 
 
-def own_tensors(gm: nn.Module, model: nn.Module) -> int:
+def _is_unit(m: nn.Module) -> bool:
+    meta = getattr(m, "meta", None)
+    return isinstance(meta, dict) and meta.get("autocastfx") is not None
+
+
+def own_tensors(gm: nn.Module, model: nn.Module, skip: set[int] = frozenset()) -> int:
     """Give ``gm`` copies of every parameter, buffer and tensor attribute it still shares with ``model`` (by
     object or by storage), copied together as ``copy.deepcopy`` would have: tied tensors stay tied, views stay
-    views of one new storage, parameters keep their class and attributes. Returns how many were copied."""
-    theirs = {id(t) for t in itertools.chain(model.parameters(), model.buffers())}
-    storages = {_storage(t) for t in itertools.chain(model.parameters(), model.buffers())} - {None}
+    views of one new storage, parameters keep their class and attributes. Returns how many were copied.
+    Converted blocks inside ``gm`` own their tensors already and are left alone, as are the ids in ``skip``."""
+    inner = [m for name, m in gm.named_modules() if name and _is_unit(m)]
+    skip = set(skip) | {id(t) for m in inner for t in itertools.chain(m.parameters(), m.buffers())}
+    units = {id(s) for m in inner for s in m.modules()}
+    theirs = {id(t) for t in itertools.chain(model.parameters(), model.buffers())} - skip
+    storages = {_storage(t) for t in itertools.chain(model.parameters(), model.buffers()) if id(t) not in skip} - {None}
     found: list[tuple[nn.Module, str, str, torch.Tensor]] = []
     for mod in gm.modules():
+        if id(mod) in units:
+            continue
         places = [("_parameters", mod._parameters), ("_buffers", mod._buffers),
                   ("", {k: v for k, v in vars(mod).items() if isinstance(v, torch.Tensor)})]
         for kind, entries in places:
@@ -161,6 +175,11 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, compil
 def capture_export(model: nn.Module, args: tuple, kwargs: dict, trace_error: BaseException | None = None,
                    check: bool = True, reads: list | None = None) -> tuple[fx.GraphModule, str]:
     _check_example_values(torch.utils._pytree.tree_leaves((tuple(args), dict(kwargs))))
+    inner = [n for n, m in model.named_modules() if n and _is_unit(m)]
+    if inner:  # torch.export would trace through them: the blocks would not stay modules
+        raise CaptureError(f"cannot capture {type(model).__name__} with its converted blocks ({', '.join(inner[:3])}"
+                           f"{' ...' if len(inner) > 3 else ''}) as calls: torch.fx.symbolic_trace failed: "
+                           f"{_one_line(trace_error) if trace_error else 'not tried'}")
     try:
         with _quiet():  # torch.export prints graphs and shape warnings while it fails; the error says it all
             with watch_training(reads):

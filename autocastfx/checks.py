@@ -191,6 +191,8 @@ def _forward_signature(gm) -> inspect.Signature | None:
 def _example_infos(gm: fx.GraphModule, sig: inspect.Signature | None) -> dict[str, Any]:
     """Forward parameter name -> the TensorInfo convert() recorded for it (shapes as the user wrote them, before
     any padding: padding happens inside the graph)."""
+    if not hasattr(gm, "graph"):  # converted piecewise: its parts check their own inputs
+        return {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     infos = [n.meta.get("autocastfx_info") for n in placeholders]
     in_spec = getattr(gm, "_in_spec", None)

@@ -268,21 +268,42 @@ def shard(gm: nn.Module, mesh=None, reshard_after_forward: bool = True) -> nn.Mo
     for unit, fp32_owners in zip(units, plans):
         info = unit.meta["autocastfx"]
         low = info.dtype
+        read = []  # groups whose modules' forward never runs (a graph reads their weights): gathered by hand
         if fp32_owners:
-            fsdp32 = fully_shard(fp32_owners, mesh=mesh, reshard_after_forward=False,
-                                 mp_policy=MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32))
-            first = fsdp32[0]
-            # the owners' own forward may never run (a flat graph reads their weights through get_attr): gather
-            # the group when the unit starts, as FSDP2 gathers the unit's own weights
-            unit.register_forward_pre_hook(lambda *_, g=first: g.unshard())
+            # FSDP2 runs a group's hooks when its modules run; a group whose modules are partly called and partly
+            # read through get_attr takes FSDP2's partial-forward path and loses the read weights' gradients, so
+            # the two kinds are two groups
+            called = {str(n.target) for g in _graphs(unit) for n in g.nodes if n.op == "call_module"}
+            names = {id(m): n for n, m in unit.named_modules()}
+            calls = [m for m in fp32_owners if names.get(id(m)) in called]
+            reads = [m for m in fp32_owners if names.get(id(m)) not in called]
+            for group in (calls, reads):
+                if group:
+                    made = fully_shard(group, mesh=mesh, reshard_after_forward=False,
+                                       mp_policy=MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32))
+                    if group is reads:
+                        read.append(made[0] if isinstance(made, list) else made)
         _weights.restore_masters(unit)  # the float32 masters are the module's parameters again: FSDP2 shards them
         info.masters.clear()
         # the root keeps its weights gathered from forward to backward (FSDP2's own rule for the root: they would
         # be gathered again at once), so reshard_after_forward is for the blocks
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward if unit is not gm else None,
                     mp_policy=MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32))
+        for g in read:
+            # their own forward never runs (the graph reads their weights through get_attr): gathered when the
+            # unit starts, after FSDP2's own pre-forward
+            unit.register_forward_pre_hook(lambda *_, g=g: g.unshard())
         unit.meta["autocastfx_shard"] = {"low": low, "float32_groups": len(fp32_owners)}
     return gm
+
+
+def _graphs(unit: nn.Module) -> list:
+    """Every graph a converted unit may run (one per mode where the modes differ)."""
+    programs = getattr(unit, "meta", {}).get("autocastfx_programs")
+    if programs is not None:
+        return list(programs.graphs.values())
+    graph = getattr(unit, "graph", None)
+    return [graph] if graph is not None else []
 
 
 def _float32_owners(unit: nn.Module, units: list[nn.Module]) -> list[nn.Module]:

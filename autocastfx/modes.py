@@ -733,7 +733,11 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy, *, share_tensor
 def _switches_itself(model: nn.Module) -> bool:
     """Whether a module of the model has its own ``train()``/``eval()``, which may set state other than the
     ``training`` flags (then only a capture in each mode tells what differs)."""
-    return any(type(m).train is not nn.Module.train or type(m).eval is not nn.Module.eval for m in model.modules())
+    units = [m for name, m in model.named_modules() if name and isinstance(getattr(m, "meta", None), dict)
+             and m.meta.get("autocastfx") is not None]  # converted blocks switch as leaves do
+    inside = {id(s) for u in units for s in u.modules()}
+    return any((type(m).train is not nn.Module.train or type(m).eval is not nn.Module.eval) and id(m) not in inside
+               for m in model.modules())
 
 
 def _single(gm: fx.GraphModule, why: str, model: nn.Module, args, kwargs, decisions, how: str):

@@ -318,6 +318,37 @@ def _is_multi_float(info: Any) -> bool:
     return isinstance(info, tuple) and any(_is_float(i) for i in info)
 
 
+def _is_unit(m: nn.Module) -> bool:
+    meta = getattr(m, "meta", None)
+    return isinstance(meta, dict) and meta.get("autocastfx") is not None
+
+
+def _unit_inputs(node: fx.Node, unit: nn.Module) -> list[tuple[fx.Node, torch.dtype]]:
+    """(float input, the dtype the block was converted for) for a call of a converted block."""
+    want = unit.meta.get("autocastfx_block", {}).get("inputs")
+    leaves = torch.utils._pytree.tree_leaves((tuple(node.args), dict(node.kwargs)))
+    if want is None or len(want) != len(leaves):
+        raise ValueError(f"{node.name} calls the converted block {node.target} with inputs of another structure "
+                         "than the one it was converted with")
+    out = []
+    for a, d in zip(leaves, want):
+        if isinstance(a, fx.Node) and _is_float(a.meta.get("autocastfx_info")):
+            if d is None:
+                raise ValueError(f"{node.name}: input {a.name} of the converted block {node.target} is a float "
+                                 "tensor where the block was converted for something else")
+            out.append((a, d))
+    return out
+
+
+def _unit_output_label(node: fx.Node, info: Any, low: torch.dtype) -> bool:
+    infos = [info] if _is_float(info) else [i for i in info if _is_float(i)] if _is_multi_float(info) else []
+    dtypes = {i.dtype for i in infos}
+    if len(dtypes) > 1:
+        raise ValueError(f"the converted block {node.target} returns float tensors of several dtypes "
+                         f"({sorted(map(str, dtypes))}): a tuple cannot be cast apart")
+    return LOW if dtypes == {low} else FP32
+
+
 def _accepts_dtype_kwarg(node: fx.Node) -> bool:
     if op_name(node) not in FP32_OUT_OPS:
         return False
@@ -442,6 +473,14 @@ def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, master_w
         fins = _float_inputs(node)
         inputs[node.name] = [a.name for a in fins]
         module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+        if module is not None and _is_unit(module):  # a converted block: its inputs in the dtypes it was made for
+            lab = _unit_output_label(node, info, low)
+            fixed[node.name] = lab
+            for a, d in _unit_inputs(node, module):
+                req(a, Req(node.name, "fixed", LOW if d == low else FP32))
+            nodes[node.name] = NodePlan(None, lab, "converted block (a module of its own, planned apart): takes "
+                                                   "its inputs in the dtypes its plan chose")
+            continue
         cls, reason = policy.classify(node, module, module_path(node))
         if not fins:
             if is_value:  # a source: creation op, or computed from integers only

@@ -48,6 +48,17 @@ class Report:
                          f"{r.op_class or '-':<8}  {r.dtype:<5}  {r.reason}{casts}")
         t = self.totals
         lines.append("")
+        if t.get("eager"):
+            lines.append("converted piecewise; these parts stay eager (the model's own Python runs them):")
+            lines.extend(f"  {name or '(the model itself)'}: {why}" for name, why in t["eager"].items())
+        if t.get("blocks"):
+            lines.append("blocks: converted modules of their own (report(gm.get_submodule(name)) for each):")
+            for name, b in t["blocks"].items():
+                extra = (f"; casts {b['casts']}, parameters stored low {b['low_parameters']}, inputs "
+                         f"{', '.join(b['inputs']) or '-'}") if "casts" in b else ""
+                lines.append(f"  {name}: {b['plan']}{extra}")
+        if t.get("capture") == "piecewise":
+            return "\n".join(lines)
         lines.append(f"captured by {t['capture']}; low dtype {t['dtype']}; nodes per dtype: "
                      + ", ".join(f"{k} {v}" for k, v in t["nodes_per_dtype"].items()))
         lines.append(f"casts per forward: {t['casts']} ({t['cast_bytes']:,} bytes); naive rule would use "
@@ -113,6 +124,13 @@ def report(gm: fx.GraphModule) -> Report:
         raise ValueError("report() needs a module made by autocastfx.convert()")
     if info.plan is None and "saved_report" in info.extra_totals:  # loaded by autocastfx.load()
         return info.extra_totals["saved_report"]
+    if not hasattr(gm, "graph"):  # converted piecewise: the model's own Python around converted parts
+        totals = {"capture": info.capture, "dtype": _SHORT[info.dtype], "nodes_per_dtype": {}, "casts": 0,
+                  "cast_elements": 0, "cast_bytes": 0, "casts_naive": 0, "cast_bytes_naive": 0,
+                  "low_parameters": 0, "absorbed_casts": 0, "flops": 0, "low_flops": 0, "low_flop_share": 0.0,
+                  "unclassified": []}
+        totals.update(info.extra_totals)
+        return Report([], totals)
     rows = []
     per_dtype: dict[str, int] = {}
     casts = cast_elems = 0

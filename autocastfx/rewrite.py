@@ -164,3 +164,27 @@ def apply_plan(gm: fx.GraphModule, plan: CastPlan) -> None:
                                            added_dtype_kwarg=np_.fp32_out)
     graph.lint()
     gm.recompile()
+
+
+def entry_casts(gm: fx.GraphModule) -> list[str]:
+    """Each float input taken as ``x.to(dtype)`` in the dtype the graph was converted for: a block converted for
+    a float16 input runs on a float32 one too, and on the float16 it was made for the call is free (``Tensor.to``
+    returns the tensor itself, no kernel runs)."""
+    graph = gm.graph
+    places = [n for n in graph.nodes if n.op == "placeholder"]
+    made = []
+    for p in places:
+        info = p.meta.get("autocastfx_info")
+        if not (isinstance(info, TensorInfo) and info.dtype in _CASTABLE) or not p.users:
+            continue
+        with graph.inserting_after(places[-1]):
+            c = graph.call_method("to", (p, info.dtype))
+        c._rename(f"{p.name}_as_{_SHORT[info.dtype]}")
+        p.replace_all_uses_with(c, delete_user_cb=lambda u: u is not c)
+        c.meta["autocastfx_info"] = info
+        c.meta["autocastfx"] = Decision("other", None, info.dtype, "the input in the dtype this block was converted "
+                                        "for (no copy when it already is)")
+        made.append(c.name)
+    graph.lint()
+    gm.recompile()
+    return made

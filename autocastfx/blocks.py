@@ -1,0 +1,543 @@
+"""Blocks: a model converted block by block, its blocks kept as modules; piecewise conversion of a model that
+does not capture as a whole.
+
+``convert(model, x, blocks="auto")`` (the default) converts each block of the model (the repeated children of
+its ``nn.ModuleList``s: a transformer's decoder layers, a network's stages) as a converted module of its own,
+at the same qualified name, inside the same container, then the model around them with each block a
+``call_module`` node of its graph:
+
+- **One run decides every boundary.** The model runs once on the example inputs (eval mode, no gradients, the
+  random number generator untouched) with each block replaced by a stand-in that converts it, on first call,
+  with the inputs it receives there: the blocks before it are converted already, so those inputs have the
+  dtypes the converted model will give it. A block takes its inputs and gives its outputs in the dtypes its
+  plan prefers (``keep_io_types=False``): an activation that leaves one block low enters the next low, without
+  a round trip through float32.
+- **Blocks alike are planned once.** A block of the same class, attributes, parameter shapes and input
+  shapes as one converted before it is a copy of that one with its own weights: converting a deep stack
+  costs about one block.
+- **The model around the blocks** is captured with the blocks as leaves (``symbolic_trace``) and planned
+  like any model, a block's call taking its inputs in the dtypes that block was converted for.
+- **Piecewise.** Where the model around the blocks does not trace (its Python is not a graph: Hugging Face
+  models, a loss with a data-dependent branch), it runs as the model's own Python; its children that hold
+  matmuls and convolutions are converted each on its own (float32 at their boundaries, so the dtypes the blocks
+  were converted for stay the ones they get), recursing into those that do not capture; the report and one
+  warning say what stayed eager and why.
+
+Each converted unit (a block, the root) keeps its own plan, masters and report section; the training step,
+``shard()`` (FSDP2: each block a unit of its own) and checkpoints work over the tree.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from . import capture as _capture
+
+AUTO = "auto"
+BLOCK_META = "autocastfx_block"  # gm.meta of a converted block: its name, its inputs' dtypes, whence its plan
+
+
+def is_unit(m: nn.Module) -> bool:
+    """Whether ``m`` is a module autocastfx converted (a block, or a whole model)."""
+    meta = getattr(m, "meta", None)
+    return isinstance(meta, dict) and meta.get("autocastfx") is not None
+
+
+# --------------------------------------------------------------------------------------------- choice
+
+def choose(model: nn.Module, blocks: Any, policy) -> list[str]:
+    """The qualified names of the blocks to convert on their own, in the model's order (outermost only)."""
+    if blocks is None or blocks is False:
+        return []
+    named = dict(model.named_modules())
+    if blocks == AUTO or blocks is True:
+        names = []
+        for name, m in model.named_modules():
+            if not isinstance(m, nn.ModuleList) or _inside(name, names):
+                continue
+            kinds = collections.Counter(type(c) for c in m.children())
+            for key, c in m.named_children():
+                if kinds[type(c)] >= 2 and not policy.is_leaf(c) and _has_gemm(c):
+                    names.append(f"{name}.{key}" if name else key)
+        return names
+    if callable(blocks):
+        picked = [n for n, m in model.named_modules() if n and blocks(n, m)]
+    elif isinstance(blocks, (list, tuple)) and all(isinstance(b, str) for b in blocks):
+        picked = list(blocks)
+        missing = [b for b in picked if b not in named or not b]
+        if missing:
+            lists = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+            raise ValueError(f"blocks={missing} are not submodules of {type(model).__name__}; blocks takes qualified "
+                             f"names such as 'layers.0' (its ModuleLists: {lists[:8]}), a function (name, module) "
+                             "-> bool, 'auto' or None")
+    else:
+        raise TypeError("blocks must be 'auto', None (one graph for the whole model), a list of submodule names "
+                        f"or a function (name, module) -> bool; got {blocks!r}")
+    order = {n: i for i, n in enumerate(named)}
+    out: list[str] = []
+    for n in sorted(set(picked), key=order.__getitem__):
+        if not _inside(n, out):
+            out.append(n)
+    return out
+
+
+def _inside(name: str, outer: list[str]) -> bool:
+    return any(name == o or name.startswith(o + ".") for o in outer)
+
+
+_GEMM_TYPES: tuple[type, ...] = (nn.Linear, nn.modules.conv._ConvNd, nn.MultiheadAttention)
+
+
+def _has_gemm(m: nn.Module) -> bool:
+    """Whether a module holds a matmul or convolution with weights: what converting it is for."""
+    return any(isinstance(s, _GEMM_TYPES) or type(s).__name__ == "Conv1D" for s in m.modules())
+
+
+# ------------------------------------------------------------------------------------------ conversion
+
+class _Stand(nn.Module):
+    """Where a block was, during the one run: converts it on its first call, with that call's inputs."""
+
+    def __init__(self, name: str, block: nn.Module, make: Callable):
+        super().__init__()
+        self.name, self.block, self.make = name, block, make
+        self.unit: nn.Module | None = None
+        self.calls = 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        if self.unit is None:
+            self.unit = self.make(self.name, self.block, args, kwargs)
+        elif self.calls > 1:
+            raise _CalledTwice(self.name)
+        with _no_autocast(args):
+            return self.unit(*args, **kwargs)
+
+
+class _CalledTwice(Exception):
+    pass
+
+
+def _parent(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+    parent, _, key = name.rpartition(".")
+    return (root.get_submodule(parent) if parent else root), key
+
+
+def _put(root: nn.Module, name: str, m: nn.Module) -> None:
+    parent, key = _parent(root, name)
+    parent._modules[key] = m
+
+
+def convert_tree(model: nn.Module, names: list[str], args: tuple, kwargs: dict, convert: Callable,
+                 options: dict, explicit: bool) -> nn.Module:
+    """Convert ``model`` with the blocks ``names`` as modules of their own; ``convert`` is ``autocastfx.convert``,
+    ``options`` its keyword options. Where the model around the blocks does not trace, ``blocks="auto"``
+    (``explicit=False``) converts the model as one graph as before, and only a model that does not capture
+    as one graph either is converted piecewise; blocks the caller named are kept as modules piecewise."""
+    why = _traces_around(model, names, options["policy"])
+    if why is None:
+        try:
+            return _tree(model, names, args, kwargs, convert, options, piecewise=False)
+        except _RootError as e:
+            why = str(e)
+    if not explicit:
+        try:
+            return convert(model, args, example_kwargs=kwargs, blocks=None, **options)
+        except _capture.CaptureError as e:
+            why = _capture._one_line(e).splitlines()[0]
+    return _tree(model, names, args, kwargs, convert, options, piecewise=True, why=why)
+
+
+class _RootError(Exception):
+    pass
+
+
+def _traces_around(model: nn.Module, names: list[str], policy) -> str | None:
+    """None if ``model`` traces with the blocks as calls (``symbolic_trace``, nothing run), else why not."""
+    from .policy import Policy
+    policy = policy if policy is not None else Policy.default()
+    leaves = set(names)
+
+    class Around(_capture._Tracer):
+        def is_leaf_module(self, m, qualname):
+            return qualname in leaves or super().is_leaf_module(m, qualname)
+
+    try:
+        Around(policy).trace(model)
+    except Exception as e:  # noqa: BLE001 - any failure means: not as one graph around the blocks
+        return f"the model's forward does not trace around its blocks ({_capture._one_line(e).splitlines()[0]})"
+    return None
+
+
+def _tree(model, names, args, kwargs, convert, options, *, piecewise: bool, why: str | None = None) -> nn.Module:
+    from .api import convert_block
+    modes = {id(m): m.training for m in model.modules()}
+    tree = _capture._copy(model, share_tensors=True)  # the model's structure; its tensors, until the end
+    plans: dict[Any, nn.Module] = {}
+    made: dict[str, dict] = {}
+
+    def make(name: str, block: nn.Module, a: tuple, k: dict) -> nn.Module:
+        for m in block.modules():  # converted in the modes the model's modules have
+            m.training = modes.get(id(_orig(model, name, block, m)), m.training)
+        if not piecewise:
+            a = _hidden_low(a, options["dtype"])
+        key = _signature(block, a, k)
+        ref = plans.get(key) if key is not None else None
+        unit = _reuse(ref, block) if ref is not None else None
+        if unit is not None:
+            how = f"the plan of {ref.meta[BLOCK_META]['name']}, reused (same structure and input shapes)"
+        else:
+            with _no_autocast(a):
+                unit = convert_block(block, a, k, options, keep_io_types=piecewise)
+            how = f"converted ({unit.meta['autocastfx'].capture})"
+            if key is not None:
+                plans[key] = unit
+        unit.meta[BLOCK_META] = {"name": name, "inputs": _float_dtypes((a, k)), "plan": how}
+        made[name] = unit.meta[BLOCK_META]
+        unit.eval()  # for the rest of the run: no batch-norm statistics updated, no dropout
+        return unit
+
+    stands = {}
+    for name in names:
+        stands[name] = _Stand(name, tree.get_submodule(name), make)
+        _put(tree, name, stands[name])
+    try:
+        with _quiet_run(tree, None if piecewise else options["dtype"], (args, kwargs)):
+            tree(*args, **kwargs)
+    except _CalledTwice as e:  # a block called twice (weights shared between calls) is no block: again without
+        rest = [n for n in names if n != str(e)]
+        if not rest:
+            return convert(model, args, example_kwargs=kwargs, blocks=None, **options)
+        return _tree(model, rest, args, kwargs, convert, options, piecewise=piecewise, why=why)
+    finally:
+        for name, st in stands.items():
+            _put(tree, name, st.unit if st.unit is not None else st.block)
+        _set_modes(tree, model, modes)
+    units = {n: st.unit for n, st in stands.items() if st.unit is not None}
+    skipped = {n: "not called by the model's forward on the example inputs" for n, st in stands.items()
+               if st.unit is None}
+    if not units:
+        return convert(model, args, example_kwargs=kwargs, blocks=None, **options)
+    if piecewise:
+        return _piecewise(model, tree, units, skipped, args, kwargs, convert, options, modes, why)
+    return _root(model, tree, units, skipped, args, kwargs, convert, options, modes)
+
+
+def _orig(model: nn.Module, name: str, block: nn.Module, m: nn.Module) -> nn.Module:
+    """The model's module that ``m`` (a module of the tree's copy of block ``name``) is the copy of."""
+    rel = next((n for n, s in block.named_modules() if s is m), None)
+    full = name if not rel else f"{name}.{rel}"
+    try:
+        return model.get_submodule(full)
+    except AttributeError:
+        return m
+
+
+def _set_modes(tree: nn.Module, model: nn.Module, modes: dict) -> None:
+    """Every module of the tree in the mode its model's module has (a converted unit switched as one)."""
+    originals = dict(model.named_modules())
+    units: list[str] = []
+    for name, m in tree.named_modules():
+        o = originals.get(name)
+        if o is None or _inside(name, units):
+            continue
+        if is_unit(m) and m is not tree:
+            units.append(name)
+            flags = {modes[id(s)] for s in o.modules()}
+            if len(flags) == 1:
+                m.train(flags.pop())
+        else:
+            m.training = modes[id(o)]
+    if is_unit(tree) and hasattr(tree, "graph"):
+        from .modes import set_mode
+        flags = {modes[id(s)] for s in model.modules()}
+        programs = tree.meta.get("autocastfx_programs")
+        if programs is not None and len(flags) == 1:  # the root's running program is its mode's
+            programs.current = None
+            set_mode(tree, model.training)
+            for name, m in tree.named_modules():
+                o = originals.get(name)
+                if o is not None and not _inside(name, units) and not is_unit(m):
+                    m.training = modes[id(o)]
+
+
+def _device_type(value: Any) -> str:
+    for t in torch.utils._pytree.tree_leaves(value):
+        if isinstance(t, torch.Tensor):
+            return t.device.type
+    return "cpu"
+
+
+def _no_autocast(value: Any):
+    return torch.autocast(_device_type(value), enabled=False)
+
+
+@contextlib.contextmanager
+def _quiet_run(tree: nn.Module, low: torch.dtype | None = None, inputs: Any = None):
+    """The one run: eval mode, no gradients, the RNG as it was before. With ``low``, the model's own code
+    between the blocks runs under torch.autocast, so that a block's low output is taken by the float32 code
+    after it (the converted model's plan casts there instead); the blocks themselves run without it."""
+    auto = torch.autocast(_device_type(inputs), dtype=low) if low is not None else contextlib.nullcontext()
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), auto, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Mm]ismatch dtype.*")
+        flags = [(m, m.training) for m in tree.modules()]
+        for m, _ in flags:
+            if not is_unit(m):
+                m.training = False
+        try:
+            yield
+        finally:
+            for m, f in flags:
+                if not is_unit(m):
+                    m.training = f
+
+
+def _hidden_low(args: tuple, low: torch.dtype) -> tuple:
+    """A block's first input (the hidden state a stack passes from block to block) taken low, as the blocks
+    before it give it, where its values fit: the model around the blocks is planned to deliver it so (an
+    embedding stored low, no cast up before the first block), and every block of a stack is converted for the
+    same input. Other inputs (masks, rotary tables) keep the dtype the model gives them."""
+    if not args or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point() \
+            or args[0].dtype == low:
+        return args
+    x = args[0]
+    if x.numel() and not bool(torch.isfinite(x.to(low)).all()):
+        return args
+    return (x.to(low),) + tuple(args[1:])
+
+
+def _float_dtypes(value: Any) -> list:
+    return [t.dtype if isinstance(t, torch.Tensor) and t.is_floating_point() else None
+            for t in torch.utils._pytree.tree_leaves(value)]
+
+
+# --------------------------------------------------------------------------------------------- reuse
+
+_MODULE_STATE = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training"})
+_PLAIN = (int, float, str, bool, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _signature(block: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """What a block's conversion depends on: classes, plain attributes, parameter and buffer metadata, modes,
+    input metadata. None where something of another kind is met (then the block is converted on its own)."""
+    parts: list = []
+    for name, m in block.named_modules():
+        items = [name, type(m), m.training]
+        for k, v in sorted(vars(m).items()):
+            if k in _MODULE_STATE:
+                continue
+            if "hook" in k:
+                if v:
+                    return None
+                continue
+            try:
+                items.append((k, _plain(v)))
+            except TypeError:
+                return None
+        for store in (m._parameters, m._buffers):
+            items.append(tuple((k, None if t is None else (t.shape, t.dtype, t.requires_grad, t.stride()))
+                               for k, t in store.items()))
+        parts.append(tuple(items))
+    try:
+        parts.append(_plain((args, kwargs)))
+    except TypeError:
+        return None
+    return tuple(parts)
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return ("t", v.shape, v.dtype, v.requires_grad, v.stride(), v.device)
+    if isinstance(v, _PLAIN):
+        return (type(v), v)
+    if isinstance(v, (tuple, list)):
+        return (type(v), tuple(_plain(x) for x in v))
+    if isinstance(v, dict):
+        return (dict, tuple((k, _plain(x)) for k, x in v.items()))
+    if callable(v) or hasattr(v, "__dict__"):  # a shared object (a config, a function): the same one
+        return ("id", id(v))
+    raise TypeError(type(v).__name__)
+
+
+def _reuse(ref: nn.Module, block: nn.Module) -> nn.Module | None:
+    """A copy of the converted block ``ref`` holding ``block``'s weights (float32 masters, low copies, buffers);
+    None where the two do not correspond name for name."""
+    info = ref.meta["autocastfx"]
+    own = {id(t) for t in list(ref.parameters()) + list(ref.buffers()) + list(info.masters.values())}
+    memo = {}
+    unit = copy.deepcopy(ref, memo)
+    uinfo = unit.meta["autocastfx"]
+    params = dict(unit.named_parameters(remove_duplicate=False))
+    buffers = dict(unit.named_buffers(remove_duplicate=False))
+    theirs = dict(block.named_parameters(remove_duplicate=False))
+    their_buffers = dict(block.named_buffers(remove_duplicate=False))
+    if set(theirs) != set(params) | set(uinfo.masters) - set(params) and set(theirs) != set(params):
+        return None
+    if set(their_buffers) != set(buffers):
+        return None
+    del own
+    with torch.no_grad():
+        for n, p in theirs.items():
+            if n not in params:
+                return None
+            if n in uinfo.masters:
+                uinfo.masters[n].copy_(p)
+                params[n].copy_(p.to(params[n].dtype))
+            else:
+                params[n].copy_(p)
+        for n, b in their_buffers.items():
+            buffers[n].copy_(b)
+    return unit
+
+
+# ---------------------------------------------------------------------------------------------- root
+
+def _root(model, tree, units, skipped, args, kwargs, convert, options, modes) -> nn.Module:
+    """The model around its converted blocks: one graph with the blocks as call_module nodes."""
+    from .api import _names_by_id
+    try:
+        gm = convert(tree, args, example_kwargs=kwargs, blocks=None, **options)
+    except (_capture.CaptureError, ValueError) as e:
+        raise _RootError(f"the model around its blocks does not convert ({_capture._one_line(e).splitlines()[0]})") from e
+    _keep_containers(gm, tree, units)
+    _set_modes(gm, model, modes)
+    info = gm.meta["autocastfx"]
+    info.source_params = _names_by_id(model)
+    info.extra_totals["blocks"] = _describe(units, skipped)
+    return gm
+
+
+def _keep_containers(gm: nn.Module, tree: nn.Module, units: dict) -> None:
+    """The blocks' containers (``layers``, a ModuleList) in place of the bare modules fx made on their paths,
+    holding what ``gm`` holds at each index (a converted block, or fx's copy of a module the graph reads)."""
+    done = set()
+    for name in units:
+        parent = name.rpartition(".")[0]
+        if not parent or parent in done:
+            continue
+        done.add(parent)
+        container = tree.get_submodule(parent)
+        try:
+            made = gm.get_submodule(parent)
+        except AttributeError:
+            continue
+        kept = copy.copy(container)
+        kept._modules = {k: made._modules[k] if k in made._modules else
+                         (c if is_unit(c) else copy.deepcopy(c)) for k, c in container._modules.items()}
+        _put(gm, parent, kept)
+
+
+def _describe(units: dict, skipped: dict) -> dict:
+    out = {}
+    for name, unit in units.items():
+        b = unit.meta[BLOCK_META]
+        info = unit.meta["autocastfx"]
+        casts = sum(1 for n in unit.graph.nodes if getattr(n.meta.get("autocastfx"), "kind", None) == "cast")
+        out[name] = {"plan": b["plan"], "casts": casts, "low_parameters": len(info.masters),
+                     "inputs": [str(d).removeprefix("torch.") for d in b["inputs"] if d is not None]}
+    for name, why in skipped.items():
+        out[name] = {"plan": f"stays in the model's code ({why})"}
+    return out
+
+
+def _piecewise(model, tree, units, skipped, args, kwargs, convert, options, modes, reason) -> nn.Module:
+    """The model's own Python around converted parts: its children that hold matmuls or convolutions and
+    capture are converted (float32 at their boundaries), recursing into those that do not."""
+    eager: dict[str, str] = {"": reason or "the model's forward does not capture as one graph"}
+    parts: dict[str, nn.Module] = {}
+    candidates = _candidates(tree, "", units)
+    inputs: dict[str, tuple] = {}
+    hooks = []
+    for name in candidates:
+        hooks.append(tree.get_submodule(name).register_forward_pre_hook(
+            lambda m, a, k, name=name: inputs.setdefault(name, (a, k)) and None, with_kwargs=True))
+    try:
+        with _quiet_run(tree):
+            tree(*args, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    todo = [n for n in candidates if n in inputs]
+    while todo:
+        name = todo.pop(0)
+        m = tree.get_submodule(name)
+        a, k = inputs[name]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                part = convert(m, a, example_kwargs=k, blocks=None, **{**options, "keep_io_types": True})
+        except (_capture.CaptureError, ValueError) as e:
+            eager[name] = _capture._one_line(e).splitlines()[0]
+            inner = _candidates(m, name, units)
+            if inner:  # its children, with their inputs from a run of this part
+                hooks = [tree.get_submodule(n).register_forward_pre_hook(
+                    lambda mm, aa, kk, n=n: inputs.setdefault(n, (aa, kk)) and None, with_kwargs=True)
+                    for n in inner]
+                try:
+                    with _quiet_run(m):
+                        m(*a, **k)
+                finally:
+                    for h in hooks:
+                        h.remove()
+                todo = [n for n in inner if n in inputs] + todo
+            continue
+        part.meta[BLOCK_META] = {"name": name, "inputs": _float_dtypes((a, k)),
+                                 "plan": f"converted ({part.meta['autocastfx'].capture}), float32 at its boundary"}
+        _keep_containers(part, m, {n[len(name) + 1:]: u for n, u in units.items() if n.startswith(name + ".")})
+        parts[name] = part
+        _put(tree, name, part)
+    for name in list(inputs):
+        if name not in parts and name not in eager:
+            eager[name] = "not reached"
+    _set_modes(tree, model, modes)
+    own = set()
+    for m in tree.modules():
+        if is_unit(m):
+            own |= {id(t) for t in list(m.parameters()) + list(m.buffers())}
+    _capture.own_tensors(tree, model, skip=own)
+    from .api import ConvertInfo, _names_by_id
+    from .policy import Policy
+    from .plan import CastPlan
+    every = {**units, **parts}
+    tree.meta = {"autocastfx": ConvertInfo(
+        dtype=options.get("dtype", torch.float16), policy=options.get("policy") or Policy.default(),
+        capture="piecewise", plan=CastPlan(options.get("dtype", torch.float16), {}, {}, [], [], [], (0, 0), (0, 0), {}),
+        masters={}, absorbed=[], source_params=_names_by_id(model),
+        options={k: v for k, v in options.items() if k in ("pad_multiple", "master_weights", "keep_io_types",
+                                                           "memory_format")},
+        extra_totals={"blocks": _describe(every, skipped), "eager": eager})}
+    if options.get("keep_io_types", True):
+        tree.register_forward_hook(_outputs_float32)
+    lines = [f"{n or type(model).__name__}: {why}" for n, why in eager.items()]
+    warnings.warn(f"autocastfx: {type(model).__name__} is converted piecewise: {len(every)} parts converted "
+                  f"({', '.join(list(every)[:4])}{' ...' if len(every) > 4 else ''}); the code around them runs "
+                  f"as the model's own Python ({'; '.join(lines[:3])}). report(model) lists every part",
+                  stacklevel=4)
+    return tree
+
+
+def _outputs_float32(module, args, out):
+    return torch.utils._pytree.tree_map(
+        lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t, out)
+
+
+def _candidates(root: nn.Module, prefix: str, units: dict) -> list[str]:
+    """The children of ``root`` worth converting on their own (they hold matmuls or convolutions and are not
+    converted yet), by qualified name in the tree."""
+    out = []
+    for key, c in root.named_children():
+        name = f"{prefix}.{key}" if prefix else key
+        if name in units or is_unit(c):
+            continue
+        if isinstance(c, (nn.ModuleList, nn.ModuleDict)):
+            out += _candidates(c, name, units)
+        elif _has_gemm(c):
+            out.append(name)
+    return out
