@@ -4,7 +4,7 @@ from .capture import CaptureError
 from .checks import StepError
 from .diagnose import GradHistogram, calibrate, grad_histogram
 from .distributed import load_checkpoint, save_checkpoint, shard, train_step
-from .export import ExportCheckError, FormatError, export, load, save
+from .export import ExportCheckError, ExportError, FormatError, export, load, save
 from .inference import for_inference
 from .graphed import CudaGraphStep
 from .plan import CastPlan
@@ -16,6 +16,6 @@ from .step import StepStats, TrainStep
 
 __all__ = ["convert", "report", "master_parameters", "Policy", "OpClass", "Report", "CastPlan", "Decision",
            "ConvertInfo", "CaptureError", "train_step", "TrainStep", "StepStats", "LossScaleError", "StepError",
-           "export", "save", "load", "FormatError", "ExportCheckError", "for_inference", "calibrate",
+           "export", "save", "load", "FormatError", "ExportCheckError", "ExportError", "for_inference", "calibrate",
            "grad_histogram", "GradHistogram", "CudaGraphStep", "shard", "save_checkpoint", "load_checkpoint"]
 __version__ = "0.1.0"

@@ -151,12 +151,18 @@ def convert_tree(model: nn.Module, names: list[str], args: tuple, kwargs: dict, 
         try:
             return convert(model, args, example_kwargs=kwargs, blocks=None, **options)
         except _capture.CaptureError as e:
-            why = _capture._one_line(e).splitlines()[0]
+            why = _why(e)
     return _tree(model, names, args, kwargs, convert, options, piecewise=True, why=why)
 
 
 class _RootError(Exception):
     pass
+
+
+def _why(e: BaseException) -> str:
+    """A capture error in one line: what each way of capturing said."""
+    lines = [ln.strip() for ln in str(e).splitlines() if "failed:" in ln]
+    return "; ".join(lines)[:400] if lines else _capture._one_line(e).splitlines()[0][:400]
 
 
 def _traces_around(model: nn.Module, names: list[str], policy) -> str | None:
@@ -474,7 +480,7 @@ def _piecewise(model, tree, units, skipped, args, kwargs, convert, options, mode
                 warnings.simplefilter("ignore")
                 part = convert(m, a, example_kwargs=k, blocks=None, **{**options, "keep_io_types": True})
         except (_capture.CaptureError, ValueError) as e:
-            eager[name] = _capture._one_line(e).splitlines()[0]
+            eager[name] = _why(e)
             inner = _candidates(m, name, units)
             if inner:  # its children, with their inputs from a run of this part
                 hooks = [tree.get_submodule(n).register_forward_pre_hook(

@@ -63,13 +63,33 @@ def example_inputs_of(gm: fx.GraphModule) -> tuple[tuple, dict]:
 
 def export_program(gm: fx.GraphModule, example_inputs: tuple | None = None, example_kwargs: dict | None = None,
                    dynamic_shapes: Any = None) -> torch.export.ExportedProgram:
-    _info(gm)
+    info = _info(gm)
+    piecewise = info.capture == "piecewise"
     if example_inputs is None and example_kwargs is None:
+        if piecewise:
+            raise ValueError("a module converted piecewise has no graph of its own to take example inputs from: "
+                             "pass example_inputs (and example_kwargs) to export it")
         example_inputs, example_kwargs = example_inputs_of(gm)
     if isinstance(example_inputs, torch.Tensor):
         raise TypeError("example_inputs must be a tuple of inputs: write (x,) instead of x")
-    return torch.export.export(gm, tuple(example_inputs or ()), dict(example_kwargs or {}),
-                               dynamic_shapes=dynamic_shapes, strict=False)
+    try:
+        return torch.export.export(gm, tuple(example_inputs or ()), dict(example_kwargs or {}),
+                                   dynamic_shapes=dynamic_shapes, strict=False)
+    except Exception as e:  # noqa: BLE001 - said with the part that stops it
+        if not piecewise:
+            raise
+        eager = info.extra_totals.get("eager", {})
+        parts = "; ".join(f"{n or type(gm).__name__}: {why}" for n, why in eager.items())
+        raise ExportError(
+            f"{type(gm).__name__} was converted piecewise and torch.export cannot capture it either: the code "
+            f"that stays eager stops it ({parts}). torch.export says: {str(e).strip().splitlines()[0][:300]}. "
+            "Export a converted part instead (autocastfx.export(gm.get_submodule(name), ...), names in "
+            "report(gm)), or call the model so that the data-dependent branch is not taken (without labels=)"
+        ) from e
+
+
+class ExportError(RuntimeError):
+    """A converted module that cannot be exported, and why."""
 
 
 FORMATS = {".pt2": "a torch.export archive", ".onnx": "an ONNX model"}

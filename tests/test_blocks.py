@@ -276,3 +276,14 @@ def test_a_model_that_does_not_capture_is_converted_piecewise():
     assert losses[-1] < losses[0]
     gm.eval()
     assert torch.equal(gm(x), gm(x))
+
+
+def test_export_of_a_piecewise_model_works_without_the_branch_or_names_what_stops_it(tmp_path):
+    torch.manual_seed(0)
+    model, x, y = DataDependentLoss(layers=2), ids(), ids(seed=7)
+    gm = autocastfx.convert(model, (x,), example_kwargs={"labels": y})
+    from autocastfx.export import ExportError
+    with pytest.raises(ExportError, match="piecewise.*DataDependentLoss: torch.fx.symbolic_trace failed"):
+        autocastfx.export(gm, tmp_path / "m.pt2", (x,), example_kwargs={"labels": y})
+    ep = autocastfx.export(gm, tmp_path / "m.pt2", (x,))  # without labels the model's code is a graph
+    torch.testing.assert_close(ep.module()(x), gm.eval()(x), rtol=0, atol=1e-6)

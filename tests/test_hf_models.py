@@ -74,3 +74,41 @@ def test_real_model_in_both_modes_and_training(build):
     gm.eval()
     with torch.no_grad():
         assert torch.equal(gm(**inputs).logits, gm(**inputs).logits)
+
+
+def test_deberta_with_labels_converts_piecewise_and_trains_on_its_own_loss():
+    """DeBERTa-v2 called with labels= captures in no way (its loss branches on the labels' values: torch.export
+    stops at a data-dependent guard): its encoder layers and the parts that capture are converted, the rest runs
+    as the model's own Python, and it trains through the generated step on its own out.loss."""
+    torch.manual_seed(0)
+    model, inputs = deberta()
+    inputs = {**inputs, "labels": torch.tensor([1, 2])}
+    model.eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gm = autocastfx.convert(model, example_kwargs=inputs)
+    assert any("piecewise" in str(w.message) for w in caught)
+    units = {n for n, m in gm.named_modules() if n and "autocastfx" in getattr(m, "meta", {})}
+    assert {"deberta.encoder.layer.0", "deberta.encoder.layer.1"} <= units, units
+    r = autocastfx.report(gm)
+    assert r.totals["capture"] == "piecewise" and r.totals["eager"]
+    with torch.no_grad():
+        ref = model(**inputs)
+        with torch.autocast("cpu", dtype=torch.float16):
+            ac = model(**inputs)
+        with AtenRecorder() as rec:
+            outs = [gm(**inputs) for _ in range(3)]
+    assert all(torch.equal(outs[0].logits, o.logits) for o in outs[1:])
+    err, autocast_err = _rel(outs[0].logits, ref.logits), _rel(ac.logits.float(), ref.logits)
+    assert err < max(2 * autocast_err, 2e-3), (err, autocast_err)
+    assert abs(float(outs[0].loss) - float(ref.loss)) < 1e-2
+    mm = [c for c in rec.calls if c.name in ("mm", "addmm", "bmm")]
+    low = [c for c in mm if torch.float16 in c.in_dtypes]
+    assert len(low) >= len(mm) // 2 and all(torch.float32 not in c.in_dtypes for c in low)
+    gm.train()
+    step = autocastfx.train_step(gm, lambda out: out.loss, torch.optim.AdamW(gm.parameters(), lr=1e-3))
+    losses = [float(step(inputs)) for _ in range(4)]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+    gm.eval()
+    with torch.no_grad():
+        assert torch.equal(gm(**inputs).logits, gm(**inputs).logits)
