@@ -238,8 +238,11 @@ def weights_by_name(step):
 # ----------------------------------------------------------------------------------------- the ranks
 def _run(rank, mode, steps, out, **kw):
     from torch.distributed.fsdp import fully_shard
-    if mode == "plain":  # every parameter float32 in the module: one dtype per group
+    if mode == "plain":  # the plain recipe (each block, then the root); every parameter float32 in the module
         gm = converted(master_weights=False)
+        assert isinstance(gm.layers, nn.ModuleList) and all("autocastfx" in b.meta for b in gm.layers)
+        for block in gm.layers:
+            fully_shard(block)
         fully_shard(gm)
     elif mode == "blocks":  # the plain recipe on a module tree: each converted block, then the root
         gm = block_tree(norm=LlamaRMSNorm)
