@@ -59,7 +59,7 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
             options = dict(dtype=dtype, policy=policy, pad_multiple=pad_multiple, master_weights=master_weights,
                            keep_io_types=keep_io_types, memory_format=memory_format)
             return _blocks.convert_tree(model, names, args, kwargs, convert, options,
-                                        explicit=blocks not in ("auto", True))
+                                        explicit=blocks != "auto")
     with _no_gc():  # a conversion makes many small objects and frees few: cyclic collections only cost time
         return _convert(model, example_inputs, example_kwargs, dtype, policy, pad_multiple, master_weights,
                         keep_io_types, memory_format)

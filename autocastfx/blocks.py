@@ -188,6 +188,7 @@ def _tree(model, names, args, kwargs, convert, options, *, piecewise: bool, why:
     tree = _capture._copy(model, share_tensors=True)  # the model's structure; its tensors, until the end
     plans: dict[Any, nn.Module] = {}
     made: dict[str, dict] = {}
+    failed: dict[str, str] = {}
 
     def make(name: str, block: nn.Module, a: tuple, k: dict) -> nn.Module:
         for m in block.modules():  # converted in the modes the model's modules have
@@ -200,8 +201,12 @@ def _tree(model, names, args, kwargs, convert, options, *, piecewise: bool, why:
         if unit is not None:
             how = f"the plan of {ref.meta[BLOCK_META]['name']}, reused (same structure and input shapes)"
         else:
-            with _no_autocast(a):
-                unit = convert_block(block, a, k, options, keep_io_types=piecewise)
+            try:
+                with _no_autocast(a):
+                    unit = convert_block(block, a, k, options, keep_io_types=piecewise)
+            except _capture.CaptureError as e:  # stays the model's module: traced with the model, or eager
+                failed[name] = f"does not capture on its own ({_why(e)})"
+                return block
             how = f"converted ({unit.meta['autocastfx'].capture})"
             if key is not None:
                 plans[key] = unit
@@ -226,9 +231,9 @@ def _tree(model, names, args, kwargs, convert, options, *, piecewise: bool, why:
         for name, st in stands.items():
             _put(tree, name, st.unit if st.unit is not None else st.block)
         _set_modes(tree, model, modes)
-    units = {n: st.unit for n, st in stands.items() if st.unit is not None}
-    skipped = {n: "not called by the model's forward on the example inputs" for n, st in stands.items()
-               if st.unit is None}
+    units = {n: st.unit for n, st in stands.items() if st.unit is not None and is_unit(st.unit)}
+    skipped = {n: failed.get(n, "not called by the model's forward on the example inputs") for n in stands
+               if n not in units}
     if not units:
         return convert(model, args, example_kwargs=kwargs, blocks=None, **options)
     if piecewise:

@@ -273,8 +273,11 @@ def shard(gm: nn.Module, mesh=None, reshard_after_forward: bool = True) -> nn.Mo
             # FSDP2 runs a group's hooks when its modules run; a group whose modules are partly called and partly
             # read through get_attr takes FSDP2's partial-forward path and loses the read weights' gradients, so
             # the two kinds are two groups
-            called = {str(n.target) for g in _graphs(unit) for n in g.nodes if n.op == "call_module"}
             names = {id(m): n for n, m in unit.named_modules()}
+            if hasattr(unit, "graph"):
+                called = {str(n.target) for g in _graphs(unit) for n in g.nodes if n.op == "call_module"}
+            else:  # converted piecewise: the model's own Python calls its modules
+                called = set(names.values())
             calls = [m for m in fp32_owners if names.get(id(m)) in called]
             reads = [m for m in fp32_owners if names.get(id(m)) not in called]
             for group in (calls, reads):

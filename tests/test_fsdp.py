@@ -595,3 +595,57 @@ def test_example_trains_with_torchrun_on_two_processes(tmp_path):
     resumed = torchrun("--steps", "25", "--resume").splitlines()
     assert any("resumed from" in line and "at update 20" in line for line in resumed), resumed
     assert [line.split()[1] for line in resumed if line.startswith("update")] == ["25"]
+
+
+# ------------------------------------------- a Hugging Face Llama: its decoder layers as blocks, under FSDP2
+def _hf_llama():
+    import transformers as tf
+    cfg = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # blocks=True: the decoder layers stay modules though the model around them does not trace
+        return autocastfx.convert(model, example_kwargs={"input_ids": _hf_batch(0)[:2], "use_cache": False},
+                                  blocks=True)
+
+
+def _hf_batch(i):
+    return torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(i))
+
+
+def _hf_loss(out, ids):
+    return F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+def _hf_worker(rank, init_file, out_dir):
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        gm = _hf_llama()
+        recipe = [type(b).__name__ for b in gm.model.layers]
+        from torch.distributed.fsdp import FSDPModule
+        autocastfx.shard(gm)
+        sharded = [isinstance(b, FSDPModule) for b in gm.model.layers]
+        step = autocastfx.train_step(gm, _hf_loss, torch.optim.SGD(gm.parameters(), lr=0.1))
+        losses = []
+        for i in range(5):
+            ids = _hf_batch(i)[rank * 2:(rank + 1) * 2]
+            losses.append(float(step({"input_ids": ids, "use_cache": False}, ids)))
+        torch.save({"losses": losses, "recipe": recipe, "sharded": sharded}, os.path.join(out_dir, f"hf{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_hugging_face_llama_decoder_layers_train_sharded_as_blocks(tmp_path):
+    pytest.importorskip("transformers")
+    mp.spawn(_hf_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    r = [torch.load(tmp_path / f"hf{i}.pt", weights_only=False) for i in range(WORLD)]
+    assert all(r[0]["sharded"]) and len(r[0]["sharded"]) == 2  # each decoder layer its own FSDP2 unit
+    gm = _hf_llama()
+    step = autocastfx.train_step(gm, _hf_loss, torch.optim.SGD(gm.parameters(), lr=0.1))
+    ref = [float(step({"input_ids": _hf_batch(i), "use_cache": False}, _hf_batch(i))) for i in range(5)]
+    mean = [(a + b) / 2 for a, b in zip(r[0]["losses"], r[1]["losses"])]
+    print("FSDP2 2 ranks vs one process, Llama blocks:", max(abs(a - b) for a, b in zip(mean, ref)))
+    torch.testing.assert_close(torch.tensor(mean), torch.tensor(ref), rtol=0, atol=2e-3)
