@@ -187,3 +187,19 @@ def test_refusals_name_the_fix(tmp_path):
     _refused(tmp_path, Lit(), "gradient_clip_algorithm='norm'", gradient_clip_val=1.0, gradient_clip_algorithm="value")
     _refused(tmp_path, TwoNets(), r"attribute='\.\.\.'")
     _refused(tmp_path, Lit(), "is not a module", plugins=[MixedPrecision(attribute="lr")])
+
+
+class Checked(Lit):
+    def on_train_start(self):
+        self.converted_at_start = "autocastfx" in getattr(self.model, "meta", {})
+
+
+def test_example_input_converts_at_setup_and_uneven_accumulation(tmp_path):
+    lit = Checked()
+    trainer = L.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, accumulate_grad_batches=3,
+                        plugins=[MixedPrecision(example_input=lambda module: torch.zeros(8, 32))])
+    trainer.fit(lit, DataLoader(_data(56, 1), batch_size=8))
+    assert lit.converted_at_start
+    step = trainer.precision_plugin.step
+    assert step.stats.summary()["steps"] == trainer.global_step == 6  # windows of 3, 3 and 1 batches an epoch
