@@ -179,6 +179,8 @@ def _refused(tmp_path, lit, match, exc=ValueError, **kw):
 
 
 def test_refusals_name_the_fix(tmp_path):
+    import autocastfx.lightning
+    assert autocastfx.lightning.MixedPrecision is MixedPrecision  # the short name
     with pytest.raises(ValueError, match="autocastfx.integrations.lightning.MixedPrecision"):
         L.Trainer(precision="16-mixed", plugins=[MixedPrecision()])  # Lightning's own check, naming the plugin
     with pytest.raises(ValueError, match="float16 or torch.bfloat16"):
