@@ -158,6 +158,48 @@ def test_training_forward_runs_its_matmuls_in_float16(tmp_path):
     assert mms and sum(torch.float16 in c.in_dtypes for c in mms) > len(mms) // 2
 
 
+class TiedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 10)
+        self.b.weight = self.a.weight  # one weight, two names: the converted module keeps one
+
+    def forward(self, x):
+        return self.head(F.relu(self.b(F.relu(self.a(x)))))
+
+
+class Tied(Lit):
+    def __init__(self):
+        super().__init__()
+        self.model = TiedNet()
+
+
+def test_checkpoints_hold_the_models_float32_weights_and_load_both_ways(tmp_path):
+    torch.manual_seed(0)
+    lit = Tied()
+    trainer = _trainer(tmp_path, 1, callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)])
+    val = DataLoader(_data(16, 2), batch_size=8)
+    trainer.fit(lit, DataLoader(_data(32, 1), batch_size=8), val)
+    path = str(tmp_path / "ckpt" / "last.ckpt")
+    weights = torch.load(path, weights_only=False)["state_dict"]
+    masters = lit.model.meta["autocastfx"].masters
+    assert torch.equal(weights["model.a.weight"], masters["a.weight"])
+    assert torch.equal(weights["model.b.weight"], masters["a.weight"])  # under both names
+
+    plain = Tied()
+    plain.load_state_dict(weights)  # strict: the unconverted module, float32
+    assert torch.equal(plain.model.b.weight, masters["a.weight"]) and plain.model.a.weight is plain.model.b.weight
+    before = {k: v.clone() for k, v in masters.items()}
+    with torch.no_grad():
+        for m in masters.values():
+            m.zero_()
+    assert trainer.validate(lit, val, ckpt_path=path, verbose=False)  # into the converted module
+    assert all(torch.equal(masters[k], before[k]) for k in masters)  # its masters set from the checkpoint
+    resumed = Tied()
+    _trainer(tmp_path / "resumed", 2).fit(resumed, DataLoader(_data(32, 1), batch_size=8), val, ckpt_path=path)
+    assert len(resumed.losses) == 4
+
+
 class Manual(Lit):
     def __init__(self):
         super().__init__()

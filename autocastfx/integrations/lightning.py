@@ -26,8 +26,10 @@ How it hooks in (Lightning 2.x):
 - ``optimizer_step()`` runs the closure (training_step, zero_grad, backward) and Lightning's hooks, and leaves
   the optimizer alone: the step has updated it already;
 - ``state_dict()`` is the step's (loss scale and its history, masters, micro-batch count, random state), which
-  Lightning keeps in each checkpoint; the checkpoint's own ``state_dict`` holds the float32 masters in place of
-  the low-precision weights, so it loads into the unconverted LightningModule; resuming restores the step;
+  Lightning keeps in each checkpoint; the checkpoint's own ``state_dict`` holds the network's weights as the
+  model has them (float32 masters in place of the low-precision copies, tied weights under each name), so it
+  loads into the unconverted LightningModule, and into the converted one (masters included); resuming loads
+  the weights, converts, and restores the step, the random state at the point the checkpoint was written;
 - ``loss_scale``, ``skipped_steps`` and ``grad_norm`` are logged (``LightningModule.log``: every logger) at the
   Trainer's logging interval only: the step keeps them on the device, and only then are they read.
 """
@@ -41,6 +43,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 import autocastfx
+from autocastfx.step import all_masters
 
 pl = None
 for _name in ("lightning.pytorch", "pytorch_lightning"):
@@ -98,6 +101,7 @@ class MixedPrecision(Precision):
         self._optimizer = optimizers[0] if fitting else None
         net = getattr(model, self.name)
         if _is_converted(net):
+            self._adopt(net)
             if fitting:
                 self._build_step(net)
         elif self.example_input is not None:
@@ -154,9 +158,16 @@ class MixedPrecision(Precision):
                                     **self.convert_kwargs)
             gm.train(net.training)
             setattr(self.module, self.name, gm)
+            self._adopt(gm)
             if self._optimizer is not None:
                 self._build_step(gm)
         return gm
+
+    def _adopt(self, gm: nn.Module) -> None:
+        """The converted module takes this plugin's checkpoints (the model's names, float32) as they are."""
+        if not getattr(gm, "_loads_model_weights", False):
+            gm.register_load_state_dict_pre_hook(_load_model_weights)
+            gm._loads_model_weights = True
 
     def _build_step(self, gm: nn.Module) -> None:
         trainer = self.module.trainer
@@ -229,14 +240,44 @@ class MixedPrecision(Precision):
             self._pending = state
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.step is None:
+        net = getattr(self.module, self.name, None) if self.module is not None else None
+        if not _is_converted(net):
             return
-        weights, prefix = checkpoint["state_dict"], self.name + "."
-        for n, m in zip(self.step.names, self.step.masters):
-            if prefix + n in weights:  # float32, loadable into the unconverted network
-                weights[prefix + n] = m.detach().clone()
+        # the network's weights as the model has them: float32 masters in place of the low-precision copies,
+        # under every name (tied weights have several; the converted module keeps one), so that they load into
+        # the unconverted network (a resumed run's, load_from_checkpoint) as its float32 weights
+        weights, prefix, masters = checkpoint["state_dict"], self.name + ".", all_masters(net)
+        for own, names in _model_names(net).items():
+            if prefix + own in weights:
+                value = masters[own].detach().clone() if own in masters else weights[prefix + own]
+                weights.update({prefix + n: value for n in names})
 
 
 def _is_converted(m: nn.Module) -> bool:
     meta = getattr(m, "meta", None)
     return isinstance(meta, dict) and meta.get("autocastfx") is not None
+
+
+def _model_names(gm: nn.Module) -> dict[str, tuple[str, ...]]:
+    """The converted module's name of each of the model's parameters -> every name the model has for it."""
+    own = gm.state_dict(keep_vars=True)
+    out = {}
+    for names in gm.meta["autocastfx"].source_params.values():
+        have = next((n for n in names if n in own), None)
+        if have is not None:
+            out[have] = names
+    return out
+
+
+def _load_model_weights(gm, state_dict, prefix, *args) -> None:
+    """load_state_dict pre-hook of the converted module, so that this plugin's checkpoints load into it too
+    (``trainer.validate(ckpt_path=...)`` after ``fit``): the names of tied weights it keeps under another name
+    are dropped, and each master is set to the loaded weight, as the low-precision copy is."""
+    masters = all_masters(gm)
+    for own, names in _model_names(gm).items():
+        for n in names:
+            if n != own:
+                state_dict.pop(prefix + n, None)
+        if own in masters and prefix + own in state_dict:
+            with torch.no_grad():
+                masters[own].copy_(state_dict[prefix + own])
