@@ -108,7 +108,8 @@ def main(argv=None):
     metrics = trainer.callback_metrics
     print(f"val loss {float(metrics['val_loss']):.3f}, val accuracy {float(metrics['val_acc']) * 100:.1f}%")
     s = trainer.precision_plugin.step.stats.summary()
-    print(f"loss scale {s['scale']:g}, {s['steps']} updates, {s['skipped']} skipped, last grad norm {s['grad_norm']:.3f}")
+    print(f"loss scale {s['scale']:g}, {s['steps']} updates, {s['skipped']} skipped, "
+          f"last grad norm {s['grad_norm']:.3f}")
     with open(f"{trainer.logger.log_dir}/metrics.csv") as f:
         scales = [(r["step"], r["loss_scale"]) for r in csv.DictReader(f) if r.get("loss_scale")]
     print(f"loss_scale in the CSV log at {len(scales)} steps ({scales[0][0]} to {scales[-1][0]}): "

@@ -92,7 +92,7 @@ def test_fit_matches_float32_with_accumulation_clipping_schedule_and_validation(
     assert len(ours.losses) == len(ref.losses) == 21  # 3 epochs of 7 batches
     worst = max(abs(a - b) for a, b in zip(ours.losses, ref.losses))
     print(f"Lightning: largest loss difference to float32 over {len(ours.losses)} steps: {worst:.2e}")
-    assert worst < 1e-3  # float16 noise on a loss near 2.3 (measured: 1.6e-4)
+    assert worst < 1e-3  # float16 noise on a loss near 2.3 (measured: 3.5e-4)
     assert ours.val_modes == ref.val_modes and not any(ours.val_modes)  # sanity check + 3 epochs, all in eval
 
     step = trainer.precision_plugin.step
@@ -102,7 +102,8 @@ def test_fit_matches_float32_with_accumulation_clipping_schedule_and_validation(
     real = trainer.optimizers[0]
     assert real.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.8 ** 12)  # the scheduler drives the updates
     diffs = [(m - p).abs() for m, p in zip(autocastfx.master_parameters(ours.model), ref.model.parameters())]
-    print(f"weights: largest difference {max(d.max() for d in diffs):.1e}, mean {torch.cat([d.flatten() for d in diffs]).mean():.1e}")
+    mean = torch.cat([d.flatten() for d in diffs]).mean()
+    print(f"weights: largest difference {max(d.max() for d in diffs):.1e}, mean {mean:.1e}")
     assert all(d.max() < 1e-2 and d.mean() < 1e-4 for d in diffs)  # AdamW moves a weight by up to lr=1e-2 a step
 
     rows = [r for r in _rows(trainer) if r.get("loss_scale")]

@@ -210,7 +210,7 @@ class MixedPrecision(Precision):
             self._stepping = False
         self._after_closure(model, optimizer)  # on_before_optimizer_step hooks; clipping was the step's
         trainer = model.trainer
-        if trainer.loggers and trainer._logger_connector.should_update_logs:
+        if self.step is not None and trainer.loggers and trainer._logger_connector.should_update_logs:
             s = self.step.stats.summary()  # read here, at the Trainer's logging interval only
             logs = {"loss_scale": s["scale"], "skipped_steps": float(s["skipped"])}
             if s["grad_norm"] is not None:
