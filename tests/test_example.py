@@ -18,3 +18,31 @@ def test_train_digits_runs(tmp_path):
     assert "def train_step(inputs, *targets):" in out and "casts per forward" in out
     acc = [float(tok.rstrip("%")) for tok in out.split("test accuracy:")[1].split("\n")[0].split() if tok.endswith("%")]
     assert len(acc) == 2 and acc[1] > 80.0  # one epoch already learns the digits
+
+
+# the trainer examples, small: each is a function call with tiny settings
+
+def _example(name):
+    import importlib
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
+def test_train_lightning_runs(tmp_path):
+    pytest.importorskip("sklearn")
+    pytest.importorskip("lightning")
+    res = _example("train_lightning").main(["--epochs", "3", "--limit-batches", "8", "--resume-check", "--out", str(tmp_path)])
+    assert res["losses"][-1] < res["losses"][0] and res["val_acc"] > 0.3  # chance: 0.1
+    assert res["scale_log"] and res["resume_identical"]
+
+
+def test_train_hf_trainer_runs(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    res = _example("train_hf_trainer").main(["--steps", "4", "--train-size", "64", "--log-every", "2",
+                                             "--out", str(tmp_path)])
+    assert len(res["losses"]) == 2 and res["losses"][1] < res["losses"][0]
+    assert all(s >= 1 for s in res["scales"]) and res["eval_loss"] < 4
