@@ -118,7 +118,33 @@ class _Stand(nn.Module):
         elif self.calls > 1:
             raise _CalledTwice(self.name)
         with _no_autocast(args):
-            return self.unit(*args, **kwargs)
+            if not is_unit(self.unit):
+                return self.unit(*args, **kwargs)
+            return _as_unit_gives(self.unit, self.block, args, kwargs)
+
+
+def _as_unit_gives(unit: nn.Module, block: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """What the converted block gives, for the rest of the one run: the model's block run in float32 (low kernels
+    are slow where they are emulated, as on most CPUs, and only the dtypes and shapes matter here), its float
+    results in the dtypes the converted block returns them. The converted block itself where that cannot be
+    matched up."""
+    graph = unit.graph
+    out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
+    want = [getattr(a.meta.get("autocastfx_info"), "dtype", None) if isinstance(a, fx.Node) else None
+            for a in torch.utils._pytree.tree_leaves(out_node.args[0])]
+    up = torch.utils._pytree.tree_map(
+        lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t,
+        (args, kwargs))
+    try:
+        out = block(*up[0], **up[1])
+    except Exception:  # noqa: BLE001 - the converted block then
+        return unit(*args, **kwargs)
+    leaves, spec = torch.utils._pytree.tree_flatten(out)
+    if len(leaves) != len(want):
+        return unit(*args, **kwargs)
+    leaves = [t.to(d) if isinstance(t, torch.Tensor) and t.is_floating_point() and d is not None else t
+              for t, d in zip(leaves, want)]
+    return torch.utils._pytree.tree_unflatten(leaves, spec)
 
 
 class _CalledTwice(Exception):
@@ -239,6 +265,15 @@ def _tree(model, names, args, kwargs, convert, options, *, piecewise: bool, why:
     if piecewise:
         return _piecewise(model, tree, units, skipped, args, kwargs, convert, options, modes, why)
     return _root(model, tree, units, skipped, args, kwargs, convert, options, modes)
+
+
+def convert_piecewise(model: nn.Module, args: tuple, kwargs: dict, convert: Callable, options: dict,
+                      why: str) -> nn.Module | None:
+    """A model with no blocks that does not capture: its children that hold matmuls or convolutions converted,
+    the rest its own Python; None when no part of it converts."""
+    modes = {id(m): m.training for m in model.modules()}
+    tree = _capture._copy(model, share_tensors=True)
+    return _piecewise(model, tree, {}, {}, args, kwargs, convert, options, modes, why, need_parts=True)
 
 
 def _orig(model: nn.Module, name: str, block: nn.Module, m: nn.Module) -> nn.Module:
@@ -458,7 +493,8 @@ def _describe(units: dict, skipped: dict) -> dict:
     return out
 
 
-def _piecewise(model, tree, units, skipped, args, kwargs, convert, options, modes, reason) -> nn.Module:
+def _piecewise(model, tree, units, skipped, args, kwargs, convert, options, modes, reason,
+               need_parts: bool = False) -> nn.Module | None:
     """The model's own Python around converted parts: its children that hold matmuls or convolutions and
     capture are converted (float32 at their boundaries), recursing into those that do not."""
     eager: dict[str, str] = {"": reason or "the model's forward does not capture as one graph"}
@@ -472,6 +508,10 @@ def _piecewise(model, tree, units, skipped, args, kwargs, convert, options, mode
     try:
         with _quiet_run(tree):
             tree(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - the model does not run on its example: the capture's error says why
+        if need_parts:
+            return None
+        raise
     finally:
         for h in hooks:
             h.remove()
@@ -507,6 +547,8 @@ def _piecewise(model, tree, units, skipped, args, kwargs, convert, options, mode
     for name in list(inputs):
         if name not in parts and name not in eager:
             eager[name] = "not reached"
+    if need_parts and not parts:
+        return None
     _set_modes(tree, model, modes)
     own = set()
     for m in tree.modules():

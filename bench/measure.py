@@ -427,6 +427,27 @@ def convert_scaling(depths, make, example):
     return rows
 
 
+def convert_blocks_scaling(depths, make, example):
+    """(depth, symbolic_trace s, convert(blocks=None) s, convert(blocks="auto") s) per depth."""
+    autocastfx.convert(make(depths[0]), (example(),), pad_multiple=1)
+    rows = []
+    for depth in depths:
+        model = make(depth)
+        x = example()
+        t = time.perf_counter()
+        torch.fx.symbolic_trace(model)
+        t_trace = time.perf_counter() - t
+        t = time.perf_counter()
+        autocastfx.convert(model, (x,), pad_multiple=1, blocks=None)
+        t_flat = time.perf_counter() - t
+        t = time.perf_counter()
+        gm = autocastfx.convert(model, (x,), pad_multiple=1)
+        t_blocks = time.perf_counter() - t
+        assert isinstance(gm.layers, torch.nn.ModuleList) and "autocastfx" in gm.layers[0].meta
+        rows.append((depth, t_trace, t_flat, t_blocks))
+    return rows
+
+
 def accumulation_cast_bytes(model, inputs, target, loss_fn=F.cross_entropy, micro=4):
     """Cast bytes per optimizer update with ``micro`` micro-batches: autocast re-casts the weights on every
     micro-batch's forward and every backward; autocastfx copies the masters back once per update."""

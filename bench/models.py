@@ -146,5 +146,19 @@ def transformer_stack(depth, d=16, heads=2):
     return nn.Sequential(*[Block(d, heads) for _ in range(depth)])
 
 
+class ListStack(nn.Module):
+    """``depth`` transformer blocks in an ``nn.ModuleList``, as language models hold their decoder layers: the
+    blocks ``convert(..., blocks="auto")`` keeps as modules of their own."""
+
+    def __init__(self, depth, d=16, heads=2):
+        super().__init__()
+        self.layers = nn.ModuleList(Block(d, heads) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
 def lm_loss(logits, target):
     return F.cross_entropy(logits.flatten(0, -2), target.flatten())

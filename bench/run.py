@@ -17,8 +17,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from measure import Runner, accumulation_cast_bytes, convert_scaling, interleaved_step_times  # noqa: E402
-from models import GPT2, Bottleneck, ResNet50, TinyMLP, ViT, lm_loss, transformer_stack  # noqa: E402
+from measure import (Runner, accumulation_cast_bytes, convert_blocks_scaling, convert_scaling,
+                     interleaved_step_times)  # noqa: E402
+from models import GPT2, Bottleneck, ResNet50, TinyMLP, ViT, ListStack, lm_loss, transformer_stack  # noqa: E402
 
 
 def machine() -> str:
@@ -128,6 +129,15 @@ def main():
         for n_trace, n_conv, t_trace, t_conv in rows:
             print(f"  {n_trace:12d} {n_conv:15d} {t_trace:8.2f} {t_conv:9.2f} {t_conv / n_trace * 1e6:8.0f} "
                   f"{t_conv / t_trace:6.1f}")
+        print("\nConversion cost with blocks: a ModuleList of transformer blocks, convert(blocks='auto') (each block a "
+              "module of its own, blocks alike planned once) and convert(blocks=None) (one graph) against "
+              "torch.fx.symbolic_trace:")
+        depths = [25, 100] if args.quick else [25, 100, 300]
+        print(f"  {'blocks':>6} {'trace s':>8} {'one graph s':>11} {'ratio':>6} {'blocks s':>9} {'ratio':>6}")
+        for depth, t_trace, t_flat, t_blocks in convert_blocks_scaling(depths, ListStack,
+                                                                       lambda: torch.randn(1, 4, 16)):
+            print(f"  {depth:6d} {t_trace:8.2f} {t_flat:11.2f} {t_flat / t_trace:6.1f} {t_blocks:9.2f} "
+                  f"{t_blocks / t_trace:6.1f}")
         print("\nConversion cost: a ResNet-style CNN of bottleneck blocks in four stages (input 2x3x32x32), "
               "convert() against torch.fx.symbolic_trace:")
         depths = [8, 32] if args.quick else [16, 64, 256, 1024]

@@ -287,3 +287,30 @@ def test_export_of_a_piecewise_model_works_without_the_branch_or_names_what_stop
         autocastfx.export(gm, tmp_path / "m.pt2", (x,), example_kwargs={"labels": y})
     ep = autocastfx.export(gm, tmp_path / "m.pt2", (x,))  # without labels the model's code is a graph
     torch.testing.assert_close(ep.module()(x), gm.eval()(x), rtol=0, atol=1e-6)
+
+
+class Branchy(nn.Module):
+    """No ModuleList, and a forward that no capture takes: its children are converted on their own."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
+        self.head = nn.Linear(D, 10)
+
+    def forward(self, x, y=None):
+        h = self.body(x)
+        if y is not None and bool((y >= 0).all()):
+            return F.cross_entropy(self.head(h), y)
+        return self.head(h)
+
+
+def test_a_model_without_blocks_that_does_not_capture_is_converted_piecewise_too():
+    torch.manual_seed(0)
+    model, x, y = Branchy(), torch.randn(4, D), torch.tensor([1, 2, 3, 4])
+    with pytest.warns(UserWarning, match="piecewise"):
+        warnings.simplefilter("always")
+        gm = autocastfx.convert(model, (x,), example_kwargs={"y": y})
+    assert {"body", "head"} <= {n for n, m in gm.named_modules() if n and "autocastfx" in getattr(m, "meta", {})}
+    assert rel(gm(x), model(x)) < 5e-3 and abs(float(gm(x, y)) - float(model(x, y))) < 1e-2
+    with pytest.raises(autocastfx.CaptureError):
+        autocastfx.convert(model, (x,), example_kwargs={"y": y}, blocks=None)  # None: one graph or nothing
