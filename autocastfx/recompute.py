@@ -43,8 +43,6 @@ __all__ = ["checkpoint_blocks", "compile_blocks", "block_names", "checkpointed",
 class _Recomputed:
     """Mixed in before a block's class: its call runs under a non-reentrant checkpoint."""
 
-    _autocastfx_recompute = True
-
     def __call__(self, *args, **kwargs):
         call = super().__call__
         if not torch.is_grad_enabled():
