@@ -8,6 +8,7 @@ from .export import ExportCheckError, ExportError, FormatError, export, load, sa
 from .inference import for_inference
 from .graphed import CudaGraphStep
 from .plan import CastPlan
+from .recompute import checkpoint_blocks, compile_blocks
 from .policy import OpClass, Policy
 from .report import Report, report
 from .rewrite import Decision
@@ -17,5 +18,6 @@ from .step import StepStats, TrainStep
 __all__ = ["convert", "report", "master_parameters", "Policy", "OpClass", "Report", "CastPlan", "Decision",
            "ConvertInfo", "CaptureError", "train_step", "TrainStep", "StepStats", "LossScaleError", "StepError",
            "export", "save", "load", "FormatError", "ExportCheckError", "ExportError", "for_inference", "calibrate",
-           "grad_histogram", "GradHistogram", "CudaGraphStep", "shard", "save_checkpoint", "load_checkpoint"]
+           "grad_histogram", "GradHistogram", "CudaGraphStep", "shard", "save_checkpoint", "load_checkpoint",
+           "checkpoint_blocks", "compile_blocks"]
 __version__ = "0.1.0"

@@ -51,11 +51,13 @@ RECIPES = {  # key -> the row's label
     "fx-graph": "autocastfx CUDA graph",
     "autocast-compile": "autocast+GradScaler compile",
     "fx-compile": "autocastfx compile",
+    "fx-block-compile": "autocastfx compile per block",
 }
-COMPILED = ("autocast-compile", "fx-compile")
+COMPILED = ("autocast-compile", "fx-compile", "fx-block-compile")
 BIG = ("fp32", "tf32", "autocast", "fx", "fx-graph", "autocast-compile", "fx-compile")
 OVERHEAD_BOUND = ("autocast", "fx", "fx-graph")
 CONV_EXTRA = ("autocast-cl",)  # the layout autocastfx picks, done by hand for autocast: a reference row
+PER_BLOCK = ("fx-block-compile",)  # a transformer's layers converted and compiled one by one (GPU rows only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,9 +127,9 @@ def workloads(dry: bool) -> list[Workload]:
         Workload("resnet50", "ResNet-50 b128 224px", ResNet50, (128, 3, 224, 224), 1000, ce,
                  BIG + CONV_EXTRA, False, _big_targets(1.6, 3.0)),
         Workload("vit", "ViT-B/16 b64 224px", lambda: ViT(image=224), (64, 3, 224, 224), 1000, ce,
-                 BIG, False, _big_targets(1.05)),
+                 BIG + PER_BLOCK, False, _big_targets(1.05)),
         Workload("gpt2", "GPT-2 124M b8x1024", lambda: GPT2(init_std=0.02), (8, 1024), 50257, lm_loss,
-                 BIG, False, _big_targets(1.3)),
+                 BIG + PER_BLOCK, False, _big_targets(1.3)),
         Workload("resnet18", "resnet18 b8 64px", ResNet18, (8, 3, 64, 64), 1000, ce,
                  OVERHEAD_BOUND + CONV_EXTRA, True, SMALL_TARGETS),
         Workload("lm4", "4-block LM d256 b8x128",
@@ -203,12 +205,15 @@ def build(recipe: str, model: torch.nn.Module, loss_fn, example: tuple, device: 
         if recipe == "autocast-compile":
             built.note = _compile(model, dry)
         return built
-    gm, note = _convert(model, example)
+    per_block = recipe == "fx-block-compile"
+    gm, note = _convert(model, example, blocks=_transformer_blocks if per_block else None)
     del model  # the float32 source model is not part of the recipe
     built = _autocastfx(gm, loss_fn, graph=recipe == "fx-graph")
     built.note = note
     if recipe == "fx-compile":
         built.note = "; ".join(filter(None, [note, _compile(gm, dry)]))
+    if per_block:
+        built.note = "; ".join(filter(None, [note, _compile_blocks(gm, dry)]))
     return built
 
 
@@ -244,14 +249,32 @@ def _autocast(model, loss_fn, device, channels_last=False) -> Built:
     return Built(step, model, opt, scaler)
 
 
-def _convert(model, example):
-    """convert() with the layout chosen for the device ("auto": channels_last on CUDA where it pays)."""
+def _convert(model, example, blocks=None):
+    """convert() with the layout chosen for the device ("auto": channels_last on CUDA where it pays); ``blocks``:
+    convert()'s option, only where given (the other rows convert as they always have)."""
+    kw = {} if blocks is None else {"blocks": blocks}
     try:
-        return autocastfx.convert(model, example, memory_format="auto"), ""
+        return autocastfx.convert(model, example, memory_format="auto", **kw), ""
     except TypeError as e:
         if "memory_format" not in str(e):
             raise
-        return autocastfx.convert(model, example), "memory_format n/a: convert() has no memory_format option"
+        return autocastfx.convert(model, example, **kw), "memory_format n/a: convert() has no memory_format option"
+
+
+def _transformer_blocks(name, module) -> bool:
+    """The scoreboard's transformer layers (``models.Block``, in an nn.Sequential: ``blocks="auto"`` takes the
+    children of ModuleLists only)."""
+    return type(module).__name__ == "Block"
+
+
+def _compile_blocks(gm, dry: bool) -> str:
+    """Each converted block compiled on its own (``autocastfx.compile_blocks``: ``block.compile()``, as TorchTitan
+    compiles each transformer layer); the model around the blocks, the optimizer and the scaler stay eager."""
+    if not hasattr(autocastfx, "compile_blocks"):
+        raise Unavailable("autocastfx has no compile_blocks() in this version")
+    autocastfx.compile_blocks(gm, backend="aot_eager" if dry else "inductor")
+    n = sum(1 for _, m in gm.named_modules() if getattr(m, "_compiled_call_impl", None) is not None)
+    return f"{n} block{'s' * (n != 1)} compiled" + (", aot_eager backend (dry run)" if dry else "")
 
 
 def _autocastfx(gm, loss_fn, graph: bool) -> Built:
@@ -374,7 +397,7 @@ def machine(device: str) -> dict:
 
 # ------------------------------------------------------------------------------------------------ running
 RANK = {"autocast": 0, "fp32": 1, "tf32": 2, "fx": 3, "fx-graph": 4, "autocast-cl": 5, "autocast-compile": 6,
-        "fx-compile": 7}
+        "fx-compile": 7, "fx-block-compile": 8}
 
 
 def order(ws: list[Workload], recipes) -> list[tuple[Workload, str]]:
