@@ -168,6 +168,7 @@ def set_mode(gm: fx.GraphModule, mode: bool) -> fx.GraphModule:
     if programs is not None:
         key = TRAIN if mode else EVAL
         if programs.current != key:
+            _keep_wrapped_call(type(gm))
             programs.current = key
             gm.graph = programs.graphs[key]  # the setter recompiles
         nn.Module.train(gm, mode)
@@ -178,9 +179,23 @@ def set_mode(gm: fx.GraphModule, mode: bool) -> fx.GraphModule:
         if mark is not None:
             changed |= _set_node(node, mark, mode)
     if changed:
+        _keep_wrapped_call(type(gm))
         gm.recompile()
     nn.Module.train(gm, mode)  # leaf modules (call_module nodes) and every .training flag
     return gm
+
+
+def _keep_wrapped_call(cls: type) -> None:
+    """Before a recompile on a class made over the converted module's (FSDP2's ``FSDP<name>``, made by
+    ``fully_shard``): give it its base's call wrapper. GraphModule.recompile gives a class without one a wrapper
+    that calls ``super().__call__``, which is the base's ``call_wrapped``, which calls the instance's wrapper
+    again: endless recursion on the next call."""
+    if "_wrapped_call" in vars(cls):
+        return
+    for base in cls.__mro__[1:]:
+        if "_wrapped_call" in vars(base):
+            cls._wrapped_call = base._wrapped_call
+            return
 
 
 def _set_node(node: fx.Node, mark: ModeArg, mode: bool) -> bool:

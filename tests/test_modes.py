@@ -303,14 +303,15 @@ def _autocast_error(model, x):
     return _rel(out, model(x))
 
 
+@pytest.mark.parametrize("blocks", [None, "auto"])
 @pytest.mark.parametrize("path", ["symbolic_trace", "torch.export"])
 @pytest.mark.parametrize("start", ["eval", "train"])
-def test_hand_written_drop_path_is_off_in_eval_and_on_in_train(path, start):
+def test_hand_written_drop_path_is_off_in_eval_and_on_in_train(path, start, blocks):
     torch.manual_seed(0)
     model = DropPathNet(untraceable=path == "torch.export")
     model.train(start == "train")
     x = torch.randn(4, 6, 16)
-    gm = autocastfx.convert(model, (x,))
+    gm = autocastfx.convert(model, (x,), blocks=blocks)
     assert gm.meta["autocastfx"].capture == path
     model.eval()
     ref = model(x)
@@ -331,9 +332,13 @@ def test_hand_written_drop_path_is_off_in_eval_and_on_in_train(path, start):
         assert _rel(got, want) < 1e-2
         assert not torch.equal(gm(x), gm(x))
         model.eval()
-    report = autocastfx.report(gm).totals["modes"]
-    assert any(line.startswith("in blocks.0.dp, train only:") and "bernoulli_" in line
-               for line in report["differences"]), report["differences"]
+    # the report says where the modes differ: in the one graph, or in each block's own report
+    units = [gm] + [m for m in gm.modules() if m is not gm and "autocastfx" in getattr(m, "meta", {})]
+    if blocks and path == "symbolic_trace":
+        assert len(units) == 4  # the three blocks stay modules
+    lines = [line for u in units for line in autocastfx.report(u).totals["modes"]["differences"]]
+    assert any((line.startswith("in blocks.0.dp, train only:") or line.startswith("in dp, train only:"))
+               and "bernoulli_" in line for line in lines), lines
 
 
 @torch.fx.wrap
@@ -400,15 +405,19 @@ def test_structural_training_flag_is_not_a_mode(start):
         assert _rel(out, model(x)) < max(2 * _autocast_error(model, x), 2e-3)
 
 
-def test_mixed_modes_run_as_given_then_all_train_or_all_eval():
+@pytest.mark.parametrize("blocks", [None, "auto"])
+def test_mixed_modes_run_as_given_then_all_train_or_all_eval(blocks):
     """A training model with one block in eval mode (frozen): converted as it is, the block keeps its eval form;
     gm.train() then trains every block, as model.train() would, and gm.eval() turns every drop path off."""
     torch.manual_seed(0)
     model = DropPathNet(p=0.9).train()
     model.blocks[1].eval()
     x = torch.randn(16, 6, 16)
-    gm = autocastfx.convert(model, (x,))
-    assert set(gm.meta["autocastfx_program_keys"]) == {modes.TRAIN, modes.EVAL, modes.GIVEN}
+    gm = autocastfx.convert(model, (x,), blocks=blocks)
+    if blocks is None:
+        assert set(gm.meta["autocastfx_program_keys"]) == {modes.TRAIN, modes.EVAL, modes.GIVEN}
+    else:  # each block converted in its own mode, the tree as given
+        assert [b.training for b in gm.blocks] == [True, False, True] and gm.training
 
     def bernoullis(run):
         with _RecordOps() as seen:
