@@ -236,7 +236,9 @@ def _tree(model, names, args, kwargs, convert, options, *, piecewise: bool, why:
             how = f"converted ({unit.meta['autocastfx'].capture})"
             if key is not None:
                 plans[key] = unit
-        unit.meta[BLOCK_META] = {"name": name, "inputs": _float_dtypes((a, k)), "plan": how}
+        family = ref.meta[BLOCK_META]["family"] if ref is not None and unit is not ref and key is not None \
+            and plans.get(key) is ref else name
+        unit.meta[BLOCK_META] = {"name": name, "inputs": _float_dtypes((a, k)), "plan": how, "family": family}
         made[name] = unit.meta[BLOCK_META]
         unit.eval()  # for the rest of the run: no batch-norm statistics updated, no dropout
         return unit
@@ -417,7 +419,10 @@ def _reuse(ref: nn.Module, block: nn.Module) -> nn.Module | None:
     None where the two do not correspond name for name."""
     info = ref.meta["autocastfx"]
     own = {id(t) for t in list(ref.parameters()) + list(ref.buffers()) + list(info.masters.values())}
-    memo = {}
+    # what a conversion decided is read, never written, after it: the copies share it (the plan, the policy,
+    # the totals); graphs, modules and tensors are copied
+    memo = {id(x): x for x in (info.plan, info.policy, info.extra_totals, info.source_params, info.absorbed,
+                               info.options)}
     unit = copy.deepcopy(ref, memo)
     uinfo = unit.meta["autocastfx"]
     params = dict(unit.named_parameters(remove_duplicate=False))

@@ -550,7 +550,10 @@ class _FakeRun:
 
     def module_key(self, target: str) -> Any:
         if target not in self.module_keys:
-            self.module_keys[target] = _module_key(self.gm.get_submodule(target))
+            m = self.gm.get_submodule(target)
+            family = getattr(m, "meta", {}).get("autocastfx_block", {}).get("family") if _is_unit(m) else None
+            # converted blocks copied from one plan compute the same metadata from the same inputs
+            self.module_keys[target] = ("autocastfx block", family, m.training) if family else _module_key(m)
         return self.module_keys[target]
 
     # ------------------------------------------------------------------------------------ fake values
