@@ -117,9 +117,9 @@ class _Stand(nn.Module):
             self.unit = self.make(self.name, self.block, args, kwargs)
         elif self.calls > 1:
             raise _CalledTwice(self.name)
+        if not is_unit(self.unit):  # not converted: it runs as the code around the blocks does
+            return self.unit(*args, **kwargs)
         with _no_autocast(args):
-            if not is_unit(self.unit):
-                return self.unit(*args, **kwargs)
             return _as_unit_gives(self.unit, self.block, args, kwargs)
 
 
@@ -215,11 +215,13 @@ def _tree(model, names, args, kwargs, convert, options, *, piecewise: bool, why:
     plans: dict[Any, nn.Module] = {}
     made: dict[str, dict] = {}
     failed: dict[str, str] = {}
+    low_refused: dict[type, bool] = {}
 
     def make(name: str, block: nn.Module, a: tuple, k: dict) -> nn.Module:
         for m in block.modules():  # converted in the modes the model's modules have
             m.training = modes.get(id(_orig(model, name, block, m)), m.training)
-        if not piecewise:
+        given = a
+        if not piecewise and not low_refused.get(type(block)):
             a = _hidden_low(a, options["dtype"])
         key = _signature(block, a, k)
         ref = plans.get(key) if key is not None else None
@@ -228,8 +230,18 @@ def _tree(model, names, args, kwargs, convert, options, *, piecewise: bool, why:
             how = f"the plan of {ref.meta[BLOCK_META]['name']}, reused (same structure and input shapes)"
         else:
             try:
-                with _no_autocast(a):
-                    unit = convert_block(block, a, k, options, keep_io_types=piecewise)
+                try:
+                    with _no_autocast(a):
+                        unit = convert_block(block, a, k, options, keep_io_types=piecewise)
+                except Exception:  # noqa: BLE001 - the block's float32 code refuses a low input (a convolution's
+                    f32 = _float32(given)  # float32 bias): converted for a float32 input
+                    if _float_dtypes(a) == _float_dtypes(f32):
+                        raise
+                    low_refused[type(block)] = True
+                    a = f32
+                    key = _signature(block, a, k)
+                    with _no_autocast(a):
+                        unit = convert_block(block, a, k, options, keep_io_types=piecewise)
             except _capture.CaptureError as e:  # stays the model's module: traced with the model, or eager
                 failed[name] = f"does not capture on its own ({_why(e)})"
                 return block
@@ -359,6 +371,12 @@ def _hidden_low(args: tuple, low: torch.dtype) -> tuple:
     if x.numel() and not bool(torch.isfinite(x.to(low)).all()):
         return args
     return (x.to(low),) + tuple(args[1:])
+
+
+def _float32(value: Any) -> Any:
+    return torch.utils._pytree.tree_map(
+        lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t,
+        value)
 
 
 def _float_dtypes(value: Any) -> list:

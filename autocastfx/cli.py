@@ -104,8 +104,14 @@ def cmd_inspect(args) -> int:
 
 def cmd_export(args) -> int:
     from .export import export
+    from .export import ExportCheckError, ExportError
     gm, inputs = convert_from_args(args)
-    export(gm, args.output, inputs)
+    try:
+        export(gm, args.output, inputs)
+    except (ExportCheckError, ExportError, ImportError) as e:
+        raise UsageError(f"cannot export to {args.output}: {e}") from None
+    except ValueError as e:  # an extension that names no format
+        raise UsageError(str(e)) from None
     if str(args.output).lower().endswith(".onnx"):
         print(f"wrote {args.output}: loaded and checked in onnxruntime where it is installed; "
               f"onnxruntime.InferenceSession({args.output!r}) runs it")

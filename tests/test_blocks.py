@@ -355,3 +355,58 @@ def test_blocks_switch_modes_after_fsdp2_made_their_class():
     r = subprocess.run([sys.executable, "-c", _SWITCH_UNDER_FSDP], capture_output=True, text=True, env=env,
                        timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+class OddStack(nn.Module):
+    """Feature widths no tensor core likes (36, 4 x 36): padding happens inside each block."""
+
+    def __init__(self, d=36, layers=3):
+        super().__init__()
+        self.inp = nn.Linear(20, d)
+        self.layers = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(),
+                                                  nn.Linear(4 * d, d)) for _ in range(layers))
+        self.out = nn.Linear(d, 10)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.out(x)
+
+
+class ConvStages(nn.Module):
+    def __init__(self, c=16, n=3):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.stages = nn.ModuleList(nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU())
+                                    for _ in range(n))
+        self.head = nn.Linear(c, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for s in self.stages:
+            x = x + s(x)
+        return self.head(x.mean((2, 3)))
+
+
+def test_padding_and_layout_work_inside_blocks():
+    torch.manual_seed(0)
+    model, x = OddStack().eval(), torch.randn(8, 20)
+    gm = converted(model, x, policy=autocastfx.Policy.default().override(pad_gate="always"))
+    assert all("autocastfx" in layer.meta for layer in gm.layers)
+    pads = [autocastfx.report(layer).totals.get("padding") for layer in gm.layers]
+    assert all(p and p["misaligned_before"] > p["misaligned_after"] for p in pads), pads
+    with AtenRecorder() as rec:
+        out = gm(x)
+    assert rel(out, model(x)) < 5e-3
+    inner = [c for c in rec.ops("addmm", "mm") if c.in_shapes[-1][-1] in (4 * 36, 4 * 36 + 4)]
+    assert inner and all(all(s % 8 == 0 for s in c.in_shapes[-1]) for c in inner), [c.in_shapes for c in inner]
+    torch.manual_seed(0)
+    cnn, img = ConvStages().eval(), torch.randn(2, 3, 8, 8)
+    gm = converted(cnn, img, memory_format="channels_last")
+    assert all(autocastfx.report(s).totals["layout"]["memory_format"] == "channels_last" for s in gm.stages)
+    with AtenRecorder() as rec:
+        out = gm(img)
+    convs = rec.ops("convolution")
+    assert convs and all(torch.float16 in c.in_dtypes for c in convs)
+    assert rel(out, cnn(img)) < 5e-3

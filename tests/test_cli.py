@@ -36,6 +36,11 @@ def test_export_writes_loadable_pt2(tmp_path):
     assert m(torch.randn(1, 3, 16, 16)).shape == (1, 10)
 
 
+def test_export_to_an_unknown_format_is_a_one_line_error(tmp_path):
+    p = run("export", "small_models:TinyResNet", "--input", "1x3x16x16", "-o", str(tmp_path / "m.bin"))
+    assert p.returncode == 2 and ".pt2" in p.stderr and ".onnx" in p.stderr and "Traceback" not in p.stderr
+
+
 def test_graph_dot_and_model_explorer(tmp_path):
     p = run("graph", "small_models:TinyResNet", "--input", "1x3x16x16", "-o", str(tmp_path / "g.dot"))
     assert p.returncode == 0, p.stderr
