@@ -409,20 +409,21 @@ def median_step_time(runner: Runner, steps: int = 200, warmup: int = 20) -> floa
     return statistics.median(times)
 
 
+def _timed(fn, *args, **kwargs):
+    t = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - t
+
+
 def convert_scaling(depths, make, example):
     """(nodes, symbolic_trace seconds, convert seconds) per depth, after one untimed conversion of the first
     depth: a process's first conversion also pays for one-time set-up (imports, the fake-tensor machinery)."""
     autocastfx.convert(make(depths[0]), (example(),), pad_multiple=1)
     rows = []
     for depth in depths:
-        model = make(depth)
-        x = example()
-        t = time.perf_counter()
-        g = torch.fx.symbolic_trace(model)
-        t_trace = time.perf_counter() - t
-        t = time.perf_counter()
-        gm = autocastfx.convert(model, (x,), pad_multiple=1)
-        t_conv = time.perf_counter() - t
+        model, x = make(depth), example()
+        g, t_trace = _timed(torch.fx.symbolic_trace, model)
+        gm, t_conv = _timed(autocastfx.convert, model, (x,), pad_multiple=1)
         rows.append((len(g.graph.nodes), len(gm.graph.nodes), t_trace, t_conv))
     return rows
 
@@ -432,17 +433,10 @@ def convert_blocks_scaling(depths, make, example):
     autocastfx.convert(make(depths[0]), (example(),), pad_multiple=1)
     rows = []
     for depth in depths:
-        model = make(depth)
-        x = example()
-        t = time.perf_counter()
-        torch.fx.symbolic_trace(model)
-        t_trace = time.perf_counter() - t
-        t = time.perf_counter()
-        autocastfx.convert(model, (x,), pad_multiple=1, blocks=None)
-        t_flat = time.perf_counter() - t
-        t = time.perf_counter()
-        gm = autocastfx.convert(model, (x,), pad_multiple=1)
-        t_blocks = time.perf_counter() - t
+        model, x = make(depth), example()
+        _, t_trace = _timed(torch.fx.symbolic_trace, model)
+        _, t_flat = _timed(autocastfx.convert, model, (x,), pad_multiple=1, blocks=None)
+        gm, t_blocks = _timed(autocastfx.convert, model, (x,), pad_multiple=1)
         assert isinstance(gm.layers, torch.nn.ModuleList) and "autocastfx" in gm.layers[0].meta
         rows.append((depth, t_trace, t_flat, t_blocks))
     return rows
