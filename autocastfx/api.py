@@ -144,6 +144,7 @@ def _convert(model, example_inputs, example_kwargs, dtype, policy, pad_multiple,
                           "shapes": gm.meta.get("autocastfx_propagate", "fake"),
                           "modes": _modes.describe(gm),
                           **({"opaque_calls": [str(d) for d in inlined]} if inlined else {})})
+        _rewrite.rebuild_output_type(gm)
         _modes.install(gm)
     return gm
 

@@ -33,7 +33,22 @@ class _Tracer(fx.Tracer):
 
     def trace(self, root, concrete_args=None):
         self._param_names = {id(p): n for n, p in root.named_parameters()} if isinstance(root, nn.Module) else {}
+        self._arg_depth, self.output_type = 0, None
         return super().trace(root, concrete_args)
+
+    def create_arg(self, a):
+        # the forward's result is the last value made into a graph argument: a dict subclass there (a Hugging
+        # Face ModelOutput) is written as a plain dict literal, so its type is noted to be given back
+        if self._arg_depth == 0 and isinstance(a, dict) and type(a) is not dict \
+                and type(a) in torch.utils._pytree.SUPPORTED_NODES:
+            self.output_type = type(a)
+        elif self._arg_depth == 0:
+            self.output_type = None
+        self._arg_depth += 1
+        try:
+            return super().create_arg(a)
+        finally:
+            self._arg_depth -= 1
 
     def getattr(self, attr, attr_val, parameter_proxy_cache):
         # fx's own lookup scans every parameter on every access (quadratic in model size): use a dict
@@ -160,6 +175,8 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, compil
         with watch_training(reads):
             graph = tracer.trace(model)
         gm = _graph_module(tracer.root, graph, model.__class__.__name__, compile_code)
+        if tracer.output_type is not None:
+            gm.meta["autocastfx_output_type"] = tracer.output_type
         if kwargs and not _accepts_kwargs(gm, kwargs):
             raise TypeError(f"traced forward does not take keyword inputs {sorted(kwargs)}")
         if check:
@@ -831,3 +848,25 @@ def _flatten_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list:
         else:
             raise TypeError(f"no example value for input {p.target!r}: pass it in example_inputs/example_kwargs")
     return values
+
+
+
+_OUTPUT_TYPES: dict[str, type] = {}
+
+
+def rebuild_output(values: dict, cls: str) -> Any:
+    """The model's own result type (a Hugging Face ModelOutput, named ``module:qualname``) from the dict a
+    trace wrote in its place."""
+    t = _OUTPUT_TYPES.get(cls)
+    if t is None:
+        import importlib
+        module, _, qual = cls.partition(":")
+        t = importlib.import_module(module)
+        for part in qual.split("."):
+            t = getattr(t, part)
+        _OUTPUT_TYPES[cls] = t
+    return t(**values)
+
+
+def type_name(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"

@@ -29,7 +29,12 @@ class Decision:
 
 def undo(gm: fx.GraphModule) -> None:
     """Take out what a previous conversion put in (its cast nodes and dtype= arguments), in place."""
+    from .capture import rebuild_output
     for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is rebuild_output:  # made again after the passes
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            continue
         d = node.meta.pop("autocastfx", None)
         if d is None:
             continue
@@ -188,3 +193,22 @@ def entry_casts(gm: fx.GraphModule) -> list[str]:
     graph.lint()
     gm.recompile()
     return made
+
+
+def rebuild_output_type(gm: fx.GraphModule) -> bool:
+    """Give back the model's own result type where tracing wrote it as a plain dict (a ModelOutput): one
+    ``rebuild_output`` call before the output. True if one was added."""
+    from .capture import rebuild_output, type_name
+    cls = gm.meta.get("autocastfx_output_type")
+    out = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
+    if cls is None or out is None or not isinstance(out.args[0], dict):
+        return False
+    if any(n.op == "call_function" and n.target is rebuild_output for n in gm.graph.nodes):
+        return False
+    with gm.graph.inserting_before(out):
+        node = gm.graph.call_function(rebuild_output, (out.args[0], type_name(cls)))
+    node.meta["autocastfx"] = Decision("other", None, None, f"the model's result type, {cls.__name__}")
+    out.args = (node,)
+    gm.graph.lint()
+    gm.recompile()
+    return True

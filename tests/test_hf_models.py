@@ -112,3 +112,33 @@ def test_deberta_with_labels_converts_piecewise_and_trains_on_its_own_loss():
     gm.eval()
     with torch.no_grad():
         assert torch.equal(gm(**inputs).logits, gm(**inputs).logits)
+
+
+def test_a_traced_module_returning_a_model_output_gives_it_back(tmp_path):
+    """symbolic_trace writes a returned ModelOutput as a plain dict literal: the converted module gives the
+    model's type back (out.loss, out.logits), through copies, the step and export too."""
+    import copy
+
+    from transformers.modeling_outputs import SequenceClassifierOutput
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 3)
+
+        def forward(self, x, labels=None):
+            logits = self.fc(x)
+            loss = torch.nn.functional.cross_entropy(logits, labels) if labels is not None else None
+            return SequenceClassifierOutput(loss=loss, logits=logits)
+
+    torch.manual_seed(0)
+    model, x, y = Head(), torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+    gm = autocastfx.convert(model, (x,), example_kwargs={"labels": y})
+    assert gm.meta["autocastfx"].capture == "symbolic_trace"
+    out = gm(x, labels=y)
+    assert type(out) is SequenceClassifierOutput and abs(float(out.loss) - float(model(x, labels=y).loss)) < 1e-2
+    assert type(copy.deepcopy(gm)(x, labels=y)) is SequenceClassifierOutput
+    step = autocastfx.train_step(gm, lambda o: o.loss, torch.optim.SGD(gm.parameters(), lr=0.1))
+    assert torch.isfinite(step({"x": x, "labels": y}))
+    ep = autocastfx.export(gm, tmp_path / "m.pt2", (x,), example_kwargs={"labels": y})
+    assert torch.allclose(ep.module()(x, labels=y).logits, gm(x, labels=y).logits)

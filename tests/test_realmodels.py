@@ -42,3 +42,11 @@ def test_modes_of_models_built_with_stochastic_depth():
     pytest.importorskip("torchvision")
     pytest.importorskip("transformers")
     _run("check_modes.py")
+
+
+def test_onnx_deployment_of_real_models():
+    """torchvision ResNet-18 and MobileNetV3, timm ViT-Tiny, a Hugging Face BERT: ONNX files that onnxruntime
+    runs within the parity bound of the float32 model, at <= 0.55x its bytes."""
+    pytest.importorskip("torchvision")
+    pytest.importorskip("onnxruntime")
+    _run("check_onnx.py")
