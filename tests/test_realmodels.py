@@ -45,7 +45,7 @@ def test_modes_of_models_built_with_stochastic_depth():
 
 
 def test_onnx_deployment_of_real_models():
-    """torchvision ResNet-18 and MobileNetV3, timm ViT-Tiny, a Hugging Face BERT: ONNX files that onnxruntime
+    """torchvision ResNet-18 and RegNetX-400MF, timm ViT-Tiny, a Hugging Face BERT: ONNX files that onnxruntime
     runs within the parity bound of the float32 model, at <= 0.55x its bytes."""
     pytest.importorskip("torchvision")
     pytest.importorskip("onnxruntime")
