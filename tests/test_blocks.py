@@ -410,3 +410,17 @@ def test_padding_and_layout_work_inside_blocks():
     convs = rec.ops("convolution")
     assert convs and all(torch.float16 in c.in_dtypes for c in convs)
     assert rel(out, cnn(img)) < 5e-3
+
+
+def test_onnx_deployment_of_a_tree(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    model, x = Stack(layers=3).eval(), ids()
+    gm = converted(model, x)
+    autocastfx.export(gm, tmp_path / "m.onnx", (x,))  # checked in onnxruntime by the export itself
+    m = onnx.load(str(tmp_path / "m.onnx"))
+    assert not [t.name for t in m.graph.initializer if t.data_type == onnx.TensorProto.FLOAT and len(t.raw_data) > 64]
+    s = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    got = torch.from_numpy(s.run(None, {s.get_inputs()[0].name: x.numpy()})[0])
+    assert rel(got, model(x)) < 5e-3
