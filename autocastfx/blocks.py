@@ -403,6 +403,8 @@ def _signature(block: nn.Module, args: tuple, kwargs: dict) -> Any:
                 if v:
                     return None
                 continue
+            if isinstance(v, torch.Tensor):  # a tensor that is neither parameter nor buffer: its values would
+                return None                  # not be copied into a reused plan's copy
             try:
                 items.append((k, _plain(v)))
             except TypeError:
@@ -436,7 +438,6 @@ def _reuse(ref: nn.Module, block: nn.Module) -> nn.Module | None:
     """A copy of the converted block ``ref`` holding ``block``'s weights (float32 masters, low copies, buffers);
     None where the two do not correspond name for name."""
     info = ref.meta["autocastfx"]
-    own = {id(t) for t in list(ref.parameters()) + list(ref.buffers()) + list(info.masters.values())}
     # what a conversion decided is read, never written, after it: the copies share it (the plan, the policy,
     # the totals); graphs, modules and tensors are copied
     memo = {id(x): x for x in (info.plan, info.policy, info.extra_totals, info.source_params, info.absorbed,
@@ -447,11 +448,8 @@ def _reuse(ref: nn.Module, block: nn.Module) -> nn.Module | None:
     buffers = dict(unit.named_buffers(remove_duplicate=False))
     theirs = dict(block.named_parameters(remove_duplicate=False))
     their_buffers = dict(block.named_buffers(remove_duplicate=False))
-    if set(theirs) != set(params) | set(uinfo.masters) - set(params) and set(theirs) != set(params):
+    if set(theirs) != set(params) or set(their_buffers) != set(buffers):
         return None
-    if set(their_buffers) != set(buffers):
-        return None
-    del own
     with torch.no_grad():
         for n, p in theirs.items():
             if n not in params:
