@@ -424,3 +424,23 @@ def test_onnx_deployment_of_a_tree(tmp_path):
     s = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
     got = torch.from_numpy(s.run(None, {s.get_inputs()[0].name: x.numpy()})[0])
     assert rel(got, model(x)) < 5e-3
+
+
+from test_graphed import fake_cuda  # noqa: E402,F401 - a fixture: CUDA graphs emulated on the CPU
+
+
+def test_a_tree_trains_as_a_cuda_graph_as_it_trains_eagerly(fake_cuda):  # noqa: F811
+    """train_step(..., cuda_graph=True) over a module with blocks: one capture, replays after, the same bits as
+    the eager step (CUDA graphs emulated on the CPU: no host read in the captured step)."""
+    steps = []
+    for graph in (False, True):
+        torch.manual_seed(0)
+        gm = converted(Stack(layers=3), ids(batch=4))
+        steps.append(autocastfx.train_step(gm, lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
+                                           torch.optim.AdamW(gm.parameters(), lr=2.0 ** -9), cuda_graph=graph))
+    eager, gstep = steps
+    x, y = ids(batch=4), ids(batch=4, seed=5)
+    losses = [(eager(x, y).clone(), gstep(x, y).clone()) for _ in range(8)]
+    assert gstep.captures == 1 and gstep.replays == 5
+    le, lg = (torch.stack(v) for v in zip(*losses))
+    assert torch.equal(lg, le) and lg[-1] < lg[0]
