@@ -58,9 +58,9 @@ def choose(model: nn.Module, blocks: Any, policy) -> list[str]:
         return []
     named = dict(model.named_modules())
     if blocks == AUTO or blocks is True:
-        names = []
+        names: list[str] = []
         for name, m in model.named_modules():
-            if not isinstance(m, nn.ModuleList) or _inside(name, names):
+            if not isinstance(m, nn.ModuleList) or _inside(name, set(names)):
                 continue
             kinds = collections.Counter(type(c) for c in m.children())
             for key, c in m.named_children():
@@ -88,8 +88,17 @@ def choose(model: nn.Module, blocks: Any, policy) -> list[str]:
     return out
 
 
-def _inside(name: str, outer: list[str]) -> bool:
-    return any(name == o or name.startswith(o + ".") for o in outer)
+def _inside(name: str, outer) -> bool:
+    """Whether ``name`` is one of ``outer`` (qualified names) or inside one: its dotted prefixes looked up."""
+    outer = outer if isinstance(outer, (set, frozenset, dict)) else set(outer)
+    if name in outer:
+        return True
+    i = name.find(".")
+    while i >= 0:
+        if name[:i] in outer:
+            return True
+        i = name.find(".", i + 1)
+    return False
 
 
 _GEMM_TYPES: tuple[type, ...] = (nn.Linear, nn.modules.conv._ConvNd, nn.MultiheadAttention)
@@ -216,16 +225,21 @@ def _tree(model, names, args, kwargs, convert, options, *, piecewise: bool, why:
     made: dict[str, dict] = {}
     failed: dict[str, str] = {}
     low_refused: dict[type, bool] = {}
+    codes: dict[int, tuple] = {}
 
     def make(name: str, block: nn.Module, a: tuple, k: dict) -> nn.Module:
-        for m in block.modules():  # converted in the modes the model's modules have
-            m.training = modes.get(id(_orig(model, name, block, m)), m.training)
+        base = model.get_submodule(name)
+        originals = dict(base.named_modules())
+        for rel, m in block.named_modules():  # converted in the modes the model's modules have
+            o = originals.get(rel)
+            if o is not None:
+                m.training = modes.get(id(o), m.training)
         given = a
         if not piecewise and not low_refused.get(type(block)):
             a = _hidden_low(a, options["dtype"])
         key = _signature(block, a, k)
         ref = plans.get(key) if key is not None else None
-        unit = _reuse(ref, block) if ref is not None else None
+        unit = _reuse(ref, block, codes) if ref is not None else None
         if unit is not None:
             how = f"the plan of {ref.meta[BLOCK_META]['name']}, reused (same structure and input shapes)"
         else:
@@ -290,26 +304,16 @@ def convert_piecewise(model: nn.Module, args: tuple, kwargs: dict, convert: Call
     return _piecewise(model, tree, {}, {}, args, kwargs, convert, options, modes, why, need_parts=True)
 
 
-def _orig(model: nn.Module, name: str, block: nn.Module, m: nn.Module) -> nn.Module:
-    """The model's module that ``m`` (a module of the tree's copy of block ``name``) is the copy of."""
-    rel = next((n for n, s in block.named_modules() if s is m), None)
-    full = name if not rel else f"{name}.{rel}"
-    try:
-        return model.get_submodule(full)
-    except AttributeError:
-        return m
-
-
 def _set_modes(tree: nn.Module, model: nn.Module, modes: dict) -> None:
     """Every module of the tree in the mode its model's module has (a converted unit switched as one)."""
     originals = dict(model.named_modules())
-    units: list[str] = []
+    units: set[str] = set()
     for name, m in tree.named_modules():
         o = originals.get(name)
         if o is None or _inside(name, units):
             continue
         if is_unit(m) and m is not tree:
-            units.append(name)
+            units.add(name)
             flags = {modes[id(s)] for s in o.modules()}
             if len(flags) == 1:
                 m.train(flags.pop())
@@ -434,7 +438,7 @@ def _plain(v: Any) -> Any:
     raise TypeError(type(v).__name__)
 
 
-def _reuse(ref: nn.Module, block: nn.Module) -> nn.Module | None:
+def _reuse(ref: nn.Module, block: nn.Module, codes: dict) -> nn.Module | None:
     """A copy of the converted block ``ref`` holding ``block``'s weights (float32 masters, low copies, buffers);
     None where the two do not correspond name for name."""
     info = ref.meta["autocastfx"]
@@ -442,7 +446,19 @@ def _reuse(ref: nn.Module, block: nn.Module) -> nn.Module | None:
     # the totals); graphs, modules and tensors are copied
     memo = {id(x): x for x in (info.plan, info.policy, info.extra_totals, info.source_params, info.absorbed,
                                info.options)}
-    unit = copy.deepcopy(ref, memo)
+    # the copy's graph is the same graph: its code is the one already written for ``ref`` (writing the Python of
+    # a graph is most of the cost of a GraphModule copy). The copy's own graph writes its code from then on.
+    code = codes.get(id(ref))  # ``codes``: one conversion's id(block) -> (its graph, that graph's code)
+    if code is None or code[0] is not ref._graph:
+        code = codes[id(ref)] = (ref._graph, ref._graph.python_code(root_module="self"))
+    graph = copy.deepcopy(ref._graph, memo)
+    graph.python_code = lambda *a, **k: code[1]
+    try:
+        unit = copy.deepcopy(ref, memo)
+    finally:
+        del graph.python_code
+    if unit.graph is not graph:  # the copy did not take the prepared graph: its code is its own, written again
+        unit.recompile()
     uinfo = unit.meta["autocastfx"]
     params = dict(unit.named_parameters(remove_duplicate=False))
     buffers = dict(unit.named_buffers(remove_duplicate=False))
