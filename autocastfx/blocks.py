@@ -141,9 +141,7 @@ def _as_unit_gives(unit: nn.Module, block: nn.Module, args: tuple, kwargs: dict)
     out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
     want = [getattr(a.meta.get("autocastfx_info"), "dtype", None) if isinstance(a, fx.Node) else None
             for a in torch.utils._pytree.tree_leaves(out_node.args[0])]
-    up = torch.utils._pytree.tree_map(
-        lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t,
-        (args, kwargs))
+    up = _float32((args, kwargs))
     try:
         out = block(*up[0], **up[1])
     except Exception:  # noqa: BLE001 - the converted block then
