@@ -391,6 +391,24 @@ def _out_of_range_constant(node: fx.Node, low: torch.dtype) -> float | None:
     return None
 
 
+_GUARDS = {"clamp_min", "clamp", "clip", "maximum", "max", "add", "__add__", "__radd__", "iadd"}
+_SHAPE_ONLY = {n: True for n in ("expand", "expand_as", "view", "reshape", "unsqueeze", "broadcast_to",
+                                 "contiguous", "repeat", "permute", "transpose", "squeeze", "flatten", "clone")}
+
+
+def _vanishing_constant(node: fx.Node, low: torch.dtype) -> float | None:
+    """A nonzero float constant an op guards with (``norm.clamp_min(1e-12)``, ``x + 1e-12``) that ``low`` rounds to
+    zero: in the low dtype the guard is gone, and the division it protects gives 0/0 (a zero vector under
+    F.normalize, as swin_v2's cosine attention has in its padded windows)."""
+    if op_name(node) not in _GUARDS:
+        return None
+    tiny = torch.finfo(low).smallest_normal * torch.finfo(low).eps  # the smallest subnormal
+    for a in itertools.chain(node.args[1:], node.kwargs.values()):
+        if isinstance(a, float) and a != 0.0 and math.isfinite(a) and abs(a) < tiny / 2:
+            return a
+    return None
+
+
 def _builds_structure(node: fx.Node) -> bool:
     """A call that only packs values into a container: a namedtuple, a dataclass (Hugging Face's ModelOutput
     is one), or the dict/tuple/list constructors. Not an op: no warning, and it follows what it packs."""
@@ -435,6 +453,7 @@ def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, master_w
         reqs.setdefault(u.name, []).append(r)
 
     first_float_input = True
+    guarded: set[str] = set()  # values an epsilon keeps from zero that the low dtype would round to zero
     for node in gm.graph.nodes:
         info = node.meta.get("autocastfx_info")
         if _is_float(info):
@@ -495,6 +514,17 @@ def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, master_w
         if cls is None:
             unclassified.append(f"{node.name} ({op_name(node) if module is None else type(module).__name__})")
             cls, reason = OpClass.FP32, "unclassified op: float32 (add it to the policy)"
+        eps = _vanishing_constant(node, low)
+        if eps is not None:
+            guarded.add(node.name)
+        elif _SHAPE_ONLY.get(op_name(node)) and fins and fins[0].name in guarded:
+            guarded.add(node.name)  # the guarded value, broadcast or viewed
+        elif any(a.name in guarded for a in fins) and cls in (OpClass.FOLLOW, OpClass.PROMOTE, OpClass.LOW):
+            cls, reason = OpClass.FP32, ("reads a value an epsilon keeps from zero (a normalisation's "
+                                         f"clamp_min), which {low} would round to zero: float32")
+        if eps is not None and cls in (OpClass.FOLLOW, OpClass.PROMOTE, OpClass.LOW):
+            cls, reason = OpClass.FP32, (f"takes the constant {eps!r}, which {low} rounds to zero (an epsilon "
+                                         "written for float32): float32")
         big = _out_of_range_constant(node, low)
         if big is not None and cls in (OpClass.FOLLOW, OpClass.PROMOTE, OpClass.LOW):
             cls, reason = OpClass.FP32, (f"takes the constant {big!r}, which {low} cannot hold (a mask fill "

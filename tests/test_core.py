@@ -495,6 +495,44 @@ def test_tied_weights_stay_tied_through_conversion_and_reconversion():
     assert gm2.wte.weight is gm2.lm_head.weight
 
 
+@pytest.mark.parametrize("capture", ["symbolic_trace", "torch.export"])
+def test_an_epsilon_the_low_dtype_rounds_to_zero_keeps_its_division_in_float32(capture):
+    """F.normalize divides by norm.clamp_min(1e-12); float16 rounds 1e-12 to zero, so a zero vector (swin_v2's
+    padded attention windows) gives 0/0. The guarded value and what reads it stay float32, and the output is
+    finite where torch.autocast's is NaN."""
+    class Cosine(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            if capture == "torch.export":
+                b, t, _ = x.shape  # a traced shape as a size: symbolic tracing fails, torch.export captures
+                x = x + torch.zeros(t, 1, device=x.device)
+            q = F.normalize(self.q(x), dim=-1)
+            k = F.normalize(self.k(x), dim=-1)
+            return q @ k.transpose(-1, -2)
+
+    torch.manual_seed(0)
+    model = Cosine()
+    with torch.no_grad():
+        model.q.bias.zero_()
+        model.k.bias.zero_()
+    x = torch.randn(2, 6, 16)
+    x[:, -2:] = 0  # padded positions: zero vectors
+    gm = autocastfx.convert(model, (x,))
+    assert gm.meta["autocastfx"].capture == capture
+    with AtenRecorder() as rec:
+        out = gm(x)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), model(x), rtol=1e-2, atol=1e-2)
+    divs = rec.ops("div")
+    assert divs and all(torch.float16 not in c.in_dtypes for c in divs), [c.in_dtypes for c in divs]
+    assert rec.ops("mm", "bmm") and all(torch.float16 in c.in_dtypes for c in rec.ops("mm", "bmm", "addmm"))
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert not torch.isfinite(model(x)).all()  # why: autocast runs the division in float16
+
+
 def test_constant_beyond_the_low_dtype_keeps_its_op_in_float32():
     """Hugging Face attention fills masks with torch.finfo(torch.float32).min; a capture writes the number
     down, and masked_fill in float16 fails on it ("cannot be converted to type c10::Half without overflow")."""
