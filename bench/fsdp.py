@@ -185,6 +185,7 @@ def _worker(rank, init_file, out_dir, args):
             except Exception as e:  # noqa: BLE001 - a recipe that fails is reported as such
                 results[recipe] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # no rank leaves while its peer still talks to it (an abort at exit otherwise)
     finally:
         dist.destroy_process_group()
 

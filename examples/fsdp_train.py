@@ -25,6 +25,7 @@ What runs, on every rank:
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 import warnings
@@ -150,58 +151,67 @@ def main(argv=None):
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    say = print if rank == 0 else (lambda *a, **k: None)
     try:
-        torch.manual_seed(0)  # the same initial weights on every rank
-        model = build_model(args).to(device)
-        ids, _ = batch(0, rank, world, args)
-        dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            gm = autocastfx.convert(model, (ids.to(device),), dtype=dtype,
-                                    master_weights=args.sharding != "fully_shard")
-        del model
-        if args.sharding == "shard":
-            autocastfx.shard(gm)
-            wrapped = gm
-        elif args.sharding == "fully_shard":
-            from torch.distributed.fsdp import fully_shard
-            for block in [m for n, m in gm.named_modules() if n and isinstance(getattr(m, "meta", None), dict)
-                          and "autocastfx" in m.meta]:
-                fully_shard(block)
-            wrapped = fully_shard(gm)
-        else:
-            wrapped = nn.parallel.DistributedDataParallel(gm)
-        optimizer = torch.optim.AdamW(gm.parameters(), lr=args.lr, weight_decay=0.01)
-        step = autocastfx.train_step(wrapped, loss_fn, optimizer, clip_grad_norm=1.0, accum_steps=args.accum)
-        start = 0
-        if args.resume:
-            autocastfx.load_checkpoint(step, args.checkpoint)
-            start = int(step.stats.steps) * args.accum
-            say(f"resumed from {args.checkpoint} at update {int(step.stats.steps)}")
-        say(f"{world} process(es), {'NCCL on CUDA' if cuda else 'gloo on CPU'}, {args.model} model, "
-            f"{sum(p.numel() for p in gm.parameters()):,} parameters "
-            f"({args.sharding}, {args.dtype})")
-        t0, total = time.perf_counter(), args.steps * args.accum
-        for i in range(start, total):
-            x, y = batch(i, rank, world, args)
-            loss = step(x.to(device), y.to(device))
-            if (i + 1) % (args.log_every * args.accum) == 0 or i + 1 == total:
-                mean = loss.detach().clone()
-                dist.all_reduce(mean)  # the global batch's loss, for the log
-                s = step.stats.summary()
-                say(f"update {(i + 1) // args.accum:4d}  loss {float(mean) / world:.4f}  scale {s['scale']:g}  "
-                    f"skipped {s['skipped']}  grad norm {s['grad_norm']:.3f}")
-        elapsed = time.perf_counter() - t0
-        held = per_rank_bytes(step)
-        say(f"{(total - start) / max(elapsed, 1e-9):.1f} micro-batches/s; per rank: "
-            + ", ".join(f"{k} {v:,} B" for k, v in held.items()))
-        if args.checkpoint and not args.resume:
-            autocastfx.save_checkpoint(step, args.checkpoint)
-            say(f"checkpoint written to {args.checkpoint}")
-        say(f"final loss {float(loss):.4f}")
+        train(args, rank, world, device, cuda)
+        # Every rank leaves together, and only after everything holding the process group (the sharded module,
+        # the step, the optimizer) is gone: a rank that tears its connections down while its peer still holds
+        # them can abort the peer at exit.
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def train(args, rank, world, device, cuda):
+    say = print if rank == 0 else (lambda *a, **k: None)
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = build_model(args).to(device)
+    ids, _ = batch(0, rank, world, args)
+    dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = autocastfx.convert(model, (ids.to(device),), dtype=dtype,
+                                master_weights=args.sharding != "fully_shard")
+    del model
+    if args.sharding == "shard":
+        autocastfx.shard(gm)
+        wrapped = gm
+    elif args.sharding == "fully_shard":
+        from torch.distributed.fsdp import fully_shard
+        for block in [m for n, m in gm.named_modules() if n and isinstance(getattr(m, "meta", None), dict)
+                      and "autocastfx" in m.meta]:
+            fully_shard(block)
+        wrapped = fully_shard(gm)
+    else:
+        wrapped = nn.parallel.DistributedDataParallel(gm)
+    optimizer = torch.optim.AdamW(gm.parameters(), lr=args.lr, weight_decay=0.01)
+    step = autocastfx.train_step(wrapped, loss_fn, optimizer, clip_grad_norm=1.0, accum_steps=args.accum)
+    start = 0
+    if args.resume:
+        autocastfx.load_checkpoint(step, args.checkpoint)
+        start = int(step.stats.steps) * args.accum
+        say(f"resumed from {args.checkpoint} at update {int(step.stats.steps)}")
+    say(f"{world} process(es), {'NCCL on CUDA' if cuda else 'gloo on CPU'}, {args.model} model, "
+        f"{sum(p.numel() for p in gm.parameters()):,} parameters "
+        f"({args.sharding}, {args.dtype})")
+    t0, total = time.perf_counter(), args.steps * args.accum
+    for i in range(start, total):
+        x, y = batch(i, rank, world, args)
+        loss = step(x.to(device), y.to(device))
+        if (i + 1) % (args.log_every * args.accum) == 0 or i + 1 == total:
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)  # the global batch's loss, for the log
+            s = step.stats.summary()
+            say(f"update {(i + 1) // args.accum:4d}  loss {float(mean) / world:.4f}  scale {s['scale']:g}  "
+                f"skipped {s['skipped']}  grad norm {s['grad_norm']:.3f}")
+    elapsed = time.perf_counter() - t0
+    held = per_rank_bytes(step)
+    say(f"{(total - start) / max(elapsed, 1e-9):.1f} micro-batches/s; per rank: "
+        + ", ".join(f"{k} {v:,} B" for k, v in held.items()))
+    if args.checkpoint and not args.resume:
+        autocastfx.save_checkpoint(step, args.checkpoint)
+        say(f"checkpoint written to {args.checkpoint}")
+    say(f"final loss {float(loss):.4f}")
 
 
 if __name__ == "__main__":

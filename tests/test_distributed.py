@@ -49,6 +49,7 @@ def _worker(rank, init_file, out_dir, accum):
                     "params": {n: q.detach() for n, q in gm.named_parameters()},
                     "scale": float(step.stats.scale), "skipped": int(step.stats.skipped),
                     "steps": int(step.stats.steps)}, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # no rank leaves while its peer still talks to it (an abort at exit otherwise)
     finally:
         dist.destroy_process_group()
 

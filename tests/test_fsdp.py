@@ -389,6 +389,7 @@ def _worker(rank, init_file, out_dir):
             autocastfx.train_step(gm, loss_fn, early)
         except ValueError as e:
             out["refusals"]["optimizer_before_shard"] = str(e)
+        dist.barrier()  # no rank leaves while its peer still talks to it (an abort at exit otherwise)
     finally:
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
@@ -634,6 +635,7 @@ def _hf_worker(rank, init_file, out_dir):
             ids = _hf_batch(i)[rank * 2:(rank + 1) * 2]
             losses.append(float(step({"input_ids": ids, "use_cache": False}, ids)))
         torch.save({"losses": losses, "recipe": recipe, "sharded": sharded}, os.path.join(out_dir, f"hf{rank}.pt"))
+        dist.barrier()  # no rank leaves while its peer still talks to it (an abort at exit otherwise)
     finally:
         dist.destroy_process_group()
 
