@@ -58,8 +58,9 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
             _check_params(model)
             options = dict(dtype=dtype, policy=policy, pad_multiple=pad_multiple, master_weights=master_weights,
                            keep_io_types=keep_io_types, memory_format=memory_format)
-            return _blocks.convert_tree(model, names, args, kwargs, convert, options,
-                                        explicit=blocks != "auto")
+            with _no_gc():
+                return _blocks.convert_tree(model, names, args, kwargs, convert, options,
+                                            explicit=blocks != "auto")
     try:
         with _no_gc():  # a conversion makes many small objects and frees few: cyclic collections only cost time
             return _convert(model, example_inputs, example_kwargs, dtype, policy, pad_multiple, master_weights,
@@ -70,7 +71,8 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
         args, kwargs = _check_inputs(model, example_inputs, example_kwargs, dtype, pad_multiple)
         options = dict(dtype=dtype, policy=policy, pad_multiple=pad_multiple, master_weights=master_weights,
                        keep_io_types=keep_io_types, memory_format=memory_format)
-        part = _blocks.convert_piecewise(model, args, kwargs, convert, options, _blocks._why(e))
+        with _no_gc():
+            part = _blocks.convert_piecewise(model, args, kwargs, convert, options, _blocks._why(e))
         if part is None:  # nothing in it captures either
             raise
         return part

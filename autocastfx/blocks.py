@@ -218,7 +218,9 @@ def _traces_around(model: nn.Module, names: list[str], policy) -> str | None:
 def _tree(model, names, args, kwargs, convert, options, *, piecewise: bool, why: str | None = None) -> nn.Module:
     from .api import convert_block
     modes = {id(m): m.training for m in model.modules()}
-    tree = _capture._copy(model, share_tensors=True)  # the model's structure; its tensors, until the end
+    # the model's structure (its tensors until the end); the blocks themselves are not copied: each is replaced
+    # by its stand and then by its converted unit, or by a copy where it stays the model's module
+    tree = _capture._copy(model, share_tensors=True, keep=[model.get_submodule(n) for n in names])
     plans: dict[Any, nn.Module] = {}
     made: dict[str, dict] = {}
     failed: dict[str, str] = {}
@@ -281,7 +283,8 @@ def _tree(model, names, args, kwargs, convert, options, *, piecewise: bool, why:
         return _tree(model, rest, args, kwargs, convert, options, piecewise=piecewise, why=why)
     finally:
         for name, st in stands.items():
-            _put(tree, name, st.unit if st.unit is not None else st.block)
+            kept = st.unit if st.unit is not None and st.unit is not st.block else None
+            _put(tree, name, kept if kept is not None else _capture._copy(st.block, share_tensors=True))
         _set_modes(tree, model, modes)
     units = {n: st.unit for n, st in stands.items() if st.unit is not None and is_unit(st.unit)}
     skipped = {n: failed.get(n, "not called by the model's forward on the example inputs") for n in stands
@@ -436,6 +439,18 @@ def _plain(v: Any) -> Any:
     raise TypeError(type(v).__name__)
 
 
+def _fresh_containers(module: nn.Module, memo: dict) -> None:
+    """Enter in a ``copy.deepcopy`` memo a new, empty container for every empty hook dictionary and name set of
+    ``module``'s modules: what the copy would make of them, without the generic path ``deepcopy`` takes for an
+    ``OrderedDict`` (a dozen per module; most of the cost of copying a small block)."""
+    for m in module.modules():
+        for v in vars(m).values():
+            if type(v) is collections.OrderedDict and not v and not vars(v):
+                memo[id(v)] = collections.OrderedDict()
+            elif type(v) is set and not v:
+                memo[id(v)] = set()
+
+
 def _reuse(ref: nn.Module, block: nn.Module, codes: dict) -> nn.Module | None:
     """A copy of the converted block ``ref`` holding ``block``'s weights (float32 masters, low copies, buffers);
     None where the two do not correspond name for name."""
@@ -444,6 +459,7 @@ def _reuse(ref: nn.Module, block: nn.Module, codes: dict) -> nn.Module | None:
     # the totals); graphs, modules and tensors are copied
     memo = {id(x): x for x in (info.plan, info.policy, info.extra_totals, info.source_params, info.absorbed,
                                info.options)}
+    _fresh_containers(ref, memo)
     # the copy's graph is the same graph: its code is the one already written for ``ref`` (writing the Python of
     # a graph is most of the cost of a GraphModule copy). The copy's own graph writes its code from then on.
     code = codes.get(id(ref))  # ``codes``: one conversion's id(block) -> (its graph, that graph's code)

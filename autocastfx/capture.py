@@ -8,7 +8,7 @@ import io
 import itertools
 import logging
 import traceback
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
@@ -87,8 +87,11 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, *, comp
     return _capture(_copy(model, share_tensors), args, kwargs, policy, compile_code)
 
 
-def _copy(model: nn.Module, share_tensors: bool) -> nn.Module:
-    memo: dict[int, Any] = {}
+def _copy(model: nn.Module, share_tensors: bool, keep: Iterable[nn.Module] = ()) -> nn.Module:
+    """A deep copy of ``model``; with ``share_tensors`` its parameters, buffers and converted blocks are the
+    model's own; the modules in ``keep`` are the model's own too (the caller puts something else in their
+    place before it hands the copy on)."""
+    memo: dict[int, Any] = {id(m): m for m in keep}
     if share_tensors:
         for t in itertools.chain(model.parameters(), model.buffers()):
             memo[id(t)] = t

@@ -409,10 +409,17 @@ def median_step_time(runner: Runner, steps: int = 200, warmup: int = 20) -> floa
     return statistics.median(times)
 
 
-def _timed(fn, *args, **kwargs):
-    t = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - t
+def _timed(fn, *args, repeats: int = 3, **kwargs):
+    """``fn(*args, **kwargs)``'s last result and its median time over ``repeats`` calls, each started with no
+    garbage left by the one before (so that no call pays for collecting another's objects)."""
+    times = []
+    for _ in range(repeats):
+        out = None
+        gc.collect()
+        t = time.perf_counter()
+        out = fn(*args, **kwargs)
+        times.append(time.perf_counter() - t)
+    return out, sorted(times)[len(times) // 2]
 
 
 def convert_scaling(depths, make, example):

@@ -444,3 +444,41 @@ def test_a_tree_trains_as_a_cuda_graph_as_it_trains_eagerly(fake_cuda):  # noqa:
     assert gstep.captures == 1 and gstep.replays == 5
     le, lg = (torch.stack(v) for v in zip(*losses))
     assert torch.equal(lg, le) and lg[-1] < lg[0]
+
+
+class ValueBranchLayer(Layer):
+    """A layer no capture takes on its own (it branches on its input's values): it stays the model's module."""
+
+    def forward(self, x):
+        return super().forward(x) if bool(x.sum() > -1e9) else x
+
+
+@pytest.mark.parametrize("piecewise", [False, True])
+def test_converting_with_blocks_leaves_the_model_as_it_was(piecewise):
+    torch.manual_seed(0)
+    model, x = (DataDependentLoss if piecewise else Stack)(layers=3), ids()
+    model.layers[2] = ValueBranchLayer()
+    model.train()
+    model.layers[1].eval()
+    before = {n: (m, m.training) for n, m in model.named_modules()}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    if piecewise:  # the loss branches on the labels' values: the model's own Python around its blocks
+        gm = autocastfx.convert(model, (x,), example_kwargs={"labels": ids(seed=7)})
+        assert type(gm) is DataDependentLoss
+    else:
+        gm = converted(model, x)
+    assert "autocastfx" in gm.layers[0].meta and "autocastfx" in gm.layers[1].meta
+    assert type(gm.layers[2]) is ValueBranchLayer  # not converted: a copy of the model's layer in its place
+    # the model: the same modules in the same modes, the same values, no hooks left on it
+    assert {n: (m, m.training) for n, m in model.named_modules()} == before
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert all(not (m._forward_hooks or m._forward_pre_hooks) for m in model.modules())
+    # the converted module shares no module and no storage with it
+    assert not {id(m) for m in model.modules()} & {id(m) for m in gm.modules()}
+    theirs = {t.untyped_storage().data_ptr() for t in model.state_dict().values()}
+    assert not theirs & {t.untyped_storage().data_ptr() for t in gm.state_dict().values()}
+    # and the modes it was converted in are the model's
+    assert gm.training and not gm.layers[1].training and gm.layers[2].training
+    gm.eval()
+    model.eval()
+    assert rel(gm(x), model(x)) < 5e-3
