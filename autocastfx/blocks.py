@@ -219,8 +219,11 @@ def _tree(model, names, args, kwargs, convert, options, *, piecewise: bool, why:
     from .api import convert_block
     modes = {id(m): m.training for m in model.modules()}
     # the model's structure (its tensors until the end); the blocks themselves are not copied: each is replaced
-    # by its stand and then by its converted unit, or by a copy where it stays the model's module
-    tree = _capture._copy(model, share_tensors=True, keep=[model.get_submodule(n) for n in names])
+    # by its stand and then by its converted unit, or by a copy where it stays the model's module (a block the
+    # model also holds under another name is copied: that other place would keep the model's own module)
+    seen = collections.Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    keep = [m for m in (model.get_submodule(n) for n in names) if seen[id(m)] == 1]
+    tree = _capture._copy(model, share_tensors=True, keep=keep)
     plans: dict[Any, nn.Module] = {}
     made: dict[str, dict] = {}
     failed: dict[str, str] = {}

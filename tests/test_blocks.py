@@ -482,3 +482,15 @@ def test_converting_with_blocks_leaves_the_model_as_it_was(piecewise):
     gm.eval()
     model.eval()
     assert rel(gm(x), model(x)) < 5e-3
+
+
+def test_a_block_the_model_also_holds_under_another_name_is_not_shared_with_the_model():
+    torch.manual_seed(0)
+    model, x = DataDependentLoss(layers=3), ids()
+    model.first = model.layers[0]  # the same module at a second name, which the forward never calls
+    gm = autocastfx.convert(model, (x,), example_kwargs={"labels": ids(seed=7)})  # piecewise: the tree is kept
+    assert type(gm) is DataDependentLoss
+    assert not {id(m) for m in model.modules()} & {id(m) for m in gm.modules()}
+    gm.eval()
+    model.eval()
+    assert rel(gm(x), model(x)) < 5e-3
