@@ -84,6 +84,23 @@ def _changes_layout(node: fx.Node) -> bool:
     return fmt is not None and fmt != torch.preserve_format
 
 
+def _same_device(a: object, device: str) -> bool:
+    """Whether ``a`` is a device (a device's name, or a traced ``t.device`` of a tensor) of the type ``device``
+    the tensor is on already."""
+    if isinstance(a, fx.Node):  # ``x.to(device=y.device)`` as symbolic_trace records it
+        if a.op == "call_function" and a.target is getattr and len(a.args) == 2 and a.args[1] == "device" \
+                and isinstance(a.args[0], fx.Node):
+            info = a.args[0].meta.get("autocastfx_info")
+            return isinstance(info, TensorInfo) and torch.device(info.device).type == device
+        return False
+    if not isinstance(a, (torch.device, str)):
+        return False
+    try:
+        return torch.device(a).type == device
+    except (RuntimeError, ValueError):
+        return False
+
+
 def _only_changes_dtype(node: fx.Node, device: str) -> bool:
     """Whether the call converts dtype and nothing else the plan cannot redo (a memory format is kept apart)."""
     extra_args = node.args[1:]
@@ -94,12 +111,12 @@ def _only_changes_dtype(node: fx.Node, device: str) -> bool:
         return not extra_args and set(node.kwargs) <= {"memory_format"}
     if name == "type":
         return len(extra_args) == 1 and isinstance(extra_args[0], torch.dtype)
-    if any(not isinstance(a, (torch.dtype, bool)) for a in extra_args):
-        return False
+    if any(not (isinstance(a, (torch.dtype, bool)) or _same_device(a, device)) for a in extra_args):
+        return False  # ``x.to(x.device, torch.float32)`` (aten's to.device) only changes the dtype too
     allowed = {"dtype", "copy", "non_blocking", "memory_format"}
     for k, v in node.kwargs.items():
         if k == "device":
-            if v is not None and torch.device(v).type != device:
+            if v is not None and not _same_device(v, device):
                 return False
         elif k in ("layout", "pin_memory"):
             if v is not None and not (k == "layout" and v == torch.strided) and v is not False:

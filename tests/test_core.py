@@ -260,6 +260,42 @@ def test_user_casts_absorbed():
     assert len(rec.float_casts()) == len(names) + upcasts_in_ops
 
 
+class DeviceCasts(nn.Module):
+    """Casts written with the device as well, as Hugging Face's rotary embeddings write them."""
+
+    def __init__(self, untraceable=False):
+        super().__init__()
+        self.untraceable = untraceable
+        self.a = nn.Linear(16, 16)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 16))
+
+    def forward(self, x):
+        if self.untraceable:  # a traced shape as a size: symbolic tracing fails, torch.export captures
+            n, _ = x.shape
+            x = x + torch.zeros(n, 1, device=x.device)
+        s = self.scale.to(x.device, torch.float32)       # aten: to.device
+        h = self.a(x) * s
+        return h.to(device=x.device, dtype=torch.float32).to("cpu", torch.float32)
+
+
+@pytest.mark.parametrize("capture", ["symbolic_trace", "torch.export"])
+def test_casts_that_name_the_tensors_own_device_are_the_models_own_casts(capture):
+    torch.manual_seed(0)
+    m, x = DeviceCasts(untraceable=capture == "torch.export"), torch.randn(4, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing unclassified
+        gm = convert(m, (x,))
+    info = gm.meta["autocastfx"]
+    assert info.capture == capture
+    assert len(info.absorbed) == 3, info.absorbed
+    assert not [n for n in gm.graph.nodes if "unclassified" in (n.meta["autocastfx"].reason or "")]
+    rec = AtenRecorder()
+    with rec, torch.no_grad():
+        out = gm(x)
+    assert all(c.in_dtypes[0] == torch.float16 for c in rec.ops("addmm"))
+    torch.testing.assert_close(out, m(x), rtol=2e-2, atol=2e-3)
+
+
 class LayoutCasts(nn.Module):
     def __init__(self):
         super().__init__()
