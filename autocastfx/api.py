@@ -50,29 +50,33 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
     See the README for what each option does. Raises ValueError for bad options, TypeError for a model
     that is not an ``nn.Module``, and ``autocastfx.CaptureError`` when the model cannot be captured.
     """
+    # a conversion makes many small objects and frees few: cyclic collections only cost time (with blocks, most
+    # of a copied block's cost)
+    with _no_gc():
+        return _convert_model(model, example_inputs, example_kwargs, dtype, policy, pad_multiple, master_weights,
+                              keep_io_types, memory_format, blocks)
+
+
+def _convert_model(model, example_inputs, example_kwargs, dtype, policy, pad_multiple, master_weights,
+                   keep_io_types, memory_format, blocks) -> nn.Module:
+    """convert(): with blocks as modules of their own, as one graph, or piecewise where nothing else captures."""
+    options = dict(dtype=dtype, policy=policy, pad_multiple=pad_multiple, master_weights=master_weights,
+                   keep_io_types=keep_io_types, memory_format=memory_format)
     if blocks is not None and blocks is not False and not isinstance(model, fx.GraphModule) \
             and isinstance(model, nn.Module):
         names = _blocks.choose(model, blocks, policy if policy is not None else Policy.default())
         if names:
             args, kwargs = _check_inputs(model, example_inputs, example_kwargs, dtype, pad_multiple)
             _check_params(model)
-            options = dict(dtype=dtype, policy=policy, pad_multiple=pad_multiple, master_weights=master_weights,
-                           keep_io_types=keep_io_types, memory_format=memory_format)
-            with _no_gc():
-                return _blocks.convert_tree(model, names, args, kwargs, convert, options,
-                                            explicit=blocks != "auto")
+            return _blocks.convert_tree(model, names, args, kwargs, convert, options, explicit=blocks != "auto")
     try:
-        with _no_gc():  # a conversion makes many small objects and frees few: cyclic collections only cost time
-            return _convert(model, example_inputs, example_kwargs, dtype, policy, pad_multiple, master_weights,
-                            keep_io_types, memory_format)
+        return _convert(model, example_inputs, example_kwargs, dtype, policy, pad_multiple, master_weights,
+                        keep_io_types, memory_format)
     except _capture.CaptureError as e:
         if blocks is None or blocks is False or isinstance(model, fx.GraphModule):
             raise
         args, kwargs = _check_inputs(model, example_inputs, example_kwargs, dtype, pad_multiple)
-        options = dict(dtype=dtype, policy=policy, pad_multiple=pad_multiple, master_weights=master_weights,
-                       keep_io_types=keep_io_types, memory_format=memory_format)
-        with _no_gc():
-            part = _blocks.convert_piecewise(model, args, kwargs, convert, options, _blocks._why(e))
+        part = _blocks.convert_piecewise(model, args, kwargs, convert, options, _blocks._why(e))
         if part is None:  # nothing in it captures either
             raise
         return part
@@ -83,10 +87,9 @@ def convert_block(block: nn.Module, args: tuple, kwargs: dict, options: dict, ke
     """A block of a model, converted as a module of its own: its inputs and outputs in the dtypes its plan
     prefers (or, with ``keep_io_types``, its outputs in its first input's dtype); an input first becomes the
     dtype the block was converted for, no copy when it already is."""
-    o = options
-    with _no_gc():
-        return _convert(block, args, kwargs, o["dtype"], o["policy"], o["pad_multiple"], o["master_weights"],
-                        keep_io_types, o["memory_format"], entry_casts=True)
+    o = options  # called within convert(), the collector already off
+    return _convert(block, args, kwargs, o["dtype"], o["policy"], o["pad_multiple"], o["master_weights"],
+                    keep_io_types, o["memory_format"], entry_casts=True)
 
 
 def _convert(model, example_inputs, example_kwargs, dtype, policy, pad_multiple, master_weights, keep_io_types,

@@ -222,8 +222,8 @@ def _tree(model, names, args, kwargs, convert, options, *, piecewise: bool, why:
     # by its stand and then by its converted unit, or by a copy where it stays the model's module (a block the
     # model also holds under another name is copied: that other place would keep the model's own module)
     seen = collections.Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
-    keep = [m for m in (model.get_submodule(n) for n in names) if seen[id(m)] == 1]
-    tree = _capture._copy(model, share_tensors=True, keep=keep)
+    keep = {id(m): m for m in (model.get_submodule(n) for n in names) if seen[id(m)] == 1}
+    tree = _capture._copy(model, share_tensors=True, keep=keep.values())
     plans: dict[Any, nn.Module] = {}
     made: dict[str, dict] = {}
     failed: dict[str, str] = {}
@@ -286,8 +286,8 @@ def _tree(model, names, args, kwargs, convert, options, *, piecewise: bool, why:
         return _tree(model, rest, args, kwargs, convert, options, piecewise=piecewise, why=why)
     finally:
         for name, st in stands.items():
-            kept = st.unit if st.unit is not None and st.unit is not st.block else None
-            _put(tree, name, kept if kept is not None else _capture._copy(st.block, share_tensors=True))
+            m = st.unit if st.unit is not None else st.block
+            _put(tree, name, _capture._copy(m, share_tensors=True) if id(m) in keep else m)
         _set_modes(tree, model, modes)
     units = {n: st.unit for n, st in stands.items() if st.unit is not None and is_unit(st.unit)}
     skipped = {n: failed.get(n, "not called by the model's forward on the example inputs") for n in stands
