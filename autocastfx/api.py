@@ -132,7 +132,10 @@ def _convert(model, example_inputs, example_kwargs, dtype, policy, pad_multiple,
                 _padding.apply_padding(gm, pad_plan)
                 _capture.propagate(gm, args, kwargs)  # the padded values' shapes
         _layout.apply_layout(gm, layout, args, kwargs)
-        plan = _plan.build_plan(gm, policy, dtype, master_weights=master_weights, keep_io_types=keep_io_types)
+        free = _free_inputs(gm, args, kwargs, dtype) if entry_casts and not keep_io_types else frozenset()
+        plan = _plan.build_plan(gm, policy, dtype, master_weights=master_weights, keep_io_types=keep_io_types,
+                                free_inputs=free)
+        _inputs_as_planned(gm, plan, free)
         masters = _weights.store_low(gm, plan.low_params, dtype)
         _layout.store_weights(gm, layout)  # after the masters, which keep NCHW like their gradients
         _rewrite.apply_plan(gm, plan)
@@ -152,6 +155,33 @@ def _convert(model, example_inputs, example_kwargs, dtype, policy, pad_multiple,
         _rewrite.rebuild_output_type(gm)
         _modes.install(gm)
     return gm
+
+
+def _free_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict, low: torch.dtype) -> frozenset[str]:
+    """A block's float32 inputs whose dtype its plan may choose: those whose example values the low dtype
+    holds (a mask filled with float32's lowest value is not one of them)."""
+    places = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    try:
+        values = _capture._flatten_inputs(gm, args, kwargs)
+    except TypeError:
+        return frozenset()
+    if len(values) != len(places):
+        return frozenset()
+    out = set()
+    for p, v in zip(places, values):
+        info = p.meta.get("autocastfx_info")
+        if isinstance(v, torch.Tensor) and v.dtype == torch.float32 and isinstance(info, _capture.TensorInfo) \
+                and info.dtype == torch.float32 and bool(torch.isfinite(v.to(low)).all()):
+            out.add(p.name)
+    return frozenset(out)
+
+
+def _inputs_as_planned(gm: fx.GraphModule, plan: _plan.CastPlan, free: frozenset[str]) -> None:
+    """A free input the plan labels low is recorded as a low input: no cast for it in the graph, and the entry
+    cast (``rewrite.entry_casts``) takes whatever the caller gives in that dtype."""
+    for p in gm.graph.nodes:
+        if p.op == "placeholder" and p.name in free and plan.nodes[p.name].label == _plan.LOW:
+            p.meta["autocastfx_info"] = dataclasses.replace(p.meta["autocastfx_info"], dtype=plan.dtype)
 
 
 @contextlib.contextmanager

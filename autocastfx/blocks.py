@@ -119,6 +119,13 @@ class _Stand(nn.Module):
         self.name, self.block, self.make = name, block, make
         self.unit: nn.Module | None = None
         self.calls = 0
+        self.template: Any = None
+
+    def __getattr__(self, name):  # the model's code reads a block's attributes (``layer.downsample is None``)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["block"], name)
 
     def forward(self, *args, **kwargs):
         self.calls += 1
@@ -129,7 +136,45 @@ class _Stand(nn.Module):
         if not is_unit(self.unit):  # not converted: it runs as the code around the blocks does
             return self.unit(*args, **kwargs)
         with _no_autocast(args):
-            return _as_unit_gives(self.unit, self.block, args, kwargs)
+            out = _as_unit_gives(self.unit, self.block, args, kwargs)
+        self.template = _residual_template(self.unit, args, out)
+        return out
+
+
+def _residual_template(unit: nn.Module, args: tuple, out: Any) -> Any:
+    """Where every tensor the block gives has the shape of its first input, in the unit's own graph too (the
+    same symbolic sizes, for a unit torch.export captured): the structure of its result, each tensor marked
+    ``_FIRST`` and other leaves as they were. torch.export then need not trace the block to export the model
+    around it (see ``around._Float32Results``). None otherwise."""
+    if not args or not isinstance(args[0], torch.Tensor):
+        return None
+    leaves, spec = torch.utils._pytree.tree_flatten(out)
+    if not any(isinstance(t, torch.Tensor) for t in leaves) or any(
+            isinstance(t, torch.Tensor) and t.shape != args[0].shape for t in leaves):
+        return None
+    places = [n for n in unit.graph.nodes if n.op == "placeholder"]
+    first = places[0].meta.get("val") if places else None
+    out_node = next(n for n in reversed(unit.graph.nodes) if n.op == "output")
+    if not isinstance(first, torch.Tensor):
+        return None
+    for a in torch.utils._pytree.tree_leaves(out_node.args[0]):
+        if not isinstance(a, fx.Node):
+            continue
+        while "val" not in a.meta and a.args and isinstance(a.args[0], fx.Node):  # a cast the plan put there
+            a = a.args[0]
+        val = a.meta.get("val")
+        if not isinstance(val, torch.Tensor) or tuple(map(str, val.shape)) != tuple(map(str, first.shape)):
+            return None
+    return torch.utils._pytree.tree_unflatten(
+        [_FIRST if isinstance(t, torch.Tensor) else t for t in leaves], spec)
+
+
+class _First:
+    def __repr__(self):
+        return "<the block's first input>"
+
+
+_FIRST = _First()
 
 
 def _as_unit_gives(unit: nn.Module, block: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -174,12 +219,13 @@ def convert_tree(model: nn.Module, names: list[str], args: tuple, kwargs: dict, 
     ``options`` its keyword options. Where the model around the blocks does not trace, ``blocks="auto"``
     (``explicit=False``) converts the model as one graph as before, and only a model that does not capture
     as one graph either is converted piecewise; blocks the caller named are kept as modules piecewise."""
-    why = _traces_around(model, names, options["policy"])
-    if why is None:
-        try:
-            return _tree(model, names, args, kwargs, convert, options, piecewise=False)
-        except _RootError as e:
-            why = str(e)
+    # the model around the blocks as one graph: traced (symbolic_trace), or else exported (torch.export, the
+    # blocks' call signatures preserved: Hugging Face models)
+    traced = _traces_around(model, names, options["policy"])
+    try:
+        return _tree(model, names, args, kwargs, convert, options, piecewise=False)
+    except _RootError as e:
+        why = f"{traced}; {e}" if traced is not None else str(e)
     if not explicit:
         try:
             return convert(model, args, example_kwargs=kwargs, blocks=None, **options)
@@ -224,7 +270,7 @@ def _tree(model, names, args, kwargs, convert, options, *, piecewise: bool, why:
     seen = collections.Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
     keep = {id(m): m for m in (model.get_submodule(n) for n in names) if seen[id(m)] == 1}
     tree = _capture._copy(model, share_tensors=True, keep=keep.values())
-    plans: dict[Any, nn.Module] = {}
+    plans: dict[Any, list[tuple[nn.Module, dict]]] = {}  # key -> [(converted block, the attributes it read)]
     made: dict[str, dict] = {}
     failed: dict[str, str] = {}
     low_refused: dict[type, bool] = {}
@@ -241,14 +287,16 @@ def _tree(model, names, args, kwargs, convert, options, *, piecewise: bool, why:
         if not piecewise and not low_refused.get(type(block)):
             a = _hidden_low(a, options["dtype"])
         key = _signature(block, a, k)
-        ref = plans.get(key) if key is not None else None
+        ref = next((u for u, read in plans.get(key, ()) if _same_reads(block, read)), None) \
+            if key is not None else None
         unit = _reuse(ref, block, codes) if ref is not None else None
         if unit is not None:
             how = f"the plan of {ref.meta[BLOCK_META]['name']}, reused (same structure and input shapes)"
         else:
+            ref = None
             try:
                 try:
-                    with _no_autocast(a):
+                    with _no_autocast(a), _watch_attributes(block) as read:
                         unit = convert_block(block, a, k, options, keep_io_types=piecewise)
                 except Exception:  # noqa: BLE001 - the block's float32 code refuses a low input (a convolution's
                     f32 = _float32(given)  # float32 bias): converted for a float32 input
@@ -257,17 +305,17 @@ def _tree(model, names, args, kwargs, convert, options, *, piecewise: bool, why:
                     low_refused[type(block)] = True
                     a = f32
                     key = _signature(block, a, k)
-                    with _no_autocast(a):
+                    with _no_autocast(a), _watch_attributes(block) as read:
                         unit = convert_block(block, a, k, options, keep_io_types=piecewise)
             except _capture.CaptureError as e:  # stays the model's module: traced with the model, or eager
                 failed[name] = f"does not capture on its own ({_why(e)})"
                 return block
             how = f"converted ({unit.meta['autocastfx'].capture})"
-            if key is not None:
-                plans[key] = unit
-        family = ref.meta[BLOCK_META]["family"] if ref is not None and unit is not ref and key is not None \
-            and plans.get(key) is ref else name
-        unit.meta[BLOCK_META] = {"name": name, "inputs": _float_dtypes((a, k)), "plan": how, "family": family}
+            if key is not None and read is not None:
+                plans.setdefault(key, []).append((unit, read))
+        family = ref.meta[BLOCK_META]["family"] if ref is not None else name
+        unit.meta[BLOCK_META] = {"name": name, "inputs": _planned_inputs(unit, a, k), "plan": how,
+                                 "family": family}
         made[name] = unit.meta[BLOCK_META]
         unit.eval()  # for the rest of the run: no batch-norm statistics updated, no dropout
         return unit
@@ -277,7 +325,8 @@ def _tree(model, names, args, kwargs, convert, options, *, piecewise: bool, why:
         stands[name] = _Stand(name, tree.get_submodule(name), make)
         _put(tree, name, stands[name])
     try:
-        with _quiet_run(tree, None if piecewise else options["dtype"], (args, kwargs)):
+        with _quiet_run(tree, None if piecewise else options["dtype"], (args, kwargs)), \
+                _capture.dynamic_sizes(args, kwargs):
             tree(*args, **kwargs)
     except _CalledTwice as e:  # a block called twice (weights shared between calls) is no block: again without
         rest = [n for n in names if n != str(e)]
@@ -296,7 +345,10 @@ def _tree(model, names, args, kwargs, convert, options, *, piecewise: bool, why:
         return convert(model, args, example_kwargs=kwargs, blocks=None, **options)
     if piecewise:
         return _piecewise(model, tree, units, skipped, args, kwargs, convert, options, modes, why)
-    return _root(model, tree, units, skipped, args, kwargs, convert, options, modes)
+    from .around import sources
+    with sources({u: (model.get_submodule(n), stands[n].template) for n, u in units.items()}):  # what
+        # torch.export traces for them: a copy of the input where that has the block's result's shape
+        return _root(model, tree, units, skipped, args, kwargs, convert, options, modes)
 
 
 def convert_piecewise(model: nn.Module, args: tuple, kwargs: dict, convert: Callable, options: dict,
@@ -381,6 +433,26 @@ def _hidden_low(args: tuple, low: torch.dtype) -> tuple:
     return (x.to(low),) + tuple(args[1:])
 
 
+def _planned_inputs(unit: nn.Module, args: tuple, kwargs: dict) -> list:
+    """The dtype a converted block takes each float input in (``_float_dtypes``'s order): the example's, or the
+    one its plan chose for an input it was free to choose (see ``api._free_inputs``)."""
+    given = _float_dtypes((args, kwargs))
+    places = [n for n in unit.graph.nodes if n.op == "placeholder"]
+    try:
+        values = _capture._flatten_inputs(unit, args, kwargs)
+    except TypeError:
+        return given
+    if len(values) != len(places):
+        return given
+    chosen = {}
+    for p, v in zip(places, values):
+        info = p.meta.get("autocastfx_info")
+        if isinstance(v, torch.Tensor) and isinstance(info, _capture.TensorInfo):
+            chosen.setdefault(id(v), info.dtype)
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    return [chosen.get(id(t), d) if d is not None else None for t, d in zip(leaves, given)]
+
+
 def _float32(value: Any) -> Any:
     return torch.utils._pytree.tree_map(
         lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t,
@@ -399,11 +471,16 @@ _PLAIN = (int, float, str, bool, type(None), torch.dtype, torch.device, torch.Si
 
 
 def _signature(block: nn.Module, args: tuple, kwargs: dict) -> Any:
-    """What a block's conversion depends on: classes, plain attributes, parameter and buffer metadata, modes,
-    input metadata. None where something of another kind is met (then the block is converted on its own)."""
+    """What a block's conversion depends on, but for the values of its own classes' plain attributes:
+    classes, attribute names, torch.nn modules' attributes (a traced graph calls them as they are),
+    parameter and buffer metadata, modes, input metadata. None where something of another kind is met (then
+    the block is converted on its own). Which of its own attributes the conversion read, and their values, are
+    compared apart (:func:`_same_reads`): a decoder layer's ``layer_idx`` that no code reads does not keep two
+    layers from one plan."""
     parts: list = []
     for name, m in block.named_modules():
         items = [name, type(m), m.training]
+        ours = not _is_torch_class(type(m))
         for k, v in sorted(vars(m).items()):
             if k in _MODULE_STATE:
                 continue
@@ -414,7 +491,7 @@ def _signature(block: nn.Module, args: tuple, kwargs: dict) -> Any:
             if isinstance(v, torch.Tensor):  # a tensor that is neither parameter nor buffer: its values would
                 return None                  # not be copied into a reused plan's copy
             try:
-                items.append((k, _plain(v)))
+                items.append((k, _plain(v) if not ours else type(v)))
             except TypeError:
                 return None
         for store in (m._parameters, m._buffers):
@@ -426,6 +503,52 @@ def _signature(block: nn.Module, args: tuple, kwargs: dict) -> Any:
     except TypeError:
         return None
     return tuple(parts)
+
+
+def _is_torch_class(cls: type) -> bool:
+    return (getattr(cls, "__module__", "") or "").startswith("torch.")
+
+
+@contextlib.contextmanager
+def _watch_attributes(block: nn.Module):
+    """Yields a dict that, once the block is converted, holds (module name, attribute) -> value for every plain
+    attribute of the block's own classes that any instance of that class had read meanwhile (the capture reads
+    a copy of the block: what a class read is taken as read in every module of that class, which only makes
+    the comparison stricter); None where a value read cannot be compared."""
+    classes = {type(m) for m in block.modules() if not _is_torch_class(type(m))}
+    names: set[tuple[type, str]] = set()
+
+    def seen(module, name):
+        cls = type(module)
+        if cls in classes and (cls, name) not in names and name not in _MODULE_STATE:
+            if name in object.__getattribute__(module, "__dict__"):
+                names.add((cls, name))
+
+    out: dict = {}
+    with _capture.watch_reads(seen):
+        yield out
+    try:
+        for rel, m in block.named_modules():
+            for cls, name in names:
+                if type(m) is cls and name in vars(m):
+                    out[(rel, name)] = _plain(vars(m)[name])
+    except TypeError:
+        out.clear()
+        out[None] = None  # never the same: compared with anything, differs
+
+
+def _same_reads(block: nn.Module, read: dict) -> bool:
+    """Whether ``block`` has the values a converted block's conversion read (see :func:`_watch_attributes`)."""
+    if None in read:
+        return False
+    for (rel, name), value in read.items():
+        try:
+            m = block.get_submodule(rel)
+            if name not in vars(m) or _plain(vars(m)[name]) != value:
+                return False
+        except (AttributeError, TypeError):
+            return False
+    return True
 
 
 def _plain(v: Any) -> Any:
@@ -575,7 +698,7 @@ def _piecewise(model, tree, units, skipped, args, kwargs, convert, options, mode
         m = tree.get_submodule(name)
         a, k = inputs[name]
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), _capture.dynamic_sizes(args, kwargs):  # the model's free sizes
                 warnings.simplefilter("ignore")
                 part = convert(m, a, example_kwargs=k, blocks=None, **{**options, "keep_io_types": True})
         except (_capture.CaptureError, ValueError) as e:

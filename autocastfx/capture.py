@@ -195,16 +195,20 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, compil
 def capture_export(model: nn.Module, args: tuple, kwargs: dict, trace_error: BaseException | None = None,
                    check: bool = True, reads: list | None = None) -> tuple[fx.GraphModule, str]:
     _check_example_values(torch.utils._pytree.tree_leaves((tuple(args), dict(kwargs))))
-    inner = [n for n, m in model.named_modules() if n and _is_unit(m)]
-    if inner:  # torch.export would trace through them: the blocks would not stay modules
-        raise CaptureError(f"cannot capture {type(model).__name__} with its converted blocks ({', '.join(inner[:3])}"
-                           f"{' ...' if len(inner) > 3 else ''}) as calls: torch.fx.symbolic_trace failed: "
-                           f"{_one_line(trace_error) if trace_error else 'not tried'}")
+    units = _outer_units(model)
     try:
         with _quiet():  # torch.export prints graphs and shape warnings while it fails; the error says it all
-            with watch_training(reads):
-                ep = _export(model, tuple(args), dict(kwargs))
-        gm = ep.module()
+            if units:  # the converted blocks inside stay calls of one graph around them
+                from .around import block_modules, export_around
+                seen: list | None = [] if reads is not None else None
+                with watch_training(seen):
+                    gm = export_around(model, tuple(args), dict(kwargs), units, _export)
+                if reads is not None:  # what the blocks read of their own modes is theirs: not the root's
+                    inner = block_modules(units)
+                    reads.extend(m for m in seen if id(m) not in inner)
+            else:
+                with watch_training(reads):
+                    gm = _export(model, tuple(args), dict(kwargs)).module()
         _strip_export_asserts(gm)
         if check:
             propagate(gm, args, kwargs)
@@ -231,19 +235,47 @@ def watch_training(reads: list | None):
         yield
         return
 
-    def getattribute(self, name):
+    def seen(module, name):
         if name == "training":
-            reads.append(self)
-        return object.__getattribute__(self, name)
+            reads.append(module)
 
-    nn.Module.__getattribute__ = getattribute
+    with watch_reads(seen):
+        yield
+
+
+_WATCHERS: list = []
+
+
+def _watched_getattribute(self, name):
+    for w in _WATCHERS:
+        w(self, name)
+    return object.__getattribute__(self, name)
+
+
+@contextlib.contextmanager
+def watch_reads(callback):
+    """Meanwhile ``callback(module, name)`` is called for every attribute read of every module (watchers nest)."""
+    _WATCHERS.append(callback)
+    if len(_WATCHERS) == 1:
+        nn.Module.__getattribute__ = _watched_getattribute
     try:
         yield
     finally:
-        del nn.Module.__getattribute__
+        _WATCHERS.remove(callback)
+        if not _WATCHERS:
+            del nn.Module.__getattribute__
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict):
+def _outer_units(model: nn.Module) -> dict[str, nn.Module]:
+    """The converted blocks inside ``model`` (not the model itself), outermost only, by qualified name."""
+    out: dict[str, nn.Module] = {}
+    for n, m in model.named_modules():
+        if n and _is_unit(m) and not any(n.startswith(o + ".") for o in out):
+            out[n] = m
+    return out
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict, preserve: tuple[str, ...] = ()):
     """torch.export with the batch size, and the sequence length of token inputs, free to vary where the model
     allows it (``Dim.AUTO``), so that a converted model takes other batch sizes and sequence lengths than the
     example's; a static export when the dynamic one fails (a model whose code needs concrete sizes).
@@ -251,11 +283,72 @@ def _export(model: nn.Module, args: tuple, kwargs: dict):
     Other sizes (an image's height and width, feature widths) are the example's: free spatial sizes cost a
     windowed vision model's export nearly a minute of symbolic reasoning on its padding arithmetic (a small
     Hugging Face Swin: 59 s with every size free, 1.9 s with a free batch, 1.1 s static)."""
+    with _explicit_keywords(model, kwargs):
+        try:
+            spec = _auto_dynamic_shapes(model, args, kwargs)
+            return torch.export.export(model, args, kwargs, dynamic_shapes=spec, strict=False,
+                                       preserve_module_call_signature=preserve)
+        except Exception:  # noqa: BLE001 - the static export below reports its own failure
+            return torch.export.export(model, args, kwargs, strict=False, preserve_module_call_signature=preserve)
+
+
+@contextlib.contextmanager
+def _explicit_keywords(model: nn.Module, kwargs: dict):
+    """Meanwhile ``model.forward`` names every keyword input it takes through ``**kwargs`` (a Hugging Face layer's
+    ``position_ids``): torch.export matches dynamic shapes against the inputs bound to the signature in one place
+    and against the keyword inputs laid out flat in another, and the two differ for a ``**kwargs`` forward, so
+    every dynamic export of such a block failed and fell back to a static one (its batch size fixed)."""
+    import inspect
+
     try:
-        spec = _auto_dynamic_shapes(model, args, kwargs)
-        return torch.export.export(model, args, kwargs, dynamic_shapes=spec, strict=False)
-    except Exception:  # noqa: BLE001 - the static export below reports its own failure
-        return torch.export.export(model, args, kwargs, strict=False)
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        yield
+        return
+    params = list(sig.parameters.values())
+    extra = [k for k in kwargs if k not in sig.parameters]
+    if not extra or not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        yield
+        return
+    named = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    named += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in extra]
+    own = model.__dict__.get("forward")
+    original = model.forward
+
+    def forward(*a, **k):
+        return original(*a, **k)
+
+    forward.__signature__ = sig.replace(parameters=named)
+    model.__dict__["forward"] = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.__dict__["forward"]
+        else:
+            model.__dict__["forward"] = own
+
+
+_DYNAMIC_SIZES: list[frozenset] = []
+
+
+@contextlib.contextmanager
+def dynamic_sizes(args: tuple, kwargs: dict):
+    """Meanwhile, a capture by torch.export (a block's) also leaves free every size of its inputs that is one of
+    the sizes free in the model's own inputs (``args``, ``kwargs``): the batch, a token input's sequence length.
+    A block exported for a hidden state of shape (batch, sequence, width) then takes other sequence lengths,
+    as the model converted as one graph does. Free sizes that the code fixes are fixed by torch.export."""
+    sizes = set()
+    for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor) and t.dim():
+            sizes.add(t.shape[0])
+            if not t.is_floating_point() and t.dim() == 2:
+                sizes.add(t.shape[1])
+    _DYNAMIC_SIZES.append(frozenset(n for n in sizes if n > 1))
+    try:
+        yield
+    finally:
+        _DYNAMIC_SIZES.pop()
 
 
 def _auto_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict:
@@ -263,12 +356,15 @@ def _auto_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict:
 
     auto = torch.export.Dim.AUTO
 
+    sizes = _DYNAMIC_SIZES[-1] if _DYNAMIC_SIZES else frozenset()
+
     def spec(v):
         if isinstance(v, torch.Tensor):
             if not v.dim():
                 return None
             token = not v.is_floating_point() and v.dim() == 2  # ids, masks, positions: (batch, sequence)
-            return {i: auto for i in range(2 if token else 1)}
+            free = set(range(2 if token else 1)) | {i for i, n in enumerate(v.shape) if n in sizes}
+            return {i: auto for i in sorted(free)}
         if isinstance(v, (tuple, list)):
             return type(v)(spec(x) for x in v)
         if isinstance(v, dict):

@@ -435,7 +435,10 @@ def module_path(node: fx.Node) -> str | None:
 
 
 def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, master_weights: bool,
-               keep_io_types: bool) -> CastPlan:
+               keep_io_types: bool, free_inputs: frozenset[str] = frozenset()) -> CastPlan:
+    """The cast plan of ``gm``: a label (low or float32) for every float value, by a min-cut over the casts.
+    ``free_inputs``: placeholders whose dtype the plan chooses too (a block's inputs, which the model around it
+    delivers in the dtype chosen, cast once there for every block that reads it)."""
     nodes: dict[str, NodePlan] = {}
     fixed: dict[str, bool] = {}
     free: list[str] = []
@@ -462,7 +465,13 @@ def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, master_w
             multi.add(node.name)
         is_value = node.name in weight or node.name in multi
         if node.op == "placeholder":
-            if is_value:
+            if is_value and node.name in free_inputs and _is_float(info):
+                free.append(node.name)
+                nodes[node.name] = NodePlan(None, None, f"input ({info.dtype} in the example): its dtype chosen "
+                                                        "by the plan, the model around the block delivers it so")
+                if first_float_input:
+                    io_label, first_float_input = (LOW if info.dtype == low else FP32), False
+            elif is_value:
                 lab = LOW if info.dtype == low else FP32
                 fixed[node.name] = lab
                 nodes[node.name] = NodePlan(None, lab, f"input ({info.dtype})")

@@ -607,9 +607,8 @@ def _hf_llama():
     model = tf.LlamaForCausalLM(cfg)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        # blocks=True: the decoder layers stay modules though the model around them does not trace
-        return autocastfx.convert(model, example_kwargs={"input_ids": _hf_batch(0)[:2], "use_cache": False},
-                                  blocks=True)
+        # the default: the decoder layers stay modules (the model around them captured by torch.export)
+        return autocastfx.convert(model, example_kwargs={"input_ids": _hf_batch(0)[:2], "use_cache": False})
 
 
 def _hf_batch(i):
