@@ -149,8 +149,8 @@ def _residual_template(unit: nn.Module, args: tuple, out: Any) -> Any:
     if not args or not isinstance(args[0], torch.Tensor):
         return None
     leaves, spec = torch.utils._pytree.tree_flatten(out)
-    if not any(isinstance(t, torch.Tensor) for t in leaves) or any(
-            isinstance(t, torch.Tensor) and t.shape != args[0].shape for t in leaves):
+    if not args[0].is_floating_point() or not any(isinstance(t, torch.Tensor) for t in leaves) or any(
+            isinstance(t, torch.Tensor) and (t.shape != args[0].shape or not t.is_floating_point()) for t in leaves):
         return None
     places = [n for n in unit.graph.nodes if n.op == "placeholder"]
     first = places[0].meta.get("val") if places else None
@@ -226,6 +226,8 @@ def convert_tree(model: nn.Module, names: list[str], args: tuple, kwargs: dict, 
         return _tree(model, names, args, kwargs, convert, options, piecewise=False)
     except _RootError as e:
         why = f"{traced}; {e}" if traced is not None else str(e)
+        if traced is not None and _data_dependent(e):  # its Python branches on values: as one graph neither
+            return _tree(model, names, args, kwargs, convert, options, piecewise=True, why=why)
     if not explicit:
         try:
             return convert(model, args, example_kwargs=kwargs, blocks=None, **options)
@@ -236,6 +238,19 @@ def convert_tree(model: nn.Module, names: list[str], args: tuple, kwargs: dict, 
 
 class _RootError(Exception):
     pass
+
+
+def _data_dependent(e: BaseException) -> bool:
+    """Whether torch.export failed on a branch on a tensor's values (then no way of capturing takes the model
+    as one graph either)."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, GuardOnDataDependentSymNode):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _why(e: BaseException) -> str:

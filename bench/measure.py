@@ -449,6 +449,48 @@ def convert_blocks_scaling(depths, make, example):
     return rows
 
 
+def convert_hf_scaling(depths, repeats: int = 1):
+    """(depth, torch.export s, convert(blocks=None) s, convert(blocks="auto") s, casts per forward one graph,
+    casts with blocks) per depth, for a Hugging Face Llama built from a config (its forward only torch.export
+    captures). Each time a single call unless ``repeats`` says otherwise (a call takes seconds)."""
+    import transformers
+
+    rows = []
+    for depth in depths:
+        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=depth, num_attention_heads=4, num_key_value_heads=2,
+                                       max_position_embeddings=128)
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(cfg).eval()
+        kw = {"input_ids": torch.randint(0, 256, (2, 16)), "use_cache": False}
+        _, t_export = _timed(torch.export.export, model, (), kw, strict=False, repeats=repeats)
+        flat, t_flat = _timed(autocastfx.convert, model, example_kwargs=kw, blocks=None, repeats=repeats)
+        tree, t_blocks = _timed(autocastfx.convert, model, example_kwargs=kw, repeats=repeats)
+        assert isinstance(tree.model.layers, torch.nn.ModuleList) and "autocastfx" in tree.model.layers[0].meta
+        rows.append((depth, t_export, t_flat, t_blocks, _float_casts(flat, kw), _float_casts(tree, kw)))
+    return rows
+
+
+def _float_casts(gm, kwargs) -> int:
+    """Dtype-changing copies between float dtypes in one forward, counted at the aten level."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func._opname in ("_to_copy", "to") and isinstance(args[0], torch.Tensor) \
+                    and isinstance(out, torch.Tensor) and args[0].dtype != out.dtype \
+                    and args[0].is_floating_point() and out.is_floating_point():
+                Count.n += 1
+            return out
+
+    with torch.no_grad(), Count():
+        gm(**kwargs)
+    return Count.n
+
+
 def accumulation_cast_bytes(model, inputs, target, loss_fn=F.cross_entropy, micro=4):
     """Cast bytes per optimizer update with ``micro`` micro-batches: autocast re-casts the weights on every
     micro-batch's forward and every backward; autocastfx copies the masters back once per update."""

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from measure import (Runner, accumulation_cast_bytes, convert_blocks_scaling, convert_scaling,
+from measure import (Runner, accumulation_cast_bytes, convert_blocks_scaling, convert_hf_scaling, convert_scaling,
                      interleaved_step_times)  # noqa: E402
 from models import GPT2, Bottleneck, ResNet50, TinyMLP, ViT, ListStack, lm_loss, transformer_stack  # noqa: E402
 
@@ -138,6 +138,20 @@ def main():
                                                                        lambda: torch.randn(1, 4, 16)):
             print(f"  {depth:6d} {t_trace:8.2f} {t_flat:11.2f} {t_flat / t_trace:6.1f} {t_blocks:9.2f} "
                   f"{t_blocks / t_trace:6.1f}")
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            print("\n(Hugging Face rows left out: transformers is not installed)")
+        else:
+            print("\nConversion cost with blocks through torch.export: a Hugging Face Llama from a config (d 64, "
+                  "input 2x16; its forward only torch.export captures), convert() against torch.export.export "
+                  "(one call each):")
+            depths = [4, 12] if args.quick else [4, 12, 24]
+            print(f"  {'layers':>6} {'export s':>8} {'one graph s':>11} {'ratio':>6} {'blocks s':>9} {'ratio':>6} "
+                  f"{'casts one graph':>15} {'casts blocks':>12}")
+            for depth, t_exp, t_flat, t_blocks, c_flat, c_blocks in convert_hf_scaling(depths):
+                print(f"  {depth:6d} {t_exp:8.2f} {t_flat:11.2f} {t_flat / t_exp:6.1f} {t_blocks:9.2f} "
+                      f"{t_blocks / t_exp:6.1f} {c_flat:15d} {c_blocks:12d}")
         print("\nConversion cost: a ResNet-style CNN of bottleneck blocks in four stages (input 2x3x32x32), "
               "convert() against torch.fx.symbolic_trace:")
         depths = [8, 32] if args.quick else [16, 64, 256, 1024]

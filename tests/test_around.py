@@ -124,13 +124,13 @@ def test_an_export_only_tree_switches_modes_reports_exports_and_trains(tmp_path)
 
     def losses(blocks):
         torch.manual_seed(0)
-        m = ExportOnly(layers=3)
+        m = ExportOnly(layers=2)
         g = autocastfx.convert(m, (x,), blocks=blocks)
         step = autocastfx.train_step(g, lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
                                      torch.optim.AdamW(g.parameters(), lr=1e-3))
-        return [float(step(ids(seed=i), ids(seed=50 + i))) for i in range(6)]
+        return [float(step(x, ids(seed=50))) for _ in range(4)]  # one batch: the loss falls
     tree, flat = losses("auto"), losses(None)
-    print("6 steps, blocks vs one graph:", max(abs(p - q) for p, q in zip(tree, flat)))
+    print("4 steps, blocks vs one graph:", max(abs(p - q) for p, q in zip(tree, flat)))
     assert max(abs(p - q) for p, q in zip(tree, flat)) < 1e-3 and tree[-1] < tree[0]
 
 
@@ -192,17 +192,17 @@ def _llama(layers=2):
 
 
 def test_hugging_face_llama_keeps_its_decoder_layers_as_modules_by_default(tmp_path):
-    model = _llama(layers=3)
+    model = _llama(layers=2)
     kw = {"input_ids": torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0)), "use_cache": False}
     gm = autocastfx.convert(model, example_kwargs=kw)
     assert gm.meta["autocastfx"].capture == "torch.export"
-    assert isinstance(gm.model.layers, nn.ModuleList) and _units(gm) == {f"model.layers.{i}" for i in range(3)}
+    assert isinstance(gm.model.layers, nn.ModuleList) and _units(gm) == {"model.layers.0", "model.layers.1"}
     flat = autocastfx.convert(model, example_kwargs=kw, blocks=None)
     ref = model(**kw).logits
     casts, flat_casts = _casts(gm, **kw), _casts(flat, **kw)
     err, flat_err = rel(gm(**kw).logits, ref), rel(flat(**kw).logits, ref)
-    print(f"Llama 3 layers: casts per forward {casts} (one graph {flat_casts}), error {err:.2e} ({flat_err:.2e})")
-    assert casts <= flat_casts + 3 + 1 and err <= max(2 * flat_err, 2e-3)
+    print(f"Llama 2 layers: casts per forward {casts} (one graph {flat_casts}), error {err:.2e} ({flat_err:.2e})")
+    assert casts <= flat_casts + 2 + 1 and err <= max(2 * flat_err, 2e-3)
     for shape in ((3, 8), (2, 13)):  # other batch sizes and sequence lengths
         z = torch.randint(0, 128, shape)
         assert rel(gm(input_ids=z, use_cache=False).logits, model(input_ids=z, use_cache=False).logits) < 3e-3
