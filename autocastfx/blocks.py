@@ -225,7 +225,8 @@ def convert_tree(model: nn.Module, names: list[str], args: tuple, kwargs: dict, 
     try:
         return _tree(model, names, args, kwargs, convert, options, piecewise=False)
     except _RootError as e:
-        why = f"{traced}; {e}" if traced is not None else str(e)
+        why = _why(e.__cause__) if isinstance(e.__cause__, _capture.CaptureError) else \
+            f"{traced}; {e}" if traced is not None else str(e)
         if traced is not None and _data_dependent(e):  # its Python branches on values: as one graph neither
             return _tree(model, names, args, kwargs, convert, options, piecewise=True, why=why)
     if not explicit:
