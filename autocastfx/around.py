@@ -28,6 +28,8 @@ import torch.fx._pytree as fx_pytree
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from .blocks import ReadsThrough
+
 _CALL_INDEX = re.compile(r"@\d+$")
 
 
@@ -62,7 +64,7 @@ def block_modules(units: dict[str, nn.Module]) -> set[int]:
     return out
 
 
-class _Float32Results(nn.Module):
+class _Float32Results(ReadsThrough):
     """A converted block as torch.export sees it while the model around it is exported: only its signature and
     its result's structure, shapes and dtypes matter there (the block's code is not kept). A block whose every
     result has its first input's shape (a residual block: a decoder layer) gives copies of that input, so the
@@ -78,12 +80,6 @@ class _Float32Results(nn.Module):
         self.mode_of = [unit] if source is not None else None  # whose mode the model's block runs in (a list: no
         # submodule of this one, so the export lifts none of its tensors)
         self.block = source if source is not None else unit
-
-    def __getattr__(self, name):  # the model's code reads a block's attributes (``layer.downsample is None``)
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["block"], name)
 
     def forward(self, *args, **kwargs):
         if self.template is not None:

@@ -111,7 +111,18 @@ def _has_gemm(m: nn.Module) -> bool:
 
 # ------------------------------------------------------------------------------------------ conversion
 
-class _Stand(nn.Module):
+class ReadsThrough(nn.Module):
+    """A module standing in for a block (its ``block`` submodule): the model's code reads the block's
+    attributes through it (Hugging Face Swin's ``layer.downsample is not None``)."""
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["block"], name)
+
+
+class _Stand(ReadsThrough):
     """Where a block was, during the one run: converts it on its first call, with that call's inputs."""
 
     def __init__(self, name: str, block: nn.Module, make: Callable):
@@ -120,12 +131,6 @@ class _Stand(nn.Module):
         self.unit: nn.Module | None = None
         self.calls = 0
         self.template: Any = None
-
-    def __getattr__(self, name):  # the model's code reads a block's attributes (``layer.downsample is None``)
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["block"], name)
 
     def forward(self, *args, **kwargs):
         self.calls += 1
