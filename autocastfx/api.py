@@ -160,15 +160,8 @@ def _convert(model, example_inputs, example_kwargs, dtype, policy, pad_multiple,
 def _free_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict, low: torch.dtype) -> frozenset[str]:
     """A block's float32 inputs whose dtype its plan may choose: those whose example values the low dtype
     holds (a mask filled with float32's lowest value is not one of them)."""
-    places = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    try:
-        values = _capture._flatten_inputs(gm, args, kwargs)
-    except TypeError:
-        return frozenset()
-    if len(values) != len(places):
-        return frozenset()
     out = set()
-    for p, v in zip(places, values):
+    for p, v in _capture.placeholder_values(gm, args, kwargs):
         info = p.meta.get("autocastfx_info")
         if isinstance(v, torch.Tensor) and v.dtype == torch.float32 and isinstance(info, _capture.TensorInfo) \
                 and info.dtype == torch.float32 and bool(torch.isfinite(v.to(low)).all()):

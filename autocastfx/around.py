@@ -150,9 +150,9 @@ def graph_around(flat: nn.Module, units: dict[str, nn.Module], ep) -> fx.GraphMo
     graph = b.graph
     graph.output(out)
     from torch.export._unlift import _get_codegen
-    sig = ep.module_call_graph[0].signature
+    call = ep.module_call_graph[0].signature
     graph._codegen = _get_codegen(ep.call_spec.in_spec, ep.call_spec.out_spec,
-                                  sig.forward_arg_names if sig is not None else None)
+                                  call.forward_arg_names if call is not None else None)
     sig = ep.graph_signature
     loose = set(sig.non_persistent_buffers)
     root = nn.Module()

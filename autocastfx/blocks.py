@@ -458,15 +458,8 @@ def _planned_inputs(unit: nn.Module, args: tuple, kwargs: dict) -> list:
     """The dtype a converted block takes each float input in (``_float_dtypes``'s order): the example's, or the
     one its plan chose for an input it was free to choose (see ``api._free_inputs``)."""
     given = _float_dtypes((args, kwargs))
-    places = [n for n in unit.graph.nodes if n.op == "placeholder"]
-    try:
-        values = _capture._flatten_inputs(unit, args, kwargs)
-    except TypeError:
-        return given
-    if len(values) != len(places):
-        return given
     chosen = {}
-    for p, v in zip(places, values):
+    for p, v in _capture.placeholder_values(unit, args, kwargs):
         info = p.meta.get("autocastfx_info")
         if isinstance(v, torch.Tensor) and isinstance(info, _capture.TensorInfo):
             chosen.setdefault(id(v), info.dtype)

@@ -927,6 +927,16 @@ def node_flops(gm: fx.GraphModule, node: fx.Node) -> int:
     return flops
 
 
+def placeholder_values(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list[tuple[fx.Node, Any]]:
+    """(placeholder, the example value it takes) for each of ``gm``'s inputs; empty where they cannot be paired."""
+    places = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    try:
+        values = _flatten_inputs(gm, args, kwargs)
+    except TypeError:
+        return []
+    return list(zip(places, values)) if len(values) == len(places) else []
+
+
 def _flatten_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list:
     """Positional values for the graph's placeholders, in order."""
     in_spec = getattr(gm, "_in_spec", None)

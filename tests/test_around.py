@@ -93,6 +93,9 @@ def test_blocks_stay_modules_when_only_torch_export_captures_the_model():
     assert casts <= flat_casts + len(gm.layers) + 1
     with AtenRecorder() as rec:
         gm(x)
+    table = (x.shape[1], D)  # the table each block reads: cast once by the root, not once per block
+    assert sum(1 for c in rec.float_casts() if c.in_shapes[0] == table) == 1
+    assert sum(1 for c in rec.float_casts() if c.in_shapes[0] == table and c.out_dtypes == [torch.float16]) == 1
     mm = rec.ops("addmm", "mm")
     assert mm and all(all(d == torch.float16 for d in c.in_dtypes) for c in mm)
     # other batch sizes and sequence lengths, as the one-graph conversion takes them
