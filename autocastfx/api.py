@@ -5,6 +5,7 @@ import contextlib
 import copy
 import dataclasses
 import gc
+import itertools
 from typing import Any
 
 import torch
@@ -52,9 +53,30 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
     """
     # a conversion makes many small objects and frees few: cyclic collections only cost time (with blocks, most
     # of a copied block's cost)
-    with _no_gc():
+    with _no_gc(), _on_meta(model, example_inputs, example_kwargs):
         return _convert_model(model, example_inputs, example_kwargs, dtype, policy, pad_multiple, master_weights,
                               keep_io_types, memory_format, blocks)
+
+
+@contextlib.contextmanager
+def _on_meta(model, example_inputs, example_kwargs):
+    """A model on the meta device is captured and planned on shapes alone, for the device of its real example
+    inputs (the CPU where they are on meta too): its parameters, masters and buffers stay on meta, to be
+    materialised with ``gm.to_empty(device=...)`` and filled by ``gm.load_state_dict(...)``."""
+    if not isinstance(model, nn.Module) or not any(t.is_meta for t in _tensors(model)):
+        yield
+        return
+    leaves = torch.utils._pytree.tree_leaves((example_inputs, example_kwargs))
+    device = next((t.device for t in leaves if isinstance(t, torch.Tensor) and not t.is_meta), torch.device("cpu"))
+    token = _capture.META_DEVICE.set(device)
+    try:
+        yield
+    finally:
+        _capture.META_DEVICE.reset(token)
+
+
+def _tensors(model: nn.Module):
+    return itertools.chain(model.parameters(), model.buffers())
 
 
 def _convert_model(model, example_inputs, example_kwargs, dtype, policy, pad_multiple, master_weights,
@@ -163,8 +185,10 @@ def _free_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict, low: torch.dtype
     out = set()
     for p, v in _capture.placeholder_values(gm, args, kwargs):
         info = p.meta.get("autocastfx_info")
+        # on the meta device the values are unknown: such an input stays float32 (a mask of float32's lowest
+        # value would overflow the low dtype)
         if isinstance(v, torch.Tensor) and v.dtype == torch.float32 and isinstance(info, _capture.TensorInfo) \
-                and info.dtype == torch.float32 and bool(torch.isfinite(v.to(low)).all()):
+                and info.dtype == torch.float32 and not v.is_meta and bool(torch.isfinite(v.to(low)).all()):
             out.add(p.name)
     return frozenset(out)
 
@@ -237,9 +261,6 @@ def _check_params(model: nn.Module) -> None:
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if id(t) in units:
             continue
-        if t.is_meta:
-            raise ValueError(f"{name} is on the meta device and has no values; materialise the model first "
-                             "(model.to_empty(device='cpu') and initialise it, or load a checkpoint)")
         if t.is_floating_point() and t.dtype != torch.float32:
             raise ValueError(f"{name} is {t.dtype}; convert() takes a float32 model, whose weights become the "
                              "float32 masters. Call model.float() first (converting an already-halved model "

@@ -417,7 +417,8 @@ def _device_type(value: Any) -> str:
 
 
 def _no_autocast(value: Any):
-    return torch.autocast(_device_type(value), enabled=False)
+    kind = _device_type(value)
+    return torch.autocast(kind, enabled=False) if kind != "meta" else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -449,7 +450,9 @@ def _hidden_low(args: tuple, low: torch.dtype) -> tuple:
             or args[0].dtype == low:
         return args
     x = args[0]
-    if x.numel() and not bool(torch.isfinite(x.to(low)).all()):
+    # on the meta device there are no values to look at: a hidden state is taken to fit, as it does in any model
+    # that trains
+    if x.numel() and not x.is_meta and not bool(torch.isfinite(x.to(low)).all()):
         return args
     return (x.to(low),) + tuple(args[1:])
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import copy
 import io
 import itertools
@@ -283,13 +284,36 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, preserve: tuple[str, ..
     Other sizes (an image's height and width, feature widths) are the example's: free spatial sizes cost a
     windowed vision model's export nearly a minute of symbolic reasoning on its padding arithmetic (a small
     Hugging Face Swin: 59 s with every size free, 1.9 s with a free batch, 1.1 s static)."""
+    target = META_DEVICE.get()
+    if target is not None:  # on the meta device: the inputs too, and the device the program will run on after
+        args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     with _explicit_keywords(model, kwargs):
         try:
             spec = _auto_dynamic_shapes(model, args, kwargs)
-            return torch.export.export(model, args, kwargs, dynamic_shapes=spec, strict=False,
-                                       preserve_module_call_signature=preserve)
+            ep = torch.export.export(model, args, kwargs, dynamic_shapes=spec, strict=False,
+                                     preserve_module_call_signature=preserve)
         except Exception:  # noqa: BLE001 - the static export below reports its own failure
-            return torch.export.export(model, args, kwargs, strict=False, preserve_module_call_signature=preserve)
+            ep = torch.export.export(model, args, kwargs, strict=False, preserve_module_call_signature=preserve)
+    if target is not None:
+        _retarget_devices(ep.graph_module, torch.device("meta"), target)
+    return ep
+
+
+def _retarget_devices(gm: fx.GraphModule, old: torch.device, new: torch.device) -> None:
+    """Every ``device=old`` argument of ``gm``'s graph (``torch.arange(..., device=x.device)`` as the export of a
+    model on the meta device records it) made ``new``, in nested graphs too."""
+    def swap(a):
+        return new if isinstance(a, torch.device) and a == old else a
+
+    for m in gm.modules():
+        graph = getattr(m, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        for node in graph.nodes:
+            node.args = fx.node.map_aggregate(node.args, swap)
+            node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
+        if isinstance(m, fx.GraphModule):
+            m.recompile()
 
 
 @contextlib.contextmanager
@@ -516,6 +540,10 @@ def propagate(gm: fx.GraphModule, args: tuple, kwargs: dict, *, mode: str = "fak
             propagate_counts["fake"] += 1
             gm.meta["autocastfx_propagate"] = "fake"
             return out
+    if META_DEVICE.get() is not None:
+        raise CaptureError(f"{type(gm).__name__} cannot be converted on the meta device: its shapes are not known "
+                           f"without values ({reason}); materialise it (model.to_empty(device=...) and load its "
+                           "weights) and convert that")
     out = _propagate_real(gm, flat_args)
     propagate_counts["real"] += 1
     gm.meta["autocastfx_propagate"] = "real" if mode == "real" else f"real (fake run failed: {reason})"
@@ -544,6 +572,8 @@ def _output_info(gm: fx.GraphModule) -> Any:
 
 
 def _check_example_values(flat_args: list) -> None:
+    if META_DEVICE.get() is not None:
+        return  # converting on the meta device: shapes alone
     for i, a in enumerate(torch.utils._pytree.tree_leaves(flat_args)):
         if isinstance(a, torch.Tensor) and a.is_meta:
             raise ValueError(f"example input {i} is on the meta device and has no values: pass a real tensor of "
@@ -576,7 +606,15 @@ class _Virtual:
 
 
 def _meta(t: torch.Tensor) -> _Meta:
-    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad)
+    device = t.device
+    if device.type == "meta":  # a model converted on the meta device: planned for the device it will run on
+        device = META_DEVICE.get() or device
+    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, device, t.requires_grad)
+
+
+# The device a model converted on the meta device is planned for (its example inputs' device, else the CPU): its
+# meta tensors are propagated as fake tensors of that device. Set by ``convert()`` for the conversion only.
+META_DEVICE: contextvars.ContextVar = contextvars.ContextVar("autocastfx_meta_device", default=None)
 
 
 class _FakeRun:

@@ -27,6 +27,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import weights as _weights
+
 _aten = torch.ops.aten
 
 
@@ -235,6 +237,25 @@ class _Switchable:
 
     def eval(self):
         return set_mode(self, False)
+
+    # the float32 model's state dict: masters under the model's own names (see weights.py)
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        out = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        _weights.masters_into_state_dict(self, out, prefix, keep_vars)
+        _weights.model_names_into_state_dict(self, out, prefix)
+        return out
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        _weights.model_names_from_state_dict(self, state_dict, prefix)
+        _weights.masters_from_state_dict(self, state_dict, prefix, bool(local_metadata.get("assign_to_params_buffers")))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        _weights.apply_to_masters(self, fn)
+        return out
 
 
 _BASES: dict[type, type] = {}

@@ -116,22 +116,9 @@ class Local:
         return True
 
 
-def converted_units(gm: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name prefix, module) for the converted blocks inside ``gm`` (submodules with ``meta["autocastfx"]`` of
-    their own, each planned and holding its masters apart), innermost first, then ``("", gm)``."""
-    out = [(name + ".", m) for name, m in gm.named_modules() if name and _is_converted(m)]
-    out.reverse()  # named_modules() is pre-order: reversed, a block comes before any block that holds it
-    return out + [("", gm)]
-
-
-def all_masters(gm: nn.Module) -> dict[str, nn.Parameter]:
-    """Qualified name -> float32 master, over ``gm`` and its converted blocks."""
-    return {prefix + n: m for prefix, unit in converted_units(gm) for n, m in unit.meta["autocastfx"].masters.items()}
-
-
-def _is_converted(m: nn.Module) -> bool:
-    meta = getattr(m, "meta", None)
-    return isinstance(meta, dict) and meta.get("autocastfx") is not None
+converted_units = _weights.converted_units
+all_masters = _weights.all_masters
+_is_converted = _weights.is_converted
 
 
 def _call(model: nn.Module, inputs: Any) -> Any:

@@ -7,6 +7,8 @@ are not module parameters, so ``gm.parameters()`` is the low-precision model.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -46,15 +48,206 @@ def store_low(gm: fx.GraphModule, names: list[str], dtype: torch.dtype) -> dict[
 
 
 def master_parameters(gm: nn.Module) -> list[nn.Parameter]:
-    """The float32 master copies of the low-precision parameters, in a stable order."""
+    """The float32 master copies of the low-precision parameters, in a stable order: those of ``gm`` and of
+    every converted block or piecewise part inside it."""
     return [m for _, m in master_pairs(gm)]
 
 
 def master_pairs(gm: nn.Module) -> list[tuple[nn.Parameter, nn.Parameter]]:
-    """(low-precision parameter in the module, float32 master) for every stored-low parameter."""
-    info = _info(gm)
-    params = dict(gm.named_parameters(remove_duplicate=False))
-    return [(params[name], master) for name, master in info.masters.items()]
+    """(low-precision parameter in the module, float32 master) for every stored-low parameter of ``gm`` and of
+    the converted units inside it."""
+    _info(gm)
+    out = []
+    for _, unit in converted_units(gm):
+        params = dict(unit.named_parameters(remove_duplicate=False))
+        out += [(params[name], master) for name, master in unit.meta["autocastfx"].masters.items()]
+    return out
+
+
+def is_converted(m: nn.Module) -> bool:
+    """Whether ``m`` is a module made by ``convert()`` (a whole model, a block or a piecewise part)."""
+    meta = getattr(m, "meta", None)
+    return isinstance(meta, dict) and meta.get("autocastfx") is not None
+
+
+def converted_units(gm: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name prefix, module) for the converted units inside ``gm`` (submodules with ``meta["autocastfx"]`` of
+    their own, each planned and holding its masters apart), innermost first, then ``("", gm)`` where ``gm`` is
+    converted itself."""
+    out = [(name + ".", m) for name, m in gm.named_modules() if name and is_converted(m)]
+    out.reverse()  # named_modules() is pre-order: reversed, a block comes before any block that holds it
+    return out + ([("", gm)] if is_converted(gm) else [])
+
+
+def all_masters(gm: nn.Module) -> dict[str, nn.Parameter]:
+    """Qualified name -> float32 master, over ``gm`` and its converted units."""
+    return {prefix + n: m for prefix, unit in converted_units(gm) for n, m in unit.meta["autocastfx"].masters.items()}
+
+
+def float32_state_dict(gm: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's own state-dict keys with float32 values: every stored-low weight (of ``gm`` and its converted
+    blocks) as its master, unrounded; buffers and float32 parameters as they are. Loads into the unconverted model
+    (``load_state_dict``, a Hugging Face model's ``from_pretrained`` state) and into a converted one. Tensors are
+    shared with ``gm``, not copied: clone them to keep a snapshot while training goes on."""
+    _info(gm)
+    return dict(gm.state_dict())
+
+
+# -------------------------------------------------------------------------------------- state-dict semantics
+# A converted module's ``state_dict()`` is the float32 model's: under each stored-low weight's names, its master.
+# ``load_state_dict()`` takes such a dict (float32, or bfloat16/float16 values as low-precision checkpoints hold
+# them): the masters are filled from it, upcast where the checkpoint is low, and the low copies are made from the
+# masters. The two hooks below run in the converted module class's ``state_dict``/``_load_from_state_dict``
+# (modes._Switchable), once per converted unit, over the keys under that unit's prefix.
+
+def masters_into_state_dict(unit: nn.Module, out: dict, prefix: str, keep_vars: bool) -> None:
+    """Put ``unit``'s masters in ``out`` in place of their low copies, under every name of each weight."""
+    info = unit.meta.get("autocastfx") if isinstance(getattr(unit, "meta", None), dict) else None
+    if info is None or not info.masters:
+        return
+    params, by_id = aliases(unit)
+    for name, master in info.masters.items():
+        value = master if keep_vars else master.detach()
+        for alias in by_id.get(id(params.get(name)), [name]):
+            if prefix + alias in out:
+                out[prefix + alias] = value
+
+
+def model_names_into_state_dict(unit: nn.Module, out: dict, prefix: str) -> None:
+    """Every name the model had for a tied weight, where the converted module keeps fewer (a traced graph reads
+    a tied weight under one name): the state dict has the model's own keys."""
+    info = unit.meta.get("autocastfx") if isinstance(getattr(unit, "meta", None), dict) else None
+    if info is None:
+        return
+    for names in info.source_params.values():
+        if len(names) < 2:
+            continue
+        have = next((n for n in names if prefix + n in out), None)
+        if have is not None:
+            for n in names:
+                out.setdefault(prefix + n, out[prefix + have])
+
+
+def model_names_from_state_dict(unit: nn.Module, state_dict: dict, prefix: str) -> None:
+    """The other side of :func:`model_names_into_state_dict`: a tied weight's names the converted module does not
+    have are dropped (their value taken where the name it keeps is missing, as in a checkpoint that stores a tied
+    weight once)."""
+    info = unit.meta.get("autocastfx") if isinstance(getattr(unit, "meta", None), dict) else None
+    if info is None:
+        return
+    own = None
+    for names in info.source_params.values():
+        if len(names) < 2:
+            continue
+        if own is None:
+            own = {n for n, _ in unit.named_parameters(remove_duplicate=False)}
+        kept = [n for n in names if n in own]
+        if not kept:
+            continue
+        given = next((prefix + n for n in names if prefix + n in state_dict), None)
+        for n in kept:
+            if prefix + n not in state_dict and given is not None:
+                state_dict[prefix + n] = state_dict[given]
+        for n in names:
+            if n not in own:
+                state_dict.pop(prefix + n, None)
+
+
+def masters_from_state_dict(unit: nn.Module, state_dict: dict, prefix: str, assign: bool) -> None:
+    """Fill ``unit``'s masters from the entries of ``state_dict`` under their names (and aliases), and replace
+    those entries by the low copies to load, so that the module's own loading (copy or ``assign``) stores them
+    low. A master on the meta device (a module converted on meta, not yet materialised) takes the value only with
+    ``assign=True``, as torch's own loading does."""
+    info = unit.meta.get("autocastfx") if isinstance(getattr(unit, "meta", None), dict) else None
+    if info is None or not info.masters:
+        return
+    params, by_id = aliases(unit)
+    for name, master in info.masters.items():
+        low_param = params.get(name)
+        names = by_id.get(id(low_param), [name]) if low_param is not None else [name]
+        key = next((prefix + n for n in names if prefix + n in state_dict), None)
+        if key is None:
+            continue  # torch's loading reports the missing key
+        value = state_dict[key]
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.shape != master.shape:
+            continue  # torch's loading reports the mismatch on the low copy
+        with torch.no_grad():
+            if assign:
+                new = value.detach()
+                new = new if new.dtype == torch.float32 else new.to(torch.float32)
+                _replace_data(master, new)
+            elif not master.is_meta:
+                master.copy_(value.detach())
+            low = _low_like(low_param, master if not master.is_meta else value.detach())
+        for n in names:
+            if prefix + n in state_dict:
+                state_dict[prefix + n] = low
+
+
+def _low_like(low_param: torch.Tensor | None, master: torch.Tensor) -> torch.Tensor:
+    """``master`` rounded to ``low_param``'s dtype, in its memory format (channels_last weights stay so)."""
+    if low_param is None:
+        return master
+    out = master.to(low_param.dtype)
+    if out.dim() == 4 and not low_param.is_meta and low_param.is_contiguous(memory_format=torch.channels_last) \
+            and not low_param.is_contiguous():
+        out = out.contiguous(memory_format=torch.channels_last)
+    return out
+
+
+def _replace_data(master: nn.Parameter, new: torch.Tensor) -> None:
+    """``master`` holds ``new`` from now on, the same Parameter object (an optimizer built over it keeps it)."""
+    if torch._has_compatible_shallow_copy_type(master, new):
+        master.data = new
+    else:
+        torch.utils.swap_tensors(master, nn.Parameter(new, requires_grad=master.requires_grad))
+
+
+def apply_to_masters(unit: nn.Module, fn) -> None:
+    """``nn.Module._apply``'s ``fn`` (``.to(device)``, ``.cuda()``, ``to_empty``) over ``unit``'s masters too, which
+    are not module parameters: they follow the module to its device. A dtype change (``.half()``, ``.float()``) is
+    the module's alone: masters stay float32."""
+    info = unit.meta.get("autocastfx") if isinstance(getattr(unit, "meta", None), dict) else None
+    if info is None:
+        return
+    for master in info.masters.values():
+        with torch.no_grad():
+            new = fn(master)
+            if new.dtype != torch.float32:
+                new = master.to(device=new.device) if not master.is_meta else torch.empty_like(
+                    master, device=new.device)
+            if new is not master:
+                _replace_data(master, new)
+            if master.grad is not None:
+                g = fn(master.grad)
+                master.grad = g if g.dtype == torch.float32 else master.grad.to(device=g.device)
+
+
+@contextlib.contextmanager
+def float32_weights(gm: nn.Module):
+    """Within the block, every stored-low weight of ``gm`` (and of its converted blocks) is its float32 master,
+    as the unconverted model had it: a model's own initialisation run there (``reset_parameters``, an
+    ``init_weights`` over the modules) writes the masters, unrounded; on leaving, the low copies are made again
+    from them. This is how a module converted on the meta device is initialised after ``gm.to_empty(...)`` when
+    no checkpoint is loaded."""
+    _info(gm)
+    swapped = []
+    for _, unit in converted_units(gm):
+        params, by_id = aliases(unit)
+        for name, master in unit.meta["autocastfx"].masters.items():
+            low = params[name]
+            for alias in by_id[id(low)]:
+                _set(unit, alias, master)
+            swapped.append((unit, by_id[id(low)], low, master))
+    try:
+        yield gm
+    finally:
+        with torch.no_grad():
+            for unit, names, low, master in swapped:
+                if low.shape == master.shape:
+                    low.copy_(master)
+                for alias in names:
+                    _set(unit, alias, low)
 
 
 def restore_masters(gm: fx.GraphModule) -> None:
