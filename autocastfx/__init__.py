@@ -1,5 +1,5 @@
 """autocastfx: any PyTorch model as an explicit mixed-precision torch.fx program."""
-from .api import ConvertInfo, convert, master_parameters
+from .api import ConvertInfo, convert, float32_state_dict, float32_weights, master_parameters, materialize
 from .capture import CaptureError
 from .checks import StepError
 from .diagnose import GradHistogram, calibrate, grad_histogram
@@ -19,5 +19,5 @@ __all__ = ["convert", "report", "master_parameters", "Policy", "OpClass", "Repor
            "ConvertInfo", "CaptureError", "train_step", "TrainStep", "StepStats", "LossScaleError", "StepError",
            "export", "save", "load", "FormatError", "ExportCheckError", "ExportError", "for_inference", "calibrate",
            "grad_histogram", "GradHistogram", "CudaGraphStep", "shard", "save_checkpoint", "load_checkpoint",
-           "checkpoint_blocks", "compile_blocks"]
+           "checkpoint_blocks", "compile_blocks", "float32_state_dict", "float32_weights", "materialize"]
 __version__ = "0.1.0"

@@ -51,11 +51,62 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
     See the README for what each option does. Raises ValueError for bad options, TypeError for a model
     that is not an ``nn.Module``, and ``autocastfx.CaptureError`` when the model cannot be captured.
     """
+    low = _low_weights(model)
+    if low:  # a low-precision checkpoint: converted as its float32 form on meta, then its values loaded
+        return _convert_low_model(model, low, example_inputs, example_kwargs, dtype=dtype, policy=policy,
+                                  pad_multiple=pad_multiple, master_weights=master_weights,
+                                  keep_io_types=keep_io_types, memory_format=memory_format, blocks=blocks)
     # a conversion makes many small objects and frees few: cyclic collections only cost time (with blocks, most
     # of a copied block's cost)
     with _no_gc(), _on_meta(model, example_inputs, example_kwargs):
         return _convert_model(model, example_inputs, example_kwargs, dtype, policy, pad_multiple, master_weights,
                               keep_io_types, memory_format, blocks)
+
+
+def _low_weights(model) -> dict[str, torch.dtype]:
+    """Name -> dtype of each float16/bfloat16 parameter or buffer of a model that holds no meta tensor (a
+    low-precision checkpoint loaded as it is); empty for a float32 model and for a converted one."""
+    if not isinstance(model, nn.Module) or isinstance(model, fx.GraphModule) or _blocks.is_unit(model):
+        return {}
+    units = {id(t) for name, m in model.named_modules() if name and _blocks.is_unit(m)
+             for t in itertools.chain(m.parameters(), m.buffers())}
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    if any(t.is_meta for _, t in named):
+        return {}
+    return {n: t.dtype for n, t in named if id(t) not in units and t.dtype in LOW_DTYPES}
+
+
+def _convert_low_model(model: nn.Module, low: dict, example_inputs, example_kwargs, **options) -> nn.Module:
+    """A model whose weights are float16/bfloat16 (``from_pretrained(..., torch_dtype=torch.bfloat16)``), converted
+    without a float32 copy of the whole model: its float32 form is built on the meta device (no memory), converted
+    there, materialised on the model's device, and its values loaded: the masters are the upcast weights (exactly
+    what converting ``model.float()`` gives), the low copies made from them."""
+    if any(_blocks.is_unit(m) for name, m in model.named_modules() if name):
+        raise ValueError("convert() takes a low-precision model without converted blocks inside; convert its "
+                         "blocks after, or convert model.float()")
+    memo = {}
+    for t in _tensors(model):
+        if id(t) not in memo:
+            shell = torch.empty_like(t, device="meta", dtype=torch.float32 if t.is_floating_point() else t.dtype)
+            memo[id(t)] = nn.Parameter(shell, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else shell
+    twin = copy.deepcopy(model, memo)
+    device = next((t.device for t in _tensors(model)), torch.device("cpu"))
+    inputs = torch.utils._pytree.tree_leaves((example_inputs, example_kwargs))
+    device = next((t.device for t in inputs if isinstance(t, torch.Tensor) and not t.is_meta), device)
+    gm = convert(twin, example_inputs, example_kwargs=example_kwargs, **options)
+    del twin, memo
+    values = {n: (t.detach().float() if t.is_floating_point() else t.detach())
+              for n, t in itertools.chain(model.named_parameters(remove_duplicate=False),
+                                          model.named_buffers(remove_duplicate=False))}
+    own = dict(gm.named_buffers(remove_duplicate=False))
+    _weights.materialize(gm, device, {n: v for n, v in values.items() if n not in own},
+                         buffers={n: v for n, v in values.items() if n in own}, strict=False)
+    kinds = sorted({str(d).replace("torch.", "") for d in low.values()})
+    for _, unit in _weights.converted_units(gm):
+        unit.meta["autocastfx"].extra_totals["weights_from"] = (
+            f"the model's {' and '.join(kinds)} values ({len(low)} tensors), upcast exactly into the float32 "
+            "masters and float32 values")
+    return gm
 
 
 @contextlib.contextmanager
@@ -90,7 +141,11 @@ def _convert_model(model, example_inputs, example_kwargs, dtype, policy, pad_mul
         if names:
             args, kwargs = _check_inputs(model, example_inputs, example_kwargs, dtype, pad_multiple)
             _check_params(model)
-            return _blocks.convert_tree(model, names, args, kwargs, convert, options, explicit=blocks != "auto")
+            try:
+                return _blocks.convert_tree(model, names, args, kwargs, convert, options, explicit=blocks != "auto")
+            except Exception:  # noqa: BLE001 - on meta, blocks="auto" is one graph where the model's run needs values
+                if _capture.META_DEVICE.get() is None or blocks != "auto":
+                    raise
     try:
         return _convert(model, example_inputs, example_kwargs, dtype, policy, pad_multiple, master_weights,
                         keep_io_types, memory_format)
@@ -268,5 +323,11 @@ def _check_params(model: nn.Module) -> None:
 
 
 def master_parameters(gm: nn.Module) -> list[nn.Parameter]:
-    """The float32 master copies of the parameters stored in low precision."""
+    """The float32 master copies of the parameters stored in low precision, of ``gm`` and of every converted
+    block or piecewise part inside it."""
     return _weights.master_parameters(gm)
+
+
+float32_state_dict = _weights.float32_state_dict
+float32_weights = _weights.float32_weights
+materialize = _weights.materialize

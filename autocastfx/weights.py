@@ -266,3 +266,47 @@ def _info(gm: nn.Module):
     if info is None:
         raise ValueError(f"{type(gm).__name__} is not a module made by autocastfx.convert(); convert it first")
     return info
+
+
+def materialize(gm: nn.Module, device, state_dict: dict | None = None, *, buffers=None, strict: bool = True
+                ) -> nn.Module:
+    """A module converted on the meta device, made real on ``device`` (in place; returns ``gm``).
+
+    ``gm.to_empty(device=device)`` (parameters, masters and buffers allocated, uninitialised), keeping the values
+    of buffers that were real already (``init_empty_weights(include_buffers=False)`` builds such models); then
+    ``buffers`` (a module or a dict: name -> tensor, e.g. a model's rotary tables, which no checkpoint holds)
+    fills the buffers it names; then ``gm.load_state_dict(state_dict, strict=strict)`` fills the masters (float32
+    or low-precision values, upcast) and makes the low copies. Raises ValueError naming every buffer left without
+    a value (a non-persistent buffer that neither was real nor is in ``buffers``): running with it would compute
+    garbage. Without ``state_dict``, initialise the weights inside :func:`float32_weights`."""
+    _info(gm)
+    kept = {n: b.detach().clone() for n, b in gm.named_buffers(remove_duplicate=False) if not b.is_meta}
+    gm.to_empty(device=device)
+    given = dict(buffers.named_buffers(remove_duplicate=False)) if isinstance(buffers, nn.Module) \
+        else dict(buffers or {})
+    own = dict(gm.named_buffers(remove_duplicate=False))
+    unknown = sorted(set(given) - set(own))
+    if unknown:
+        raise ValueError(f"buffers names {unknown[:5]}, which the converted module does not have (its buffers: "
+                         f"{sorted(own)[:8]})")
+    with torch.no_grad():
+        for name, value in {**kept, **given}.items():
+            own[name].copy_(value)
+    persistent = set()
+    if state_dict is not None:
+        gm.load_state_dict(state_dict, strict=strict)
+        persistent = {n for n in own if n in state_dict}
+    missing = sorted(n for n in own if n not in kept and n not in given and n not in persistent
+                     and (state_dict is None or not _is_persistent(gm, n)))
+    if missing:
+        raise ValueError(f"buffers {missing[:8]} have no values after materialising: they were on the meta device "
+                         "and no state dict holds them (non-persistent buffers such as rotary tables). Pass them: "
+                         "autocastfx.materialize(gm, device, state_dict, buffers=...) with a module or dict that "
+                         "has them (e.g. the model built with its buffers real: accelerate's "
+                         "init_empty_weights(include_buffers=False))")
+    return gm
+
+
+def _is_persistent(gm: nn.Module, name: str) -> bool:
+    owner, _, attr = name.rpartition(".")
+    return attr not in gm.get_submodule(owner)._non_persistent_buffers_set
