@@ -253,7 +253,9 @@ class _Switchable:
                                       error_msgs)
 
     def _apply(self, fn, recurse=True):
+        tied = [names for names in _weights.aliases(self)[1].values() if len(names) > 1]
         out = super()._apply(fn, recurse)
+        _weights.retie(self, tied)  # to_empty from meta makes a new Parameter per module: tied weights stay tied
         _weights.apply_to_masters(self, fn)
         return out
 

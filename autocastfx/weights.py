@@ -29,6 +29,15 @@ def _set(gm: nn.Module, name: str, value: nn.Parameter) -> None:
     setattr(gm.get_submodule(owner), attr, value)
 
 
+def retie(gm: nn.Module, groups: list[list[str]]) -> None:
+    """Each group of names made one parameter again, the first name's."""
+    for names in groups:
+        first = gm.get_parameter(names[0])
+        for alias in names[1:]:
+            if gm.get_parameter(alias) is not first:
+                _set(gm, alias, first)
+
+
 def store_low(gm: fx.GraphModule, names: list[str], dtype: torch.dtype) -> dict[str, nn.Parameter]:
     """Replace each named parameter (and every alias of it) by a ``dtype`` copy; return the float32 masters."""
     params, by_id = aliases(gm)
@@ -226,9 +235,10 @@ def apply_to_masters(unit: nn.Module, fn) -> None:
 @contextlib.contextmanager
 def float32_weights(gm: nn.Module):
     """Within the block, every stored-low weight of ``gm`` (and of its converted blocks) is its float32 master,
-    as the unconverted model had it: a model's own initialisation run there (``reset_parameters``, an
-    ``init_weights`` over the modules) writes the masters, unrounded; on leaving, the low copies are made again
-    from them. This is how a module converted on the meta device is initialised after ``gm.to_empty(...)`` when
+    as the unconverted model had it: an initialisation run there over ``gm.named_parameters()`` (by name, as
+    TorchTitan's and GPT-2's are written; the converted module's submodules are not the model's classes, so an
+    initialisation by module type does not apply) writes the masters, unrounded; on leaving, the low copies are
+    made again from them. This is how a module converted on the meta device is initialised after ``gm.to_empty(...)`` when
     no checkpoint is loaded."""
     _info(gm)
     swapped = []

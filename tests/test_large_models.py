@@ -1,0 +1,269 @@
+"""Large models: conversion on the meta device, low-precision checkpoints, and a converted module's state dict
+being the float32 model's (masters under the model's names), on every capture path."""
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autocastfx
+from small_models import TinyGPT, TinyResNet, TinyViT
+from test_blocks import DataDependentLoss, Stack, ids
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _llama(layers=2):
+    tf = pytest.importorskip("transformers")
+    cfg = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+    return lambda: tf.LlamaForCausalLM(cfg)
+
+
+def _image():
+    return (torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1)),)
+
+
+def _tokens():
+    return (torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(1)),)
+
+
+def _llama_ids():
+    return (torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1)),)
+
+
+# name -> (model factory, example inputs, example kwargs, convert options, expected capture of the root)
+PATHS = {
+    "traced": (TinyResNet, _image, {}, {}),
+    "traced-vit": (TinyViT, _image, {}, {}),
+    "export": (TinyGPT, _tokens, {}, {}),  # symbolic_trace cannot take its mask: torch.export
+    "blocks": (Stack, lambda: (ids(),), {}, {}),
+    "hf-one-graph": (None, _llama_ids, {}, {"blocks": None}),
+    "hf-blocks": (None, _llama_ids, {}, {}),  # blocks through torch.export (autocastfx/around.py)
+    "piecewise": (DataDependentLoss, lambda: (ids(),), {"labels": ids(seed=3)}, {}),
+}
+
+
+def _factory(name):
+    make = PATHS[name][0]
+    return make if make is not None else _llama()
+
+
+def _build(name, seed=0):
+    torch.manual_seed(seed)
+    return _factory(name)()
+
+
+def _convert(model, name, **kw):
+    _, inputs, kwargs, options = PATHS[name]
+    return autocastfx.convert(model, inputs(), example_kwargs=dict(kwargs) or None, dtype=torch.bfloat16,
+                              **{**options, **kw})
+
+
+def _out(gm, name):
+    _, inputs, kwargs, _ = PATHS[name]
+    out = gm(*inputs(), **kwargs)
+    return getattr(out, "logits", out)
+
+
+def _units(gm):
+    return [m for m in gm.modules() if isinstance(getattr(m, "meta", None), dict) and "autocastfx" in m.meta]
+
+
+# ------------------------------------------------------------------------------ masters and the state dict
+
+@pytest.mark.parametrize("name", ["traced", "export", "blocks", "hf-blocks", "piecewise"])
+def test_master_parameters_cover_every_block_and_equal_the_steps_masters(name):
+    model = _build(name)
+    gm = _convert(model, name)
+    if name in ("blocks", "hf-blocks", "piecewise"):
+        assert len(_units(gm)) > 1  # the masters this covers live in several converted units
+    masters = autocastfx.master_parameters(gm)
+    lows = {id(p) for p in gm.parameters() if p.dtype == torch.bfloat16}
+    assert len(masters) == len(lows) > 0  # one master for every weight stored low, blocks included
+    step = autocastfx.train_step(gm, lambda o, t: o.float().pow(2).mean(), torch.optim.SGD(gm.parameters(), lr=0.1))
+    assert len(step.masters) == len(masters)
+    assert {id(m) for m in step.masters} == {id(m) for m in masters}  # the very tensors the step updates
+    f32 = autocastfx.float32_state_dict(gm)
+    own = model.state_dict()
+    assert set(f32) == set(own)
+    for k, v in own.items():  # the masters are the model's own float32 values, bit for bit
+        assert f32[k].dtype == v.dtype and torch.equal(f32[k], v), k
+
+
+@pytest.mark.parametrize("name", ["traced", "export", "blocks", "hf-blocks", "piecewise"])
+def test_state_dict_is_the_float32_model_and_loads_both_ways(name):
+    model = _build(name)
+    gm = _convert(model, name)
+    sd = gm.state_dict()
+    assert set(sd) == set(model.state_dict())
+    fresh = _build(name, seed=5)
+    fresh.load_state_dict(sd)  # into the unconverted model, strict
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, model.state_dict()[k]), k
+    other = _convert(_build(name, seed=7), name)  # into a converted one: masters and low copies
+    other.load_state_dict(model.state_dict())
+    for a, b in zip(autocastfx.master_parameters(other), autocastfx.master_parameters(gm)):
+        assert torch.equal(a, b)
+    for a, b in zip(other.parameters(), gm.parameters()):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert torch.equal(_out(other.eval(), name), _out(gm.eval(), name))
+
+
+def test_a_bfloat16_checkpoint_loads_into_the_masters_upcast():
+    model = _build("blocks")
+    gm = _convert(model, "blocks")
+    low = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    gm.load_state_dict(low)
+    f32 = gm.state_dict()
+    for k, v in low.items():
+        assert f32[k].dtype == torch.float32 and torch.equal(f32[k], v.float()), k
+
+
+def test_torch_save_of_the_state_dict_resumes_exactly():
+    """``torch.save(gm.state_dict())`` then ``load_state_dict``: the run goes on as if never stopped (the saved
+    weights are the masters, not their rounded copies)."""
+    def run(gm, steps, start):
+        opt = torch.optim.SGD(gm.parameters(), lr=0.05)
+        step = autocastfx.train_step(gm, lambda o, t: F.cross_entropy(o.flatten(0, 1).float(), t.flatten()), opt,
+                                     loss_scale=None)
+        return [float(step((ids(seed=s),), ids(seed=s + 100))) for s in range(start, start + steps)]
+
+    model = _build("blocks")
+    whole = run(_convert(model, "blocks"), 6, 0)
+    gm = _convert(model, "blocks")
+    first = run(gm, 3, 0)
+    buf = io.BytesIO()
+    torch.save(gm.state_dict(), buf)
+    resumed = _convert(_build("blocks", seed=9), "blocks")
+    buf.seek(0)
+    resumed.load_state_dict(torch.load(buf))
+    assert first + run(resumed, 3, 3) == whole
+
+
+def test_masters_follow_the_module_to_a_device_and_stay_float32():
+    gm = _convert(_build("traced"), "traced")
+    masters = autocastfx.master_parameters(gm)
+    gm.to(torch.device("meta"))
+    assert all(m.is_meta and m.dtype == torch.float32 for m in autocastfx.master_parameters(gm))
+    assert [id(m) for m in autocastfx.master_parameters(gm)] == [id(m) for m in masters]  # the same objects
+    gm.to_empty(device="cpu")
+    assert all(m.device.type == "cpu" for m in autocastfx.master_parameters(gm))
+    gm.half()  # a dtype change is the module's alone
+    assert all(m.dtype == torch.float32 for m in autocastfx.master_parameters(gm))
+
+
+# ------------------------------------------------------------------------------------------ the meta device
+
+@pytest.mark.parametrize("name", ["traced", "traced-vit", "export", "blocks", "hf-one-graph", "hf-blocks"])
+def test_converted_on_meta_then_loaded_is_the_materialised_conversion(name):
+    model = _build(name)
+    ref = _convert(model, name)
+    with torch.device("meta"):
+        empty = _factory(name)()
+    gm = _convert(empty, name)
+    assert all(t.is_meta for t in list(gm.parameters()) + autocastfx.master_parameters(gm))
+    buffers = {n: b for n, b in model.named_buffers()}  # rotary tables: in no state dict
+    autocastfx.materialize(gm, "cpu", model.state_dict(), buffers=buffers)
+    assert {k: v.dtype for k, v in gm.state_dict().items()} == {k: v.dtype for k, v in ref.state_dict().items()}
+    for k, v in ref.state_dict().items():
+        assert torch.equal(gm.state_dict()[k], v), k
+    low = {n: p for n, p in ref.named_parameters()}
+    for n, p in gm.named_parameters():
+        assert p.dtype == low[n].dtype and torch.equal(p, low[n]), n
+    for mode in ("train", "eval"):
+        getattr(gm, mode)()
+        getattr(ref, mode)()
+        torch.manual_seed(3)
+        a = _out(gm, name)
+        torch.manual_seed(3)
+        b = _out(ref, name)
+        assert torch.equal(a, b), (name, mode)
+
+
+def test_meta_example_inputs_are_taken_too():
+    with torch.device("meta"):
+        empty = TinyResNet()
+    gm = autocastfx.convert(empty, (torch.empty(2, 3, 16, 16, device="meta"),), dtype=torch.bfloat16)
+    assert all(p.is_meta for p in gm.parameters())
+    ref = autocastfx.convert(_build("traced"), _image(), dtype=torch.bfloat16)
+    assert gm.code == ref.code
+
+
+def test_materialize_names_buffers_no_checkpoint_fills():
+    model = _llama()()
+    with torch.device("meta"):
+        empty = _llama()()
+    gm = _convert(empty, "hf-one-graph")
+    with pytest.raises(ValueError, match=r"rotary_emb\.inv_freq.*buffers="):
+        autocastfx.materialize(gm, "cpu", model.state_dict())
+    with pytest.raises(ValueError, match="does not have"):
+        autocastfx.materialize(gm, "cpu", model.state_dict(), buffers={"no.such.buffer": torch.zeros(1)})
+
+
+def test_initialised_inside_float32_weights_the_masters_are_unrounded():
+    """An initialisation by parameter name (as TorchTitan's and GPT-2's are written) run on the converted
+    module inside ``float32_weights`` writes the masters in float32; the low copies are made from them."""
+    with torch.device("meta"):
+        empty = Stack()
+    gm = _convert(empty, "blocks")
+    gm.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with autocastfx.float32_weights(gm):
+        for n, p in gm.named_parameters():
+            assert p.dtype == torch.float32, n  # the initialisation sees the float32 weights
+            if n.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() == 1:
+                nn.init.ones_(p)
+            else:
+                nn.init.normal_(p, std=0.02)
+    masters = dict(autocastfx.float32_state_dict(gm))
+    assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in masters.values())  # not rounded
+    stored_low = 0
+    for n, p in gm.named_parameters():
+        assert torch.isfinite(p).all(), n
+        assert torch.equal(p, masters[n].to(p.dtype)), n
+        stored_low += p.dtype == torch.bfloat16
+    assert stored_low == len(autocastfx.master_parameters(gm)) > 0
+
+
+def test_meta_conversion_refuses_a_model_whose_shapes_need_values():
+    class Nonzero(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.fc(x[x.sum(-1) > 0])
+
+    with torch.device("meta"):
+        empty = Nonzero()
+    with pytest.raises(autocastfx.CaptureError, match="meta device"):
+        autocastfx.convert(empty, (torch.randn(4, 8),), blocks=None)
+
+
+# ------------------------------------------------------------------------------- low-precision checkpoints
+
+@pytest.mark.parametrize("name", ["traced", "export", "blocks", "hf-one-graph"])
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+def test_a_low_precision_model_converts_as_its_float32_form_would(name, low):
+    model = _build(name).to(low)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    gm = _convert(model, name)
+    ref = _convert(copy.deepcopy(model).float(), name)
+    for k, v in ref.state_dict().items():  # the masters: the exact upcast values
+        assert gm.state_dict()[k].dtype == v.dtype and torch.equal(gm.state_dict()[k], v), k
+    for (n, p), (_, q) in zip(gm.named_parameters(), ref.named_parameters()):
+        assert p.dtype == q.dtype and torch.equal(p, q), n
+    assert torch.equal(_out(gm.eval(), name), _out(ref.eval(), name))
+    assert "upcast exactly into the float32 masters" in str(autocastfx.report(gm))
+    assert all(torch.equal(v, before[k]) and v.dtype == before[k].dtype for k, v in model.state_dict().items())
