@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .blocks import ReadsThrough
+from .capture import torch_internal_warnings_off
 
 _CALL_INDEX = re.compile(r"@\d+$")
 
@@ -130,10 +131,25 @@ def export_around(model: nn.Module, args: tuple, kwargs: dict, units: dict[str, 
         raise AroundError("the model's code around its blocks writes to buffers or inputs "
                           f"({', '.join((mutated + list(ep.graph_signature.user_inputs_to_mutate.values()))[:3])})")
     try:
-        flat = torch.export.unflatten(ep)
+        with torch_internal_warnings_off():
+            flat = torch.export.unflatten(ep)
     except Exception as e:  # noqa: BLE001
         raise AroundError(f"torch.export.unflatten failed ({_first_line(e)})") from e
-    return graph_around(flat, units, ep)
+    try:
+        return graph_around(flat, units, ep)
+    finally:
+        _release(ep)
+
+
+def _release(ep) -> None:
+    """Drop what ties the exported program to its unflattened module: unflatten puts that module (the
+    model's own parameters and buffers, the blocks' stand-ins) in the program's ``graph_module.meta``, and
+    torch keeps the graph of the last export alive (``proxy_tensor._FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT``,
+    its nodes, their graph, its owning module): without this the model's float32 weights outlive ``convert()``
+    until the next export."""
+    meta = getattr(getattr(ep, "graph_module", None), "meta", None)
+    if isinstance(meta, dict):
+        meta.pop("unflattened_module", None)
 
 
 def _first_line(e: BaseException) -> str:

@@ -608,12 +608,13 @@ def _reuse(ref: nn.Module, block: nn.Module, codes: dict) -> nn.Module | None:
     code = codes.get(id(ref))  # ``codes``: one conversion's id(block) -> (its graph, that graph's code)
     if code is None or code[0] is not ref._graph:
         code = codes[id(ref)] = (ref._graph, ref._graph.python_code(root_module="self"))
-    graph = copy.deepcopy(ref._graph, memo)
-    graph.python_code = lambda *a, **k: code[1]
-    try:
-        unit = copy.deepcopy(ref, memo)
-    finally:
-        del graph.python_code
+    with _capture.torch_internal_warnings_off():  # copying the specs of a block torch.export captured
+        graph = copy.deepcopy(ref._graph, memo)
+        graph.python_code = lambda *a, **k: code[1]
+        try:
+            unit = copy.deepcopy(ref, memo)
+        finally:
+            del graph.python_code
     if unit.graph is not graph:  # the copy did not take the prepared graph: its code is its own, written again
         unit.recompile()
     uinfo = unit.meta["autocastfx"]

@@ -9,6 +9,7 @@ import io
 import itertools
 import logging
 import traceback
+import warnings
 from typing import Any, Iterable
 
 import torch
@@ -403,6 +404,26 @@ def _auto_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict:
                      else {k: spec(x) for k, x in value.items()} if kind is inspect.Parameter.VAR_KEYWORD
                      else spec(value))
     return out
+
+
+# torch's warnings about its own code, set off by the way autocastfx drives it: by category and message, so that
+# every other warning (the model's, autocastfx's own, torch's about the model) still reaches the caller
+_TORCH_INTERNAL_WARNINGS = (
+    # torch.export.unflatten writes get_attr nodes before it sets the attributes they read (one per submodule)
+    (UserWarning, "Attempted to insert a get_attr Node with no underlying reference in the owning GraphModule"),
+    # copy.deepcopy of a pytree spec (a graph's code generator, an export's call signatures) makes each leaf
+    # anew through the class torch marks deprecated
+    (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
+)
+
+
+@contextlib.contextmanager
+def torch_internal_warnings_off():
+    """Meanwhile, torch's warnings about its own internals (``_TORCH_INTERNAL_WARNINGS``) are not shown."""
+    with warnings.catch_warnings():
+        for category, message in _TORCH_INTERNAL_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        yield
 
 
 @contextlib.contextmanager

@@ -61,3 +61,33 @@ def test_a_real_unclassified_op_is_warned_once_per_op():
     assert "special_erfcx (2 nodes)" in msg and "special_i0e" in msg and msg.count("erfcx") == 1
     assert "Policy.default().override" in msg
     assert gm.meta["autocastfx"].plan.unclassified  # and the report still lists every node
+
+
+def _caught(convert):
+    """(the converted module, autocastfx's warnings, every other warning but the model library's own)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gm = convert()
+    ours = [str(w.message) for w in caught if str(w.message).startswith("autocastfx")]
+    others = [f"{w.category.__name__} at {w.filename}:{w.lineno}: {str(w.message)[:150]}" for w in caught
+              if not str(w.message).startswith("autocastfx") and "/transformers/" not in w.filename]
+    return gm, ours, others
+
+
+def test_torch_warnings_about_its_own_internals_do_not_reach_the_caller():
+    """torch.export, unflatten and copies of their pytree specs warn about torch's own code while convert()
+    drives them (a get_attr per submodule unflattened, a deprecated class per spec leaf copied): none of it is
+    passed on, and autocastfx's own warnings still are."""
+    tf = pytest.importorskip("transformers")
+    cfg = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    llama = tf.LlamaForCausalLM(cfg).eval()
+    kw = {"input_ids": torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0)), "use_cache": False}
+    gm, ours, others = _caught(lambda: autocastfx.convert(llama, example_kwargs=kw))  # blocks="auto"
+    assert gm.meta["autocastfx"].capture == "torch.export"
+    assert all("autocastfx" in layer.meta for layer in gm.model.layers)  # unflattened, and blocks reused
+    assert ours == [] and others == [], others
+    gm, ours, others = _caught(lambda: autocastfx.convert(Packs("ops"), (torch.randn(2, 8),)))  # traced
+    assert gm.meta["autocastfx"].capture == "symbolic_trace"
+    assert len(ours) == 1 and "special_erfcx" in ours[0] and others == [], others
