@@ -253,8 +253,8 @@ def test_meta_conversion_refuses_a_model_whose_shapes_need_values():
 
 # ------------------------------------------------------------------------------- low-precision checkpoints
 
-@pytest.mark.parametrize("name", ["traced", "export", "blocks", "hf-one-graph"])
-@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name,low", [("traced", torch.bfloat16), ("export", torch.float16),
+                                      ("blocks", torch.float16), ("hf-one-graph", torch.bfloat16)])
 def test_a_low_precision_model_converts_as_its_float32_form_would(name, low):
     model = _build(name).to(low)
     before = {k: v.clone() for k, v in model.state_dict().items()}
