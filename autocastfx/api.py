@@ -40,6 +40,10 @@ class ConvertInfo:
     # id() of each parameter of the model convert() was given -> its name: lets an optimizer built over the
     # original model be re-pointed to the converted module's parameters and masters
     source_params: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict, repr=False)  # all names
+    # the model's class and its plain attributes (a config, sizes): the converted module answers the model's
+    # own methods and attributes through them (modes._Switchable.__getattr__)
+    model_class: type | None = dataclasses.field(default=None, repr=False)
+    model_attrs: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
 
 
 def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kwargs: dict | None = None,
@@ -177,10 +181,12 @@ def _convert(model, example_inputs, example_kwargs, dtype, policy, pad_multiple,
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be an autocastfx.Policy, got {type(policy).__name__}")
 
+    model_class, model_attrs = _model_surface(model)
     if isinstance(model, fx.GraphModule):
         gm, how = copy.deepcopy(model), "graph module"
         if "autocastfx" in gm.meta:
             how = gm.meta["autocastfx"].capture
+            model_class, model_attrs = gm.meta["autocastfx"].model_class, gm.meta["autocastfx"].model_attrs
             _weights.restore_masters(gm)     # start again from the float32 model
             _modes.restore_union(gm)         # every mode's program, as the passes saw them
             _rewrite.undo(gm)
@@ -221,7 +227,7 @@ def _convert(model, example_inputs, example_kwargs, dtype, policy, pad_multiple,
         _capture.own_tensors(gm, model)  # what still is the model's (float32 weights, buffers) is copied
         gm.meta["autocastfx"] = ConvertInfo(
             dtype=dtype, policy=policy, capture=how, plan=plan, masters=masters, absorbed=absorbed,
-            source_params=_names_by_id(model),
+            source_params=_names_by_id(model), model_class=model_class, model_attrs=model_attrs,
             options=dict(pad_multiple=pad_multiple, master_weights=master_weights, keep_io_types=keep_io_types,
                          memory_format=memory_format),
             extra_totals={**({"padding": pad_plan.totals()} if pad_plan is not None else {}),
@@ -232,6 +238,19 @@ def _convert(model, example_inputs, example_kwargs, dtype, policy, pad_multiple,
         _rewrite.rebuild_output_type(gm)
         _modes.install(gm)
     return gm
+
+
+_MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"forward"}
+
+
+def _model_surface(model: nn.Module) -> tuple[type | None, dict[str, Any]]:
+    """The model's class and its plain instance attributes (no tensors, no modules, nothing of nn.Module's own
+    bookkeeping), which the converted module answers for the model."""
+    if isinstance(model, fx.GraphModule):
+        return None, {}
+    attrs = {k: v for k, v in vars(model).items() if k not in _MODULE_INTERNALS
+             and not isinstance(v, (torch.Tensor, nn.Module))}
+    return type(model), attrs
 
 
 def _free_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict, low: torch.dtype) -> frozenset[str]:

@@ -238,6 +238,33 @@ class _Switchable:
     def eval(self):
         return set_mode(self, False)
 
+    def __getattr__(self, name):
+        """What the module does not have is the model's: its plain attributes (``gm.config``) and its methods
+        and properties, run with ``self`` the converted module (a ``generate()`` that calls ``self(...)`` samples
+        through the converted forward)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("__"):
+                raise
+            info = self.__dict__.get("meta", {}).get("autocastfx")
+            cls = getattr(info, "model_class", None)
+            if info is None or cls is None:
+                raise
+            if name in info.model_attrs:
+                return info.model_attrs[name]
+            for klass in cls.__mro__:
+                if klass in (nn.Module, object) or name not in vars(klass):
+                    continue
+                value = vars(klass)[name]
+                if isinstance(value, property):
+                    return value.fget(self)
+                if isinstance(value, (staticmethod, classmethod)) or hasattr(value, "__get__"):
+                    return value.__get__(self, type(self)) if not isinstance(value, staticmethod) \
+                        else value.__func__
+                return value
+            raise
+
     # the float32 model's state dict: masters under the model's own names (see weights.py)
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
         out = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)

@@ -1,0 +1,70 @@
+"""The converted module answers the model's own attributes and methods, with ``self`` the converted module."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autocastfx
+
+
+class Config:
+    block_size = 16
+    vocab = 50
+
+
+class GPT(nn.Module):
+    """A GPT written as nanoGPT writes one: a config attribute, helpers and a ``generate`` calling ``self``."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab, 32)
+        self.wpe = nn.Embedding(cfg.block_size, 32)
+        self.fc = nn.Linear(32, 32)
+        self.head = nn.Linear(32, cfg.vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        return self.head(F.gelu(self.fc(x)))
+
+    def get_num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    @property
+    def context(self):
+        return self.config.block_size
+
+    @torch.no_grad()
+    def generate(self, idx, steps):
+        for _ in range(steps):
+            logits = self(idx[:, -self.config.block_size:])
+            idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], 1)
+        return idx
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def test_methods_attributes_and_properties_of_the_model():
+    torch.manual_seed(0)
+    model = GPT(Config())
+    gm = autocastfx.convert(model, (torch.randint(0, 50, (2, 16)),), dtype=torch.bfloat16)
+    assert gm.config is model.config and gm.context == 16
+    assert gm.get_num_params() == model.get_num_params()
+
+    calls = []
+    gm.register_forward_hook(lambda *a: calls.append(1))
+    start = torch.randint(0, 50, (1, 16), generator=torch.Generator().manual_seed(1))
+    out = gm.generate(start, 3)  # samples through the converted forward: `self` is gm
+    assert out.shape == (1, 19) and len(calls) == 3
+    assert torch.equal(out[:, :16], start)
+    assert copy.deepcopy(gm).get_num_params() == model.get_num_params()
+    with pytest.raises(AttributeError, match="no_such_thing"):
+        gm.no_such_thing
