@@ -111,7 +111,7 @@ def float32_state_dict(gm: nn.Module) -> dict[str, torch.Tensor]:
 
 def masters_into_state_dict(unit: nn.Module, out: dict, prefix: str, keep_vars: bool) -> None:
     """Put ``unit``'s masters in ``out`` in place of their low copies, under every name of each weight."""
-    info = unit.meta.get("autocastfx") if isinstance(getattr(unit, "meta", None), dict) else None
+    info = _unit_info(unit)
     if info is None or not info.masters:
         return
     params, by_id = aliases(unit)
@@ -125,7 +125,7 @@ def masters_into_state_dict(unit: nn.Module, out: dict, prefix: str, keep_vars: 
 def model_names_into_state_dict(unit: nn.Module, out: dict, prefix: str) -> None:
     """Every name the model had for a tied weight, where the converted module keeps fewer (a traced graph reads
     a tied weight under one name): the state dict has the model's own keys."""
-    info = unit.meta.get("autocastfx") if isinstance(getattr(unit, "meta", None), dict) else None
+    info = _unit_info(unit)
     if info is None:
         return
     for names in info.source_params.values():
@@ -141,7 +141,7 @@ def model_names_from_state_dict(unit: nn.Module, state_dict: dict, prefix: str) 
     """The other side of :func:`model_names_into_state_dict`: a tied weight's names the converted module does not
     have are dropped (their value taken where the name it keeps is missing, as in a checkpoint that stores a tied
     weight once)."""
-    info = unit.meta.get("autocastfx") if isinstance(getattr(unit, "meta", None), dict) else None
+    info = _unit_info(unit)
     if info is None:
         return
     own = None
@@ -167,7 +167,7 @@ def masters_from_state_dict(unit: nn.Module, state_dict: dict, prefix: str, assi
     those entries by the low copies to load, so that the module's own loading (copy or ``assign``) stores them
     low. A master on the meta device (a module converted on meta, not yet materialised) takes the value only with
     ``assign=True``, as torch's own loading does."""
-    info = unit.meta.get("autocastfx") if isinstance(getattr(unit, "meta", None), dict) else None
+    info = _unit_info(unit)
     if info is None or not info.masters:
         return
     params, by_id = aliases(unit)
@@ -216,7 +216,7 @@ def apply_to_masters(unit: nn.Module, fn) -> None:
     """``nn.Module._apply``'s ``fn`` (``.to(device)``, ``.cuda()``, ``to_empty``) over ``unit``'s masters too, which
     are not module parameters: they follow the module to its device. A dtype change (``.half()``, ``.float()``) is
     the module's alone: masters stay float32."""
-    info = unit.meta.get("autocastfx") if isinstance(getattr(unit, "meta", None), dict) else None
+    info = _unit_info(unit)
     if info is None:
         return
     for master in info.masters.values():
@@ -268,6 +268,12 @@ def restore_masters(gm: fx.GraphModule) -> None:
         restored = nn.Parameter(master.detach().clone(), requires_grad=master.requires_grad)
         for alias in by_id[id(params[name])]:
             _set(gm, alias, restored)
+
+
+def _unit_info(m: nn.Module):
+    """``m.meta["autocastfx"]``, or None for a module autocastfx did not convert."""
+    meta = getattr(m, "meta", None)
+    return meta.get("autocastfx") if isinstance(meta, dict) else None
 
 
 def _info(gm: nn.Module):
