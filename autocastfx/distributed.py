@@ -17,7 +17,9 @@ Everything here is device-side: the reductions are collectives on device tensors
 :func:`shard` applies the policy that makes FSDP2 and mixed precision fit together: every parameter stays a
 float32 shard (the master), FSDP2 casts the shard to the low dtype before the all-gather (half the bytes of a
 float32 all-gather) and reduces gradients in float32; parameters the cast plan keeps in float32 (norms) are
-gathered in float32 in a group of their own, so the kernels see what the plan promised.
+gathered in float32 in a group of their own, so the kernels see what the plan promised. It shards a module
+converted on the meta device too, before anything is allocated; the sharded module then loads the float32
+model's full state dict, each rank copying its own slices (``autocastfx.materialize``: the large-model flow).
 
 :func:`save_checkpoint` / :func:`load_checkpoint` write and read a step's whole state with
 ``torch.distributed.checkpoint``: float32 weights, buffers, optimizer state and scaler state keyed by the
@@ -215,10 +217,14 @@ class _GradientSync:
 
 def _local_slice(full: torch.Tensor, like) -> torch.Tensor:
     """This rank's part of ``full``, cut as the DTensor ``like`` is sharded (FSDP2's chunking, uneven included)."""
+    return _local_view(full, like).to(like.device).clone(memory_format=torch.contiguous_format).contiguous()
+
+
+def _local_view(full: torch.Tensor, like) -> torch.Tensor:
+    """This rank's part of ``full`` as a view, cut as the DTensor ``like`` is sharded."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
-    index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
-    return full[index].to(like.device).clone(memory_format=torch.contiguous_format).contiguous()
+    return full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
 
 
 
@@ -239,6 +245,13 @@ def shard(gm: nn.Module, mesh=None, reshard_after_forward: bool = True) -> nn.Mo
     The module must have been converted with ``master_weights=True`` (the default): the plan's split between
     stored-low and float32 parameters is what the two groups are made of. Build the optimizer over
     ``gm.parameters()`` after this call, then ``train_step(gm, loss_fn, optimizer)``.
+
+    A module converted on the meta device shards on meta (nothing allocated; the mesh is the accelerator's where
+    the process group is NCCL's, the CPU's under gloo, or pass ``mesh``); then
+    ``autocastfx.materialize(gm, device, state_dict, buffers=...)`` allocates each rank's shards and copies into
+    them its slice of each full tensor of ``state_dict`` (the float32 model's, or low-precision values, upcast):
+    ``gm.load_state_dict`` of a sharded module takes full tensors, and with a state dict read by
+    ``torch.load(path, mmap=True)`` a rank reads its slices alone, never a whole weight.
     """
     if FSDPModule is None:
         raise RuntimeError("autocastfx.shard needs torch.distributed with FSDP2 (torch.distributed.fsdp.fully_shard)")
@@ -252,8 +265,7 @@ def shard(gm: nn.Module, mesh=None, reshard_after_forward: bool = True) -> nn.Mo
             raise RuntimeError("shard() needs a process group: call torch.distributed.init_process_group() first "
                                "(torchrun sets the environment for it), or pass a DeviceMesh")
         from torch.distributed.device_mesh import init_device_mesh
-        device = next(gm.parameters()).device
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        mesh = init_device_mesh(_mesh_device(gm), (dist.get_world_size(),))
     units = [u for _, u in converted_units(gm)]
     plans = []
     for unit in units:  # every check before anything changes
@@ -297,7 +309,32 @@ def shard(gm: nn.Module, mesh=None, reshard_after_forward: bool = True) -> nn.Mo
             # unit starts, after FSDP2's own pre-forward
             unit.register_forward_pre_hook(lambda *_, g=g: g.unshard())
         unit.meta["autocastfx_shard"] = {"low": low, "float32_groups": len(fp32_owners)}
+        unit.register_load_state_dict_pre_hook(_full_tensors_to_shards)
     return gm
+
+
+def _mesh_device(gm: nn.Module) -> str:
+    """The device type of the mesh ``shard()`` makes: the parameters' own, or on the meta device the one the
+    process group's backend drives (gloo: the CPU)."""
+    device = next(gm.parameters()).device
+    if device.type != "meta":
+        return device.type
+    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    return accelerator.type if accelerator is not None and dist.get_backend() != "gloo" else "cpu"
+
+
+def _full_tensors_to_shards(unit, state_dict, prefix, *_):
+    """A load-state-dict pre-hook of a sharded unit: each full tensor meant for a sharded parameter becomes a
+    DTensor over this rank's slice of it (a view: nothing is copied until the parameter's own ``copy_``), so that
+    ``load_state_dict`` (and :func:`autocastfx.materialize`) takes the float32 model's state dict on every rank.
+    DTensors (``torch.distributed.checkpoint``, ``set_model_state_dict``) and mismatched shapes pass as they are."""
+    for name, p in unit.named_parameters(remove_duplicate=False):
+        value = state_dict.get(prefix + name)
+        if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
+                and value.shape == p.shape:
+            state_dict[prefix + name] = DTensor.from_local(
+                _local_view(value.detach(), p).to(p.device), p.device_mesh, p.placements, run_check=False,
+                shape=p.shape, stride=p.stride())
 
 
 def _graphs(unit: nn.Module) -> list:

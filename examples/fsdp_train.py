@@ -9,24 +9,34 @@ The model is a Hugging Face ``LlamaForCausalLM`` built from a config (``--model 
 Llama-style model written below (``--model tiny``, the default: it converts in a second). The text is a stream of
 synthetic token patterns that a small model learns within a hundred steps.
 
-What runs, on every rank:
+What runs, on every rank: the flow for a model larger than one process's memory. No rank ever holds the whole
+model: it is built and converted with shapes alone, sharded before anything is allocated, and each rank allocates
+its own shards and reads its slices of the weights.
 
-    gm = autocastfx.convert(model, (ids,))             # the explicit mixed-precision program
-    autocastfx.shard(gm)                               # FSDP2: float32 shards are the masters, gathered low
+    with torch.device("meta"):
+        model = build_model(args)                      # shapes only: nothing allocated
+    gm = autocastfx.convert(model, (ids,))             # planned for the device of ids
+    autocastfx.shard(gm)                               # FSDP2 units, still on meta
+    weights = torch.load(path, mmap=True)              # the float32 model's state dict, memory-mapped
+    autocastfx.materialize(gm, device, weights, buffers=...)   # each rank: its shards, its slices; rotary tables
     optimizer = torch.optim.AdamW(gm.parameters(), lr=...)
     step = autocastfx.train_step(gm, loss_fn, optimizer, clip_grad_norm=1.0, accum_steps=...)
     loss = step(ids, targets)                          # each rank its own slice of the global batch
+    autocastfx.save_checkpoint(step, dir)              # each rank writes its shards
 
-``--sharding fully_shard`` uses FSDP2's own ``fully_shard`` (every parameter float32 in the module:
-``convert(..., master_weights=False)``) and ``--sharding ddp`` DistributedDataParallel, for comparison.
+``--weights PATH`` is the state dict to start from (``torch.save`` of the unconverted model's ``state_dict()``);
+without it rank 0 writes the model's own initialisation (seed 0) to a temporary file first, standing in for a
+pretrained checkpoint. ``--sharding fully_shard`` uses FSDP2's own ``fully_shard`` (every parameter float32 in the
+module: ``convert(..., master_weights=False)``) and ``--sharding ddp`` DistributedDataParallel, for comparison.
 ``--checkpoint DIR`` writes a distributed checkpoint (``autocastfx.save_checkpoint``) at the end, and
-``--resume`` reads it first; it loads on any number of processes.
+``--resume`` reads it in place of the weights; it loads on any number of processes.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import os
+import tempfile
 import time
 import warnings
 
@@ -80,15 +90,45 @@ class TinyLlama(nn.Module):
         return self.lm_head(self.norm(x))
 
 
+def hf_config(args):
+    import transformers
+    return transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
+        max_position_embeddings=args.context, use_cache=False, attn_implementation="sdpa")
+
+
 def build_model(args):
     if args.model == "tiny":
         return TinyLlama(args.vocab, args.hidden, args.heads, args.layers, args.context)
     import transformers
-    config = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
-        max_position_embeddings=args.context, use_cache=False, attn_implementation="sdpa")
-    return transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(hf_config(args))
+
+
+def tables(args) -> dict[str, torch.Tensor]:
+    """The values of the model's non-persistent buffers, which no checkpoint holds (a Hugging Face Llama's
+    rotary frequencies): small, computed on the CPU."""
+    if args.model == "tiny":
+        return {}
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    return {f"model.rotary_emb.{n}": b for n, b in LlamaRotaryEmbedding(config=hf_config(args)).named_buffers()}
+
+
+def initial_weights(args, rank: int) -> str:
+    """The file of float32 weights to start from: ``--weights``, or the model's own initialisation (seed 0)
+    written by rank 0 to a temporary file, standing in for a pretrained checkpoint (with several machines, give
+    ``--weights`` on a file system every rank reads)."""
+    if args.weights:
+        return args.weights
+    shape = f"{args.model}-{args.vocab}-{args.hidden}-{args.heads}-{args.layers}-{args.context}"
+    path = os.path.join(tempfile.gettempdir(), f"autocastfx-fsdp-train-{shape}.pt")
+    if rank == 0:
+        torch.manual_seed(0)
+        tmp = f"{path}.{os.getpid()}"
+        torch.save(build_model(args).state_dict(), tmp)
+        os.replace(tmp, path)
+    dist.barrier()
+    return path
 
 
 def logits_of(out):
@@ -140,6 +180,8 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--context", type=int, default=32)
+    p.add_argument("--weights", default=None, help="float32 state dict to start from (torch.save of the model's "
+                   "state_dict()); default: the model's initialisation, written to a temporary file by rank 0")
     p.add_argument("--checkpoint", default=None, help="directory for a distributed checkpoint, written at the end")
     p.add_argument("--resume", action="store_true", help="read --checkpoint before training")
     p.add_argument("--log-every", type=int, default=10)
@@ -164,25 +206,34 @@ def main(argv=None):
 
 def train(args, rank, world, device, cuda):
     say = print if rank == 0 else (lambda *a, **k: None)
-    torch.manual_seed(0)  # the same initial weights on every rank
-    model = build_model(args).to(device)
     ids, _ = batch(0, rank, world, args)
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
+    path = None if args.resume else initial_weights(args, rank)  # resuming: the checkpoint has the weights
+    with torch.device("meta"):
+        model = build_model(args)  # shapes only, whatever the model's size
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         gm = autocastfx.convert(model, (ids.to(device),), dtype=dtype,
                                 master_weights=args.sharding != "fully_shard")
     del model
+    # memory-mapped: a rank reads the pages of its own slices, never a whole weight
+    weights = torch.load(path, mmap=True, weights_only=True) if path else None
     if args.sharding == "shard":
-        autocastfx.shard(gm)
+        autocastfx.shard(gm)  # on meta: FSDP2's units made, nothing allocated
+        autocastfx.materialize(gm, device, weights, buffers=tables(args))  # each rank: its shards, its slices
         wrapped = gm
     elif args.sharding == "fully_shard":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from torch.distributed.fsdp import fully_shard
         for block in [m for n, m in gm.named_modules() if n and isinstance(getattr(m, "meta", None), dict)
                       and "autocastfx" in m.meta]:
             fully_shard(block)
         wrapped = fully_shard(gm)
+        autocastfx.materialize(gm, device, buffers=tables(args))
+        if weights is not None:  # torch's loader for FSDP2 modules: each rank keeps its slices
+            set_model_state_dict(gm, dict(weights), options=StateDictOptions(full_state_dict=True))
     else:
+        autocastfx.materialize(gm, device, weights, buffers=tables(args))  # every rank the whole model
         wrapped = nn.parallel.DistributedDataParallel(gm)
     optimizer = torch.optim.AdamW(gm.parameters(), lr=args.lr, weight_decay=0.01)
     step = autocastfx.train_step(wrapped, loss_fn, optimizer, clip_grad_norm=1.0, accum_steps=args.accum)

@@ -7,6 +7,7 @@ import os
 import sys
 import tempfile
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -75,6 +76,33 @@ class TinyLlama(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.lm_head(self.norm(x))
+
+
+def position_table(t=T, d=D):
+    return torch.sin(torch.arange(t, dtype=torch.float32)[:, None] * torch.linspace(0.1, 1.0, d)) * 0.1
+
+
+class TableLayer(Layer):
+    """A decoder layer reading a table it computes, as a rotary table is (a non-persistent buffer): built on the
+    meta device the table has no values, and no checkpoint holds it."""
+
+    def __init__(self, d, heads, rows):
+        super().__init__(d, heads)
+        self.register_buffer("table", position_table(rows), persistent=False)
+
+    def forward(self, x):
+        return super().forward(x + self.table[: x.shape[1]])
+
+
+class TableLlama(TinyLlama):
+    # tables of different lengths: each layer is converted on its own, not as a copy of the first one's plan
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(TableLayer(D, 4, T + i) for i in range(2))
+
+
+def tables():
+    return {f"layers.{i}.table": position_table(T + i) for i in range(2)}
 
 
 def loss_fn(out, y):
@@ -216,6 +244,75 @@ class CollectiveBytes:
 
     def __exit__(self, *exc):
         dist.all_gather_single, dist.reduce_scatter_single = self._ag, self._rs
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes held on this process by the storages of the tensors aten calls return (a DTensor by its local tensor),
+    from the call until the storage is freed (a weak reference on it), and their peak; storages resized in place
+    (FSDP2 frees and re-allocates gathered parameters so) counted at their new size. Meta tensors and the storages
+    in ``ignore`` (a memory-mapped checkpoint) are not memory, nor are storages made before the mode was entered.
+    The largest new floating-point storage is kept too (``largest``, in elements). Not seen: temporaries inside a
+    DTensor operator's own dispatch and the collectives' internal buffers, so the peak is a lower bound, exact for
+    what the module, the step and the optimizer hold."""
+
+    def __init__(self, ignore=()):
+        super().__init__()
+        self.live = self.peak = self.largest = 0
+        self.held = {}
+        self.ignore = {id(st): st for st in (t.untyped_storage() for t in ignore)}
+
+    def _count(self, st, itemsize=None):
+        key = id(st)
+        if key in self.ignore or st.device.type == "meta":
+            return
+        entry, size = self.held.get(key), st.nbytes()
+        if entry is not None and entry[1]() is st:
+            self.live += size - entry[0]
+            entry[0] = size
+        else:
+            self.held[key] = [size, weakref.ref(st, lambda _, k=key: self._free(k))]
+            self.live += size
+        if itemsize:
+            self.largest = max(self.largest, size // itemsize)
+        self.peak = max(self.peak, self.live)
+
+    def _free(self, key):
+        entry = self.held.pop(key, None)
+        if entry is not None:
+            self.live -= entry[0]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                t = getattr(t, "_local_tensor", t)
+                self._count(t.untyped_storage(), t.element_size() if t.is_floating_point() else None)
+        return out
+
+    def __enter__(self):
+        self._resize, mode = torch.UntypedStorage.resize_, self
+
+        def resize_(st, n):
+            out = mode._resize(st, n)
+            mode._count(st)
+            return out
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
+
+def meta_built():
+    """TableLlama built on the meta device, converted there (blocks: each decoder layer a unit) and sharded there:
+    nothing allocated yet."""
+    with torch.device("meta"):
+        model = TableLlama()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = autocastfx.convert(model, (global_batch(0)[0][:PER_RANK],))
+    return autocastfx.shard(gm)
 
 
 def full(t):
@@ -389,6 +486,33 @@ def _worker(rank, init_file, out_dir):
             autocastfx.train_step(gm, loss_fn, early)
         except ValueError as e:
             out["refusals"]["optimizer_before_shard"] = str(e)
+
+        # 7. the large-model flow: built, converted and sharded on meta; each rank allocates its shards and reads
+        # its slices of the float32 model's state dict (memory-mapped); trains, saves, and a fresh one resumes
+        full_sd = torch.load(os.path.join(out_dir, "table_llama.pt"), mmap=True, weights_only=True)
+        gm, gm2, table_values = meta_built(), meta_built(), tables()
+        on_meta = all(t.is_meta for t in [*gm.parameters(), *gm.buffers()])
+        with LiveBytes(ignore=full_sd.values()) as loading:
+            autocastfx.materialize(gm, "cpu", full_sd, buffers=table_values)
+        resident = sum(local_bytes(t) for t in [*gm.parameters(), *gm.buffers()])
+        step = autocastfx.train_step(gm, loss_fn, make_sgd(gm.parameters()), clip_grad_norm=1.0)
+        ckpt = os.path.join(out_dir, "meta_ckpt")
+        with LiveBytes() as running:
+            losses = [float(step(*rank_batch(i, rank))) for i in range(3)]
+            autocastfx.save_checkpoint(step, ckpt)
+            losses += [float(step(*rank_batch(i, rank))) for i in range(3, 6)]
+        with LiveBytes() as resuming:
+            autocastfx.materialize(gm2, "cpu", buffers=table_values)  # the weights: the checkpoint's
+            step2 = autocastfx.train_step(gm2, loss_fn, make_sgd(gm2.parameters()), clip_grad_norm=1.0)
+            autocastfx.load_checkpoint(step2, ckpt)
+            resumed = [float(step2(*rank_batch(i, rank))) for i in range(3, 6)]
+        out["meta"] = {"on_meta": on_meta, "units": [n for n, _ in autocastfx.distributed.converted_units(gm)],
+                       "losses": losses, "resumed": resumed, "bytes": state_bytes(step),
+                       "weights": weights_by_name(step), "resident": resident,
+                       "largest_shard": max(p._local_tensor.numel() for p in gm.parameters()),
+                       "peak": {"loading": loading.peak, "running": running.peak, "resuming": resuming.peak},
+                       "largest": {"loading": loading.largest, "running": running.largest,
+                                   "resuming": resuming.largest}}
         dist.barrier()  # no rank leaves while its peer still talks to it (an abort at exit otherwise)
     finally:
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -398,6 +522,8 @@ def _worker(rank, init_file, out_dir):
 @pytest.fixture(scope="module")
 def ranks():
     d = tempfile.mkdtemp()
+    torch.manual_seed(0)
+    torch.save(TableLlama().state_dict(), os.path.join(d, "table_llama.pt"))  # the float32 model's checkpoint
     mp.spawn(_worker, args=(os.path.join(d, "init"), d), nprocs=WORLD, join=True)
     r = [torch.load(os.path.join(d, f"rank{i}.pt"), weights_only=False) for i in range(WORLD)]
     return r
@@ -514,6 +640,47 @@ def test_dcp_resume_is_bit_identical(ranks):
         assert r["after"] == r["resumed"]
         for n, w in r["after_w"].items():
             assert torch.equal(w, r["resumed_w"][n]), n
+
+
+def test_meta_built_model_is_sharded_loaded_trained_and_resumed(ranks):
+    """The large-model flow on 2 ranks: built on meta, converted and sharded there, materialised with each rank
+    reading its slices of the float32 model's state dict, trained, saved, resumed by a fresh meta-built module.
+    Memory per rank is counted by LiveBytes (every storage an aten call returns, until it is freed)."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = autocastfx.convert(TableLlama(), (global_batch(0)[0][:PER_RANK],))
+    step = autocastfx.train_step(gm, loss_fn, make_sgd(gm.parameters()), clip_grad_norm=1.0)
+    with LiveBytes() as one:
+        losses = [float(step(*global_batch(i))) for i in range(6)]
+    ref = weights_by_name(step)
+    one_bytes = state_bytes(step)
+    unit = max(sum(p.numel() for p in block.parameters()) for block in gm.layers)  # one FSDP2 unit
+    model, largest_weight = sum(w.numel() for w in ref.values()), max(w.numel() for w in ref.values())
+    a, b = ranks[0]["meta"], ranks[1]["meta"]
+    assert a["on_meta"] and b["on_meta"]
+    assert a["units"] == [n for n, _ in autocastfx.distributed.converted_units(gm)] == ["layers.1.", "layers.0.", ""]
+    # the 2-rank run is the materialised model's run: its losses and weights within float16 noise
+    mean = [(x + y) / 2 for x, y in zip(a["losses"], b["losses"])]
+    torch.testing.assert_close(torch.tensor(mean), torch.tensor(losses), rtol=0, atol=2e-3)
+    assert set(a["weights"]) == set(ref)
+    for n in ref:
+        assert torch.equal(a["weights"][n], b["weights"][n])
+        torch.testing.assert_close(a["weights"][n], ref[n], rtol=0, atol=1e-3, msg=n)
+    for r in (a, b):
+        assert r["resumed"] == r["losses"][3:]  # the resumed run repeats the uninterrupted one bit for bit
+        held, one_held = r["bytes"]["params"] + r["bytes"]["masters"], one_bytes["params"] + one_bytes["masters"]
+        print(f"per rank: parameters + masters {held} B (one process {one_held} B); peak bytes allocated "
+              f"{r['peak']} over {r['resident']} B held before training (one process, training: {one.peak} over "
+              f"{one_held} B); largest new float tensor (elements) {r['largest']}: a unit {unit}, the largest "
+              f"weight {largest_weight}, the model {model}")
+        assert held <= one_held / WORLD * 1.05
+        # loading is rank-local: nothing larger than this rank's largest shard, no more than its shards held
+        assert r["largest"]["loading"] <= r["largest_shard"] < largest_weight
+        assert r["peak"]["loading"] <= r["resident"] * 1.05
+        # training, saving and resuming: one FSDP2 unit at a time (gathered, its gradients reduced), never the
+        # model (a model converted as one graph would be one unit: all its weights gathered at once)
+        assert max(r["largest"]["running"], r["largest"]["resuming"]) <= unit < model
 
 
 def test_two_rank_checkpoint_loads_into_one_process_and_trains_on(ranks):
