@@ -27,6 +27,7 @@ import torch.fx as fx
 import torch.fx._pytree as fx_pytree
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .blocks import ReadsThrough
 from .capture import torch_internal_warnings_off
@@ -131,14 +132,66 @@ def export_around(model: nn.Module, args: tuple, kwargs: dict, units: dict[str, 
         raise AroundError("the model's code around its blocks writes to buffers or inputs "
                           f"({', '.join((mutated + list(ep.graph_signature.user_inputs_to_mutate.values()))[:3])})")
     try:
-        with torch_internal_warnings_off():
+        with torch_internal_warnings_off(), _meta_state(ep) as originals:
             flat = torch.export.unflatten(ep)
     except Exception as e:  # noqa: BLE001
         raise AroundError(f"torch.export.unflatten failed ({_first_line(e)})") from e
+    _share_model_tensors(flat, originals)
     try:
         return graph_around(flat, units, ep)
     finally:
         _release(ep)
+
+
+@contextlib.contextmanager
+def _meta_state(ep):
+    """Meanwhile the program's parameters, buffers and constants are meta tensors (tied ones still one tensor):
+    ``torch.export.unflatten`` clones every one it reads, which would be a second copy of the model's weights
+    per export (two per conversion, the training and the eval program). Yields name -> the real tensor, which
+    :func:`_share_model_tensors` puts back."""
+    state, constants = ep.state_dict, ep.constants
+    memo: dict[int, Any] = {}
+
+    def shell(t):
+        if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor) or t.is_meta:
+            return t
+        if id(t) not in memo:
+            m = torch.empty_like(t, device="meta")
+            memo[id(t)] = nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else m
+        return memo[id(t)]
+
+    ep._state_dict = {k: shell(v) for k, v in state.items()}
+    ep._constants = {k: shell(v) for k, v in constants.items()}
+    try:
+        yield {**constants, **state}
+    finally:
+        ep._state_dict, ep._constants = state, constants
+
+
+def _share_model_tensors(flat: nn.Module, sources: dict) -> None:
+    """The unflattened module holding the model's own tensors (see :func:`_meta_state`)."""
+    for name, original in sources.items():
+        if not isinstance(original, torch.Tensor):
+            continue
+        owner, _, field = name.rpartition(".")
+        try:
+            mod = flat.get_submodule(owner) if owner else flat
+        except AttributeError:
+            continue
+        for table in (mod._parameters, mod._buffers):
+            held = table.get(field)
+            if held is not None and held is not original and held.shape == original.shape \
+                    and held.dtype == original.dtype:
+                table[field] = original
+        held = mod.__dict__.get(field)
+        if isinstance(held, torch.Tensor) and held is not original and held.shape == original.shape:
+            mod.__dict__[field] = original
+    if any(isinstance(o, torch.Tensor) and o.is_meta for o in sources.values()):
+        return  # a model on the meta device: its tensors are meta tensors anyway
+    left = [n for n, t in [*flat.named_parameters(remove_duplicate=False), *flat.named_buffers(remove_duplicate=False)]
+            if t.is_meta]
+    if left:
+        raise AroundError(f"torch.export.unflatten put tensors at names the program does not have ({left[:3]})")
 
 
 def _release(ep) -> None:

@@ -267,3 +267,25 @@ def test_a_low_precision_model_converts_as_its_float32_form_would(name, low):
     assert torch.equal(_out(gm.eval(), name), _out(ref.eval(), name))
     assert "upcast exactly into the float32 masters" in str(autocastfx.report(gm))
     assert all(torch.equal(v, before[k]) and v.dtype == before[k].dtype for k, v in model.state_dict().items())
+
+
+# ------------------------------------------------------------------------------------------ peak memory
+
+@pytest.mark.parametrize("path", ["hf", "traced"])
+def test_converting_adds_no_more_than_the_masters_and_the_low_copies(path):
+    """Peak resident memory convert() adds to a process holding a float32 model (blocks on, the default: a
+    Hugging Face Llama exported around its blocks, a traced stack): the float32 masters (1x) and the bfloat16
+    copies (0.5x), with a margin for the graph and the example's activations. torch.export.unflatten cloned every
+    weight of each export (two per conversion): 3.6x before."""
+    if path == "hf":
+        pytest.importorskip("transformers")
+    import json
+    import os
+    import subprocess
+    import sys
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peak_convert.py")
+    out = subprocess.run([sys.executable, script, path], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["units"] > 1  # the blocks path
+    assert r["extra"] <= 1.5 + 0.25, r

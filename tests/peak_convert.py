@@ -1,0 +1,57 @@
+"""Run by tests/test_large_models.py in a fresh process: the peak resident memory convert() adds, as a multiple of
+the model's float32 bytes, printed as JSON. ``python peak_convert.py hf|traced``."""
+import gc
+import json
+import resource
+import sys
+import warnings
+
+import torch
+import torch.nn as nn
+
+import autocastfx
+
+
+def hf(vocab, d, layers):
+    import transformers as tf
+    cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=2 * d, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, use_cache=False)
+    return tf.LlamaForCausalLM(cfg), (torch.randint(0, vocab, (1, 8)),)
+
+
+def traced(vocab, d, layers):
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from test_blocks import Layer
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, d)
+            self.layers = nn.ModuleList(Layer(d=d) for _ in range(layers))
+            self.head = nn.Linear(d, vocab)
+
+        def forward(self, ids):
+            x = self.embed(ids)
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x)
+    return Stack(), (torch.randint(0, vocab, (1, 8)),)
+
+
+def main():
+    warnings.simplefilter("ignore")
+    make = {"hf": hf, "traced": traced}[sys.argv[1]]
+    torch.manual_seed(0)
+    autocastfx.convert(*make(128, 64, 2), dtype=torch.bfloat16)  # imports and first-use caches, not the model
+    gc.collect()
+    model, inputs = make(16000, 512, 2)
+    fp32 = sum(p.numel() for p in model.parameters()) * 4
+    before = int(open("/proc/self/statm").read().split()[1]) * 4096
+    gm = autocastfx.convert(model, inputs, dtype=torch.bfloat16)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    units = sum(1 for m in gm.modules() if isinstance(getattr(m, "meta", None), dict) and "autocastfx" in m.meta)
+    print(json.dumps({"fp32": fp32, "extra": (peak - before) / fp32, "units": units}))
+
+
+if __name__ == "__main__":
+    main()
