@@ -225,6 +225,7 @@ def _convert(model, example_inputs, example_kwargs, dtype, policy, pad_multiple,
         if entry_casts:
             _rewrite.entry_casts(gm)
         _capture.own_tensors(gm, model)  # what still is the model's (float32 weights, buffers) is copied
+        _keep_non_persistent(gm, model)
         gm.meta["autocastfx"] = ConvertInfo(
             dtype=dtype, policy=policy, capture=how, plan=plan, masters=masters, absorbed=absorbed,
             source_params=_names_by_id(model), model_class=model_class, model_attrs=model_attrs,
@@ -251,6 +252,20 @@ def _model_surface(model: nn.Module) -> tuple[type | None, dict[str, Any]]:
     attrs = {k: v for k, v in vars(model).items() if k not in _MODULE_INTERNALS
              and not isinstance(v, (torch.Tensor, nn.Module))}
     return type(model), attrs
+
+
+def _keep_non_persistent(gm: nn.Module, model: nn.Module) -> None:
+    """The model's non-persistent buffers (rotary tables) stay out of the converted module's state dict: a traced
+    graph module registers every buffer it reads as persistent."""
+    for prefix, m in model.named_modules(remove_duplicate=False):
+        for field in m._non_persistent_buffers_set:
+            owner, _, attr = f"{prefix}.{field}".strip(".").rpartition(".")
+            try:
+                mod = gm.get_submodule(owner)
+            except AttributeError:
+                continue
+            if attr in mod._buffers:
+                mod._non_persistent_buffers_set.add(attr)
 
 
 def _free_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict, low: torch.dtype) -> frozenset[str]:

@@ -279,6 +279,17 @@ class _Switchable:
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
+    def __deepcopy__(self, memo):
+        """GraphModule's copy registers every buffer persistent: the copy keeps which ones are not (a rotary
+        table stays out of the state dict, as in the model)."""
+        out = super().__deepcopy__(memo)
+        copies = dict(out.named_modules(remove_duplicate=False))
+        for name, m in self.named_modules(remove_duplicate=False):
+            c = copies.get(name)
+            if c is not None and m._non_persistent_buffers_set:
+                c._non_persistent_buffers_set = {b for b in m._non_persistent_buffers_set if b in c._buffers}
+        return out
+
     def _apply(self, fn, recurse=True):
         tied = [names for names in _weights.aliases(self)[1].values() if len(names) > 1]
         out = super()._apply(fn, recurse)

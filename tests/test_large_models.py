@@ -118,6 +118,43 @@ def test_state_dict_is_the_float32_model_and_loads_both_ways(name):
     assert torch.equal(_out(other.eval(), name), _out(gm.eval(), name))
 
 
+class _TableLayer(nn.Module):
+    """A block with a non-persistent table (as a rotary embedding's ``inv_freq``)."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.register_buffer("table", torch.linspace(0, 1, d), persistent=False)
+
+    def forward(self, x):
+        return x + self.fc(x) * self.table
+
+
+class _TableStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.layers = nn.ModuleList(_TableLayer() for _ in range(3))
+        self.register_buffer("scale", torch.ones(32), persistent=False)
+
+    def forward(self, ids):
+        x = self.embed(ids) * self.scale
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("blocks", ["auto", None])
+def test_non_persistent_buffers_stay_out_of_the_state_dict(blocks):
+    model = _TableStack()
+    gm = autocastfx.convert(model, (ids(),), dtype=torch.bfloat16, blocks=blocks)
+    if blocks:
+        assert sum("reused" in layer.meta["autocastfx_block"]["plan"] for layer in gm.layers) == 2
+    for g in (gm, copy.deepcopy(gm)):
+        assert set(g.state_dict()) == set(model.state_dict())
+        g.load_state_dict(model.state_dict())  # strict
+
+
 def test_a_bfloat16_checkpoint_loads_into_the_masters_upcast():
     model = _build("blocks")
     gm = _convert(model, "blocks")
