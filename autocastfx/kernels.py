@@ -10,11 +10,17 @@ them on the CPU, forward and backward, so a change that would break CUDA fails i
 Evidence is either a measurement (device, torch version, date, what happened) or the reason a rule holds
 without one. Re-measure when a GPU is at hand (``tests/test_gpu.py::test_cuda_norm_kernels_match_contract``
 checks every rule against the device it runs on).
+
+The CPU has the opposite gap: a few aten ops have no float16/bfloat16 CPU kernel at all (``avg_pool3d`` raises
+"avg_pool3d_out_frame" not implemented for 'BFloat16'). ``CPU_GAPS`` lists them; the plan runs those ops in
+float32 where the model's tensors are on the CPU, and ``tests/test_cpu_contract.py`` probes the installed torch
+so that a kernel a new torch adds, or one it drops, shows up.
 """
 from __future__ import annotations
 
 import dataclasses
 
+import torch
 import torch.nn as nn
 
 _H100 = "H100 80GB, torch 2.11.0+cu130, 2026-11-22 (float16 activation, float32 weight and bias)"
@@ -131,3 +137,51 @@ def violations(op: str, args: tuple, dtype_of) -> list[str]:
             out.append(f"{op}: arguments {r.same_dtype} (item {k}) have dtypes {sorted(map(str, ds))}; "
                        f"CUDA needs one dtype ({r.evidence})")
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The CPU: aten ops without a low-precision kernel.
+
+_CPU = "torch 2.13.0+cpu, 2026-11-25 (every float argument in the low dtype, forward)"
+_LOW = (torch.bfloat16, torch.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuGap:
+    """An aten op the CPU runs in float32 only: in each of ``dtypes`` it raises NotImplementedError ``message``
+    'BFloat16' (or 'Half'). ``graph_ops`` / ``modules``: the graph-level op names and leaf module types that reach
+    it, so the plan can keep it float32 before anything runs."""
+    op: str
+    dtypes: tuple[torch.dtype, ...]
+    message: str
+    evidence: str
+    graph_ops: frozenset[str] = frozenset()
+    modules: tuple[type, ...] = ()
+
+
+def _gap(op: str, kernel: str, graph_ops: str, modules: tuple[type, ...] = ()) -> CpuGap:
+    message = f'"{kernel}" not implemented for'
+    return CpuGap(op, _LOW, message, f"{_CPU}: NotImplementedError {message} 'BFloat16' and for 'Half'",
+                  _ops(graph_ops), modules)
+
+
+CPU_GAPS: tuple[CpuGap, ...] = (
+    # avg_pool3d is the one a model meets in a layer that would run low: lp_pool3d averages with it too
+    _gap("avg_pool3d", "avg_pool3d_out_frame", "avg_pool3d", (nn.AvgPool3d,)),
+    # the rest are float32 ops in the default policy; listed so that a policy asking for them low still runs
+    _gap("_pdist_forward", "pdist", "pdist _pdist_forward"),
+    _gap("_cdist_forward", "cdist", "cdist _cdist_forward"),
+    _gap("multilabel_margin_loss_forward", "multilabel_margin_loss_forward_out_frame",
+         "multilabel_margin_loss multilabel_margin_loss_forward", (nn.MultiLabelMarginLoss,)),
+    _gap("multi_margin_loss", "multi_margin_loss_cpu_kernel", "multi_margin_loss", (nn.MultiMarginLoss,)),
+    _gap("_ctc_loss", "ctc_loss_cpu", "ctc_loss _ctc_loss", (nn.CTCLoss,)),
+)
+
+
+def cpu_gap(op_name: str | None, module: nn.Module | None, dtype: torch.dtype) -> CpuGap | None:
+    """The CPU gap a graph node (by bare op name, or by its leaf module) meets in ``dtype``, if any."""
+    for g in CPU_GAPS:
+        if dtype in g.dtypes and ((module is not None and g.modules and isinstance(module, g.modules))
+                                  or (module is None and op_name in g.graph_ops)):
+            return g
+    return None

@@ -349,6 +349,16 @@ def _unit_output_label(node: fx.Node, info: Any, low: torch.dtype) -> bool:
     return LOW if dtypes == {low} else FP32
 
 
+def _on_cpu(fins: list[fx.Node]) -> bool:
+    """Whether an op's float inputs live on the CPU (where a few ops have no low-precision kernel)."""
+    for a in fins:
+        info = a.meta.get("autocastfx_info")
+        for i in (info if isinstance(info, tuple) else (info,)):
+            if _is_float(i):
+                return i.device == "cpu"
+    return False
+
+
 def _accepts_dtype_kwarg(node: fx.Node) -> bool:
     if op_name(node) not in FP32_OUT_OPS:
         return False
@@ -542,6 +552,11 @@ def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, master_w
             cls, reason = OpClass.FP32_OUT, reason + ": global average pooling, as mean(dtype=float32)"
         if cls is OpClass.FP32_OUT and not _accepts_dtype_kwarg(node) and global_pool_dims(node, module) is None:
             cls, reason = OpClass.FP32, reason + " (no dtype= argument: cast instead)"
+        if cls in (OpClass.FOLLOW, OpClass.PROMOTE, OpClass.NORM, OpClass.LOW) and _on_cpu(fins):
+            gap = _kernels.cpu_gap(op_name(node) if module is None else None, module, low)
+            if gap is not None:
+                cls, reason = OpClass.FP32, (f"{reason}; float32 on the CPU, which has no {low} kernel for "
+                                             f"{gap.op} (kernels.CPU_GAPS)")
         if cls is OpClass.NORM:
             mixed_ok, why = _kernels.norm_form(op_name(node) if module is None else None, module)
             reason = f"{reason}; {why}"

@@ -38,10 +38,13 @@ def _names(text: str) -> frozenset[str]:
 
 LOW_OPS = _names("""
     conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d convolution _convolution
-    conv_tbc linear matmul mm bmm addmm addbmm baddbmm addmv mv einsum bilinear
+    conv_tbc linear matmul mm bmm addmm addbmm baddbmm addmv mv addr einsum bilinear chain_matmul
+    linalg_multi_dot linalg_vecdot _addmm_activation cudnn_convolution cudnn_convolution_transpose
+    lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell
     scaled_dot_product_attention _scaled_dot_product_flash_attention
-    _scaled_dot_product_efficient_attention _scaled_dot_product_cudnn_attention
+    _scaled_dot_product_efficient_attention _scaled_dot_product_cudnn_attention _native_multi_head_attention
 """)
+# (an RNN cell runs whole in the low dtype, its state too, as CUDA autocast casts it)
 
 NORM_OPS = _names("""
     batch_norm layer_norm group_norm instance_norm rms_norm native_batch_norm native_layer_norm
@@ -72,7 +75,8 @@ PROMOTE_OPS = _names("""
     add sub rsub mul div true_divide floor_divide truediv floordiv mod remainder fmod
     cat concat concatenate stack hstack vstack dstack where addcmul addcdiv lerp maximum minimum fmax fmin
     atan2 hypot copysign eq ne lt le gt ge index_put index_add scatter scatter_add scatter_reduce
-    masked_scatter prelu _prelu_kernel clamp clip xlogy
+    masked_scatter prelu _prelu_kernel clamp clip xlogy cross linalg_cross dot vdot tensordot equal
+    grid_sample grid_sampler grid_sampler_2d grid_sampler_3d
 """)
 
 FOLLOW_OPS = _names("""
