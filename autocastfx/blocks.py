@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 
 from . import capture as _capture
 
@@ -135,7 +136,11 @@ class _Stand(ReadsThrough):
     def forward(self, *args, **kwargs):
         self.calls += 1
         if self.unit is None:
-            self.unit = self.make(self.name, self.block, args, kwargs)
+            if _has_fake((args, kwargs)):  # the one run of a model on the meta device: converted from shapes
+                with unset_fake_temporarily():
+                    self.unit = self.make(self.name, self.block, *_as_meta((args, kwargs)))
+            else:
+                self.unit = self.make(self.name, self.block, args, kwargs)
         elif self.calls > 1:
             raise _CalledTwice(self.name)
         if not is_unit(self.unit):  # not converted: it runs as the code around the blocks does
@@ -206,6 +211,48 @@ def _as_unit_gives(unit: nn.Module, block: nn.Module, args: tuple, kwargs: dict)
 
 class _CalledTwice(Exception):
     pass
+
+
+@contextlib.contextmanager
+def _fake_on(device: torch.device | None):
+    """The one run of a model on the meta device (``device`` None: an ordinary run): a FakeTensorMode in which
+    the model's meta tensors are fake tensors of the device the model is planned for, and its real inputs fake
+    tensors of theirs, so that the model's code runs as on that device without values (a Hugging Face model's
+    checks on values are skipped for fake tensors, as under torch.export)."""
+    if device is None:
+        yield
+        return
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    convert = mode.fake_tensor_converter
+    real = convert.from_real_tensor
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def from_real(fake_mode, t, *args, **kwargs):
+        if not t.is_meta:
+            return real(fake_mode, t, *args, **kwargs)
+        hit = made.get(id(t))
+        if hit is None or hit[0] is not t:
+            with unset_fake_temporarily():
+                fake = convert.from_meta_and_device(fake_mode, t, device)
+            hit = made[id(t)] = (t, fake)
+        return hit[1]
+
+    convert.from_real_tensor = from_real
+    with mode:
+        yield
+
+
+def _has_fake(tree: Any) -> bool:
+    return any(isinstance(t, FakeTensor) for t in torch.utils._pytree.tree_leaves(tree))
+
+
+def _as_meta(tree: Any) -> Any:
+    """Fake tensors as plain meta tensors of their shapes, strides and dtypes (a block converted from them)."""
+    def meta(t):
+        if not isinstance(t, FakeTensor):
+            return t
+        return torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype, device="meta")
+    return torch.utils._pytree.tree_map_only(torch.Tensor, meta, tree)
 
 
 def _parent(root: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -347,7 +394,7 @@ def _tree(model, names, args, kwargs, convert, options, *, piecewise: bool, why:
         _put(tree, name, stands[name])
     try:
         with _quiet_run(tree, None if piecewise else options["dtype"], (args, kwargs)), \
-                _capture.dynamic_sizes(args, kwargs):
+                _capture.dynamic_sizes(args, kwargs), _fake_on(_capture.META_DEVICE.get()):
             tree(*args, **kwargs)
     except _CalledTwice as e:  # a block called twice (weights shared between calls) is no block: again without
         rest = [n for n in names if n != str(e)]

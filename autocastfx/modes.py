@@ -553,7 +553,10 @@ def _merge_attr(gm, other, m, key, attrs, add):
     theirs, mine = _fetch(other, m.target), _fetch(gm, m.target)
     same = mine is theirs or (isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor)
                               and mine.shape == theirs.shape and mine.dtype == theirs.dtype
-                              and mine.device == theirs.device and torch.equal(mine, theirs))
+                              and mine.device == theirs.device
+                              # on the meta device there are no values: the same name in both captures of
+                              # one model is the same tensor
+                              and (mine.is_meta or torch.equal(mine, theirs)))
     if same and m.target in attrs:
         u = attrs[m.target]
         u.meta[MEMBERS].add(key)

@@ -208,6 +208,7 @@ def test_converted_on_meta_then_loaded_is_the_materialised_conversion(name):
         empty = _factory(name)()
     gm = _convert(empty, name)
     assert all(t.is_meta for t in list(gm.parameters()) + autocastfx.master_parameters(gm))
+    assert len(_units(gm)) == len(_units(ref))  # the same blocks, each converted from shapes alone
     buffers = {n: b for n, b in model.named_buffers()}  # rotary tables: in no state dict
     autocastfx.materialize(gm, "cpu", model.state_dict(), buffers=buffers)
     assert {k: v.dtype for k, v in gm.state_dict().items()} == {k: v.dtype for k, v in ref.state_dict().items()}
