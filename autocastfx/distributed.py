@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from . import weights as _weights
 from .checks import StepError
-from .step import DYNAMIC, Local, TrainStep, _is_converted, all_masters, converted_units
+from .step import DYNAMIC, Local, TrainStep, _is_converted, all_masters, compiled_module, converted_units
 
 try:  # FSDP2 and DTensor: torch >= 2.6 on every platform with torch.distributed
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -50,7 +50,14 @@ except ImportError:  # pragma: no cover - torch built without distributed
 # ------------------------------------------------------------------------------------------ the wrappers
 
 def parallel_for(model: nn.Module) -> Local:
-    """The answers for ``model``: DDP around a converted module, an FSDP2-sharded one, or one process."""
+    """The answers for ``model``: DDP around a converted module, an FSDP2-sharded one, or one process; any of
+    them compiled (``torch.compile(gm)``: the step calls the compiled module, and finds the weights and masters
+    in the module it compiled)."""
+    inner = compiled_module(model)
+    if inner is not model:
+        parallel = parallel_for(inner)
+        parallel.model = model
+        return parallel
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return DDP(model)
     if FSDPModule is not None and isinstance(model, FSDPModule):

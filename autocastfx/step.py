@@ -116,6 +116,12 @@ class Local:
         return True
 
 
+def compiled_module(model):
+    """The module ``torch.compile(module)`` compiled (its ``_orig_mod``), or ``model`` itself."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule" else model
+
+
 converted_units = _weights.converted_units
 all_masters = _weights.all_masters
 _is_converted = _weights.is_converted
@@ -138,10 +144,11 @@ class TrainStep:
                  backoff_factor=0.5, growth_interval=2000, min_scale=1.0, hysteresis=1, on_overflow="skip",
                  max_retries=8, accum_steps=1, clip_grad_norm=None, parallel: Local | None = None):
         if parallel is None:
-            if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            if isinstance(compiled_module(model), torch.nn.parallel.DistributedDataParallel):
                 raise TypeError("a step over DistributedDataParallel is built by autocastfx.train_step(), which "
                                 "knows how to reduce the overflow flag across processes")
-            parallel = Local(model)
+            parallel = Local(compiled_module(model))
+            parallel.model = model
         gm = parallel.gm
         info = getattr(gm, "meta", {}).get("autocastfx") if isinstance(getattr(gm, "meta", None), dict) else None
         if info is None:

@@ -2,7 +2,6 @@
 the model's float32 bytes, printed as JSON. ``python peak_convert.py hf|traced``."""
 import gc
 import json
-import resource
 import sys
 import warnings
 
@@ -38,6 +37,11 @@ def traced(vocab, d, layers):
     return Stack(), (torch.randint(0, vocab, (1, 8)),)
 
 
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+
 def main():
     warnings.simplefilter("ignore")
     make = {"hf": hf, "traced": traced}[sys.argv[1]]
@@ -46,9 +50,12 @@ def main():
     gc.collect()
     model, inputs = make(16000, 512, 2)
     fp32 = sum(p.numel() for p in model.parameters()) * 4
-    before = int(open("/proc/self/statm").read().split()[1]) * 4096
+    gc.collect()
+    before = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # the peak (VmHWM) from here on
+        f.write("5")
     gm = autocastfx.convert(model, inputs, dtype=torch.bfloat16)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _status("VmHWM")
     units = sum(1 for m in gm.modules() if isinstance(getattr(m, "meta", None), dict) and "autocastfx" in m.meta)
     print(json.dumps({"fp32": fp32, "extra": (peak - before) / fp32, "units": units}))
 

@@ -68,3 +68,37 @@ def test_methods_attributes_and_properties_of_the_model():
     assert copy.deepcopy(gm).get_num_params() == model.get_num_params()
     with pytest.raises(AttributeError, match="no_such_thing"):
         gm.no_such_thing
+
+
+@pytest.mark.parametrize("how", ["torch.compile(gm)", "gm.compile()"])
+def test_train_step_over_a_compiled_module_follows_eager(how):
+    """``train_step`` takes ``torch.compile(gm)`` (an ``OptimizedModule``: the step calls it, and finds the
+    weights and masters in the module it compiled) and a module compiled in place; the losses are eager's
+    (backend aot_eager: Dynamo and AOTAutograd without code generation, fast on this CPU)."""
+    def run(compile_it):
+        torch.manual_seed(0)
+        model = GPT(Config())
+        gm = autocastfx.convert(model, (torch.randint(0, 50, (2, 16)),), dtype=torch.bfloat16)
+        opt = torch.optim.AdamW(gm.parameters(), lr=1e-2)
+        if compile_it and how == "gm.compile()":
+            gm.compile(backend="aot_eager")
+            target = gm
+        elif compile_it:
+            target = torch.compile(gm, backend="aot_eager")
+        else:
+            target = gm
+        step = autocastfx.train_step(target, lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten()), opt)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(4):
+            x = torch.randint(0, 50, (2, 16), generator=g)
+            losses.append(float(step(x, torch.roll(x, -1, 1))))
+        return losses, autocastfx.float32_state_dict(gm)
+
+    torch._dynamo.reset()
+    eager, w_eager = run(False)
+    compiled, w_compiled = run(True)
+    torch._dynamo.reset()
+    assert compiled == pytest.approx(eager, rel=1e-3, abs=1e-3)
+    for k, v in w_eager.items():
+        torch.testing.assert_close(w_compiled[k], v, rtol=1e-3, atol=1e-3)
