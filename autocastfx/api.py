@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import dataclasses
 import gc
@@ -14,6 +15,7 @@ import torch.nn as nn
 
 from . import blocks as _blocks
 from . import capture as _capture
+from . import devices as _devices
 from . import inline as _inline
 from . import layout as _layout
 from . import modes as _modes
@@ -47,14 +49,32 @@ class ConvertInfo:
 
 
 def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kwargs: dict | None = None,
-            dtype: torch.dtype = torch.float16, policy: Policy | None = None, pad_multiple: int = 8,
+            dtype: torch.dtype | str | None = None, policy: Policy | None = None, pad_multiple: int = 8,
             master_weights: bool = True, keep_io_types: bool = True, memory_format: str = "auto",
             blocks: Any = "auto") -> fx.GraphModule:
     """Rewrite ``model`` into an explicit mixed-precision ``torch.fx.GraphModule``; ``model`` is not modified.
 
-    See the README for what each option does. Raises ValueError for bad options, TypeError for a model
-    that is not an ``nn.Module``, and ``autocastfx.CaptureError`` when the model cannot be captured.
+    ``dtype``: ``torch.float16`` (the default, ``None``), ``torch.bfloat16``, or ``"auto"``: the one that pays on
+    the model's device (float16 on CUDA, bfloat16 on a CPU with native bfloat16); the report says which and why,
+    and an explicit dtype with no fast kernels on the device is warned about (``autocastfx.SlowDtypeWarning``).
+    See the README for the other options. Raises ValueError for bad options, TypeError for a model that is not
+    an ``nn.Module``, and ``autocastfx.CaptureError`` when the model cannot be captured.
     """
+    if _DTYPE_NOTE.get() is _OUTER:  # the call the user made (blocks convert theirs through here again)
+        dtype, note = _devices.resolve(dtype, _device_of(model, example_inputs, example_kwargs))
+        token = _DTYPE_NOTE.set(note)
+        try:
+            out = convert(model, example_inputs, example_kwargs=example_kwargs, dtype=dtype, policy=policy,
+                          pad_multiple=pad_multiple, master_weights=master_weights, keep_io_types=keep_io_types,
+                          memory_format=memory_format, blocks=blocks)
+        finally:
+            _DTYPE_NOTE.reset(token)
+        if note:
+            for _, unit in _weights.converted_units(out):
+                unit.meta["autocastfx"].extra_totals["dtype_choice"] = note
+        return out
+    if dtype is None:
+        dtype = torch.float16
     low = _low_weights(model)
     if low:  # a low-precision checkpoint: converted as its float32 form on meta, then its values loaded
         return _convert_low_model(model, low, example_inputs, example_kwargs, dtype=dtype, policy=policy,
@@ -65,6 +85,18 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
     with _no_gc(), _on_meta(model, example_inputs, example_kwargs):
         return _convert_model(model, example_inputs, example_kwargs, dtype, policy, pad_multiple, master_weights,
                               keep_io_types, memory_format, blocks)
+
+
+_OUTER = object()
+_DTYPE_NOTE: contextvars.ContextVar = contextvars.ContextVar("autocastfx_dtype_note", default=_OUTER)
+
+
+def _device_of(model, example_inputs, example_kwargs) -> torch.device:
+    """The device the model runs on: its first tensor not on meta, else its inputs', else the CPU."""
+    tensors = list(_tensors(model)) if isinstance(model, nn.Module) else []
+    tensors += [t for t in torch.utils._pytree.tree_leaves((example_inputs, example_kwargs))
+                if isinstance(t, torch.Tensor)]
+    return next((t.device for t in tensors if not t.is_meta), torch.device("cpu"))
 
 
 def _low_weights(model) -> dict[str, torch.dtype]:

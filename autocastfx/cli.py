@@ -18,7 +18,7 @@ import warnings
 import torch
 
 _DTYPES = {"fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "auto": "auto"}
 _INPUT_DTYPES = {"float": torch.float32, "float32": torch.float32, "long": torch.int64, "int64": torch.int64,
                  "int": torch.int32, "int32": torch.int32, "bool": torch.bool}
 
@@ -83,7 +83,7 @@ def convert_from_args(args):
     import autocastfx
     model, inputs = build(args)
     if args.dtype not in _DTYPES:
-        raise UsageError(f"bad --dtype {args.dtype!r}: use fp16 or bf16")
+        raise UsageError(f"bad --dtype {args.dtype!r}: use fp16, bf16 or auto")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:

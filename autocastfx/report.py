@@ -69,6 +69,8 @@ class Report:
                      f"of {t['flops']:,} per forward")
         if t.get("shapes", "fake") != "fake":
             lines.append(f"shapes and dtypes learnt from a {t['shapes']}")
+        if t.get("dtype_choice"):
+            lines.append(f"low dtype: {t['dtype_choice']}")
         if t.get("weights_from"):
             lines.append(f"weights: {t['weights_from']}")
         if t.get("unclassified"):
