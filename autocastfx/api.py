@@ -14,6 +14,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import blocks as _blocks
+from . import calls as _calls
 from . import capture as _capture
 from . import devices as _devices
 from . import inline as _inline
@@ -46,6 +47,9 @@ class ConvertInfo:
     # own methods and attributes through them (modes._Switchable.__getattr__)
     model_class: type | None = dataclasses.field(default=None, repr=False)
     model_attrs: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+    # the inputs of the call the graph was captured for (calls.describe): a call of another shape is refused
+    # with both named
+    call_signature: tuple = ()
 
 
 def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kwargs: dict | None = None,
@@ -261,6 +265,7 @@ def _convert(model, example_inputs, example_kwargs, dtype, policy, pad_multiple,
         gm.meta["autocastfx"] = ConvertInfo(
             dtype=dtype, policy=policy, capture=how, plan=plan, masters=masters, absorbed=absorbed,
             source_params=_names_by_id(model), model_class=model_class, model_attrs=model_attrs,
+            call_signature=_calls.describe(args, kwargs),
             options=dict(pad_multiple=pad_multiple, master_weights=master_weights, keep_io_types=keep_io_types,
                          memory_format=memory_format),
             extra_totals={**({"padding": pad_plan.totals()} if pad_plan is not None else {}),

@@ -27,6 +27,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import calls as _calls
 from . import weights as _weights
 
 _aten = torch.ops.aten
@@ -237,6 +238,15 @@ class _Switchable:
 
     def eval(self):
         return set_mode(self, False)
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return super().__call__(*args, **kwargs)
+        except (TypeError, RuntimeError, ValueError) as e:
+            info = self.__dict__.get("meta", {}).get("autocastfx")
+            if info is not None:
+                _calls.check(info.call_signature, args, kwargs, e)  # a call of another shape: said so
+            raise
 
     def __getattr__(self, name):
         """What the module does not have is the model's: its plain attributes (``gm.config``) and its methods

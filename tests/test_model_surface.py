@@ -102,3 +102,32 @@ def test_train_step_over_a_compiled_module_follows_eager(how):
     assert compiled == pytest.approx(eager, rel=1e-3, abs=1e-3)
     for k, v in w_eager.items():
         torch.testing.assert_close(w_compiled[k], v, rtol=1e-3, atol=1e-3)
+
+
+class WithTargets(nn.Module):
+    """A model that returns its loss when given targets (nanoGPT's ``forward(idx, targets=None)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 32)
+        self.head = nn.Linear(32, 50)
+
+    def forward(self, idx, targets=None):
+        logits = self.head(self.embed(idx))
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, loss
+
+
+def test_a_call_of_another_shape_is_refused_naming_both_calls():
+    x = torch.randint(0, 50, (2, 8))
+    gm = autocastfx.convert(WithTargets(), (x,), dtype=torch.bfloat16)
+    assert gm(x)[1] is None
+    for call in (lambda: gm(x, x), lambda: gm(x, targets=x)):
+        with pytest.raises(TypeError, match=r"converted for a call \(int64 tensor\) and was called with "
+                                            r"\(int64 tensor, (targets: )?int64 tensor\).*example_kwargs"):
+            call()
+    both = autocastfx.convert(WithTargets(), (x, x), dtype=torch.bfloat16)  # the fix the message names
+    logits, loss = both(x, x)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    with pytest.raises(IndexError):  # an error of the model's own, on a call of the captured shape: as it was
+        gm(torch.full((2, 8), 99))
