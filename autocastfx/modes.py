@@ -263,15 +263,20 @@ class _Switchable:
                 raise
             if name in info.model_attrs:
                 return info.model_attrs[name]
+            if name == "dtype" and hasattr(cls, "dtype"):  # the model's dtype is its state dict's: float32
+                return torch.float32
             for klass in cls.__mro__:
                 if klass in (nn.Module, object) or name not in vars(klass):
                     continue
                 value = vars(klass)[name]
                 if isinstance(value, property):
                     return value.fget(self)
-                if isinstance(value, (staticmethod, classmethod)) or hasattr(value, "__get__"):
-                    return value.__get__(self, type(self)) if not isinstance(value, staticmethod) \
-                        else value.__func__
+                if isinstance(value, staticmethod):
+                    return value.__func__
+                if isinstance(value, classmethod):  # the model's class: its class attributes are there
+                    return value.__get__(None, cls)
+                if hasattr(value, "__get__"):
+                    return value.__get__(self, type(self))
                 return value
             raise
 
@@ -311,6 +316,25 @@ class _Switchable:
 _BASES: dict[type, type] = {}
 
 
+def _model_class_surface(gm: nn.Module, base: type) -> dict:
+    """The model's own methods and class attributes that the converted class does not have, for code that reads
+    them from ``type(self)`` (Hugging Face's ``generate`` finds its decoding loop so). ``dtype`` stays out: the
+    converted module's is the float32 model's (``_Switchable.__getattr__``)."""
+    info = gm.meta.get("autocastfx")
+    cls = getattr(info, "model_class", None)
+    if cls is None:
+        return {}
+    out = {}
+    for klass in reversed(cls.__mro__):
+        if klass in (nn.Module, object) or klass in base.__mro__:
+            continue
+        for name, value in vars(klass).items():
+            if name.startswith("__") or name == "dtype" or hasattr(base, name):
+                continue
+            out[name] = value
+    return out
+
+
 def install(gm: fx.GraphModule) -> None:
     """Give ``gm`` working ``train()``/``eval()``, replacing torch.export's methods that raise."""
     base = next(c for c in type(gm).__mro__ if c.__qualname__.split(".")[-1] != "GraphModuleImpl")
@@ -320,7 +344,8 @@ def install(gm: fx.GraphModule) -> None:
         base = _BASES[base]
     gm.__dict__.pop("train", None)  # ep.module() sets instance attributes that raise NotImplementedError
     gm.__dict__.pop("eval", None)
-    gm.__class__ = type("GraphModuleImpl", (base,), {})  # GraphModule keeps forward on a class of its own
+    gm.__class__ = type("GraphModuleImpl", (base,), _model_class_surface(gm, base))  # GraphModule keeps
+    # forward on a class of its own; the model's methods on it too, for code that looks them up on the class
     keys = gm.meta.get("autocastfx_program_keys")
     current = gm.meta.pop("autocastfx_current_program", None)
     if keys and _programs_differ(gm.graph, keys):  # one graph per mode; run the one of the model's mode

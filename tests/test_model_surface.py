@@ -131,3 +131,25 @@ def test_a_call_of_another_shape_is_refused_naming_both_calls():
     assert loss.dtype == torch.float32 and loss.dim() == 0
     with pytest.raises(IndexError):  # an error of the model's own, on a call of the captured shape: as it was
         gm(torch.full((2, 8), 99))
+
+
+def test_hugging_face_generate_and_save_pretrained_through_the_converted_module(tmp_path):
+    """``gm.generate()`` samples through the converted forward (converted for the call generate makes: no cache),
+    greedy tokens as the float32 model's; ``gm.save_pretrained`` writes the float32 masters, which
+    ``from_pretrained`` loads as the model's own weights."""
+    tf = pytest.importorskip("transformers")
+    cfg = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(2))
+    gm = autocastfx.convert(model, example_kwargs={"input_ids": ids, "use_cache": False, "return_dict": True},
+                            dtype=torch.bfloat16).eval()
+    assert gm.config.to_dict() == model.config.to_dict() and gm.dtype == torch.float32
+    out = gm.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False)
+    assert out.shape == (1, 12)
+    assert torch.equal(out, model.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False))
+    gm.save_pretrained(tmp_path)
+    loaded = tf.LlamaForCausalLM.from_pretrained(tmp_path)
+    for k, v in model.state_dict().items():
+        assert loaded.state_dict()[k].dtype == torch.float32 and torch.equal(loaded.state_dict()[k], v), k
