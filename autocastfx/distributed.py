@@ -511,6 +511,13 @@ def train_step(gm, loss_fn, optimizer, *, loss_scale=DYNAMIC, init_scale="auto",
                max_retries=8, accum_steps=1, clip_grad_norm=None, cuda_graph: bool = False):
     """A generated, loss-scaled training step for a converted module (see autocastfx.step).
 
+    The step owns backward, ``/ accum_steps``, unscaling, clipping, ``optimizer.step()`` on the float32 masters
+    (the optimizer's groups are re-pointed at them, ``fused=True`` where it has a fused kernel) and freeing the
+    gradients: the loop keeps the data, the learning rate (``group["lr"]`` or a scheduler on ``optimizer``),
+    ``gm.eval()``/``gm.train()`` and checkpoints (``gm.state_dict()`` or ``step.state_dict()``); no
+    ``loss.backward()``, ``clip_grad_norm_``, ``optimizer.step()`` or ``zero_grad()`` of its own.
+    ``torch.compile(gm)`` and ``gm.compile()`` are taken as ``gm``.
+
     ``gm``: the module ``convert()`` returned, DistributedDataParallel around it, or that module sharded with
     FSDP2 (``fully_shard`` on its blocks and then on it, or :func:`shard`).
     Call it as ``step(inputs, *targets)``: ``inputs`` is a tensor, a tuple of positional inputs or a dict of

@@ -138,7 +138,14 @@ def _call(model: nn.Module, inputs: Any) -> Any:
 
 
 class TrainStep:
-    """``step(inputs, *targets) -> loss``; see :func:`train_step`."""
+    """``step(inputs, *targets) -> loss``; see :func:`train_step`.
+
+    The step owns the backward, the division by ``accum_steps``, unscaling, clipping (``clip_grad_norm``), the
+    optimizer step on the float32 masters and the copy back, and frees every gradient after an update: a loop
+    calls it once per micro-batch and writes no ``loss.backward()``, ``clip_grad_norm_`` (it would see no
+    gradients), ``optimizer.step()`` or ``zero_grad()``. The learning rate (``group["lr"]`` or an LR scheduler on
+    the same optimizer), ``eval()``/``train()`` and checkpoints (``gm.state_dict()``, the float32 model, or
+    :meth:`state_dict`, everything) stay the loop's. docs/training.md shows the loop before and after."""
 
     def __init__(self, model, loss_fn, optimizer, *, loss_scale=DYNAMIC, init_scale="auto", growth_factor=2.0,
                  backoff_factor=0.5, growth_interval=2000, min_scale=1.0, hysteresis=1, on_overflow="skip",

@@ -1,0 +1,100 @@
+"""examples/train_nanogpt.py, small: a model with its own loss, configure_optimizers and generate, trained by its own
+loop through the generated step; checkpointed, resumed, sampled from, and loaded back into the model as written."""
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from autocastfx.weights import all_masters
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _example():
+    import importlib
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        return importlib.import_module("train_nanogpt")
+    finally:
+        sys.path.pop(0)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    threads = torch.get_num_threads()
+    try:
+        return _example().main(["--iters", "24", "--accum", "2", "--eval-interval", "12", "--eval-iters", "2",
+                                "--sample-tokens", "12", "--resume-check", "--quiet",
+                                "--out", str(tmp_path_factory.mktemp("nanogpt"))])
+    finally:
+        torch.set_num_threads(threads)  # the example sets one thread
+
+
+def test_the_loss_falls_and_evaluation_is_finite(run):
+    losses = run["losses"]
+    assert len(losses) == 24 and all(math.isfinite(v) for v in losses)
+    assert losses[-1] < losses[0] - 0.5  # 3.3 (uniform over the characters) -> about 2.2
+    (_, first), (_, last) = run["evals"][0], run["evals"][-1]
+    assert all(math.isfinite(v) for v in (*first.values(), *last.values()))
+    assert last["val"] < first["val"]
+    assert run["gm"].training  # estimate_loss() put it back in training mode
+    assert int(run["step"].stats.steps) == 24 and int(run["step"].stats.skipped) == 0
+
+
+def test_the_optimizer_of_configure_optimizers_steps_the_float32_masters(run):
+    gm, opt = run["gm"], run["optimizer"]
+    masters = {id(m) for m in all_masters(gm).values()}
+    low = [p for p in gm.parameters() if p.dtype == torch.bfloat16]
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert len(decay["params"]) == len(low) and all(id(p) in masters for p in decay["params"])  # every matrix
+    assert all(p.dtype == torch.float32 and id(p) not in masters for p in no_decay["params"])  # layer-norm gains
+    assert decay["fused"] and no_decay["fused"]
+    assert all(p.grad is None for p in [*gm.parameters(), *all_masters(gm).values()])  # freed after each update
+
+
+def test_a_resumed_run_gives_the_same_losses_bit_for_bit(run):
+    state = torch.load(run["ckpt"], weights_only=True)
+    assert state["iter"] == 12 and run["resume_identical"]
+    assert run["resumed"] == run["losses"][12:]
+
+
+def test_the_state_dict_is_the_float32_model_and_loads_into_it(run):
+    example = _example()
+    gm = run["gm"]
+    sd = gm.state_dict()
+    model = example.GPT(run["config"])
+    result = model.load_state_dict(sd)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert set(sd) == set(model.state_dict())  # tied weights under both names
+    own = model.state_dict()
+    for name, master in all_masters(gm).items():
+        assert own[name].dtype == torch.float32 and torch.equal(own[name], master)
+    assert model.lm_head.weight is model.wte.weight
+    ckpt = torch.load(run["ckpt"], weights_only=True)["model"]  # the one written half-way loads the same way
+    assert all(v.dtype == torch.float32 for v in ckpt.values())
+    assert not example.GPT(run["config"]).load_state_dict(ckpt).missing_keys
+
+
+def test_generate_samples_through_a_converted_forward(run):
+    sampler, sample, cfg = run["sampler"], run["sample"], run["config"]
+    assert sample.shape == (1, 4 + 12) and run["chars"].decode(sample[0, :4].tolist()) == "the "
+    calls = []
+    handle = sampler.register_forward_hook(lambda *a: calls.append(a[2][0].shape))
+    try:
+        start = torch.zeros(2, cfg.block_size + 3, dtype=torch.long)  # longer than the block: cropped
+        out = sampler.generate(start, 5, top_k=3)
+    finally:
+        handle.remove()
+    assert out.shape == (2, cfg.block_size + 8) and torch.equal(out[:, :cfg.block_size + 3], start)
+    assert calls == [(2, 1, cfg.vocab_size)] * 5  # self(idx_cond) ran the converted module: last position only
+
+
+def test_the_training_module_refuses_the_sampling_call_naming_both(run):
+    """gm was converted for (idx, targets); generate() calls self(idx): a call of another shape."""
+    gm = run["gm"]
+    with pytest.raises(TypeError, match=r"converted for a call \(int64 tensor, int64 tensor\) and was called with "
+                                        r"\(int64 tensor\)"):
+        gm.generate(torch.zeros(1, 4, dtype=torch.long), 2)
