@@ -135,9 +135,9 @@ def _convert_low_model(model: nn.Module, low: dict, example_inputs, example_kwar
     device = next((t.device for t in inputs if isinstance(t, torch.Tensor) and not t.is_meta), device)
     gm = convert(twin, example_inputs, example_kwargs=example_kwargs, **options)
     del twin, memo
-    values = {n: (t.detach().float() if t.is_floating_point() else t.detach())
-              for n, t in itertools.chain(model.named_parameters(remove_duplicate=False),
-                                          model.named_buffers(remove_duplicate=False))}
+    # the model's own tensors, not float32 copies of them: loading upcasts each into its master, one at a time
+    values = {n: t.detach() for n, t in itertools.chain(model.named_parameters(remove_duplicate=False),
+                                                         model.named_buffers(remove_duplicate=False))}
     own = dict(gm.named_buffers(remove_duplicate=False))
     _weights.materialize(gm, device, {n: v for n, v in values.items() if n not in own},
                          buffers={n: v for n, v in values.items() if n in own}, strict=False)

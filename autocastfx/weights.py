@@ -163,10 +163,11 @@ def model_names_from_state_dict(unit: nn.Module, state_dict: dict, prefix: str) 
 
 
 def masters_from_state_dict(unit: nn.Module, state_dict: dict, prefix: str, assign: bool) -> None:
-    """Fill ``unit``'s masters from the entries of ``state_dict`` under their names (and aliases), and replace
-    those entries by the low copies to load, so that the module's own loading (copy or ``assign``) stores them
-    low. A master on the meta device (a module converted on meta, not yet materialised) takes the value only with
-    ``assign=True``, as torch's own loading does."""
+    """Fill ``unit``'s masters from the entries of ``state_dict`` under their names (and aliases); the module's
+    own loading then copies the same values into the low copies (rounded as ``master.to(low)`` rounds them, one
+    tensor at a time). With ``assign=True`` the float32 values become the masters and the entries are replaced by
+    their low copies, which loading then takes as they are. A master on the meta device (a module converted on
+    meta, not yet materialised) takes the value only with ``assign=True``, as torch's own loading does."""
     info = _unit_info(unit)
     if info is None or not info.masters:
         return
@@ -181,13 +182,14 @@ def masters_from_state_dict(unit: nn.Module, state_dict: dict, prefix: str, assi
         if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.shape != master.shape:
             continue  # torch's loading reports the mismatch on the low copy
         with torch.no_grad():
-            if assign:
-                new = value.detach()
-                new = new if new.dtype == torch.float32 else new.to(torch.float32)
-                _replace_data(master, new)
-            elif not master.is_meta:
-                master.copy_(value.detach())
-            low = _low_like(low_param, master if not master.is_meta else value.detach())
+            if not assign:  # the low copy is made by the module's own loading: copy_ rounds as .to() does
+                if not master.is_meta:
+                    master.copy_(value.detach())
+                continue
+            new = value.detach()
+            new = new if new.dtype == torch.float32 else new.to(torch.float32)
+            _replace_data(master, new)
+            low = _low_like(low_param, master)
         for n in names:
             if prefix + n in state_dict:
                 state_dict[prefix + n] = low

@@ -1,5 +1,5 @@
 """Run by tests/test_large_models.py in a fresh process: the peak resident memory convert() adds, as a multiple of
-the model's float32 bytes, printed as JSON. ``python peak_convert.py hf|traced``."""
+the model's float32 bytes, printed as JSON. ``python peak_convert.py hf|traced|hf-bf16``."""
 import gc
 import json
 import sys
@@ -44,12 +44,14 @@ def _status(key: str) -> int:
 
 def main():
     warnings.simplefilter("ignore")
-    make = {"hf": hf, "traced": traced}[sys.argv[1]]
+    make = {"hf": hf, "traced": traced, "hf-bf16": hf}[sys.argv[1]]
     torch.manual_seed(0)
     autocastfx.convert(*make(128, 64, 2), dtype=torch.bfloat16)  # imports and first-use caches, not the model
     gc.collect()
     model, inputs = make(16000, 512, 2)
     fp32 = sum(p.numel() for p in model.parameters()) * 4
+    if sys.argv[1].endswith("bf16"):  # a bfloat16 checkpoint, as from_pretrained(..., torch_dtype=...) loads it
+        model = model.to(torch.bfloat16)
     gc.collect()
     before = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:  # the peak (VmHWM) from here on

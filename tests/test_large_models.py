@@ -165,6 +165,24 @@ def test_a_bfloat16_checkpoint_loads_into_the_masters_upcast():
         assert f32[k].dtype == torch.float32 and torch.equal(f32[k], v.float()), k
 
 
+def test_assign_makes_the_given_float32_tensors_the_masters():
+    """``load_state_dict(sd, assign=True)``: the checkpoint's float32 tensors become the masters (no copy: the
+    way to load without a second float32 copy), the stored-low weights their rounded copies."""
+    model = _build("blocks")
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.device("meta"):
+        empty = Stack()
+    gm = _convert(empty, "blocks")
+    gm.load_state_dict(sd, assign=True)
+    by_ptr = {v.data_ptr() for v in sd.values()}
+    masters = autocastfx.master_parameters(gm)
+    assert masters and all(m.data_ptr() in by_ptr and m.dtype == torch.float32 for m in masters)
+    lows = [p for p in gm.parameters() if p.dtype == torch.bfloat16]
+    assert len(lows) == len(masters) and not any(p.is_meta for p in gm.parameters())
+    ref = _convert(model, "blocks")
+    assert torch.equal(_out(gm.eval(), "blocks"), _out(ref.eval(), "blocks"))
+
+
 def test_torch_save_of_the_state_dict_resumes_exactly():
     """``torch.save(gm.state_dict())`` then ``load_state_dict``: the run goes on as if never stopped (the saved
     weights are the masters, not their rounded copies)."""
@@ -309,13 +327,14 @@ def test_a_low_precision_model_converts_as_its_float32_form_would(name, low):
 
 # ------------------------------------------------------------------------------------------ peak memory
 
-@pytest.mark.parametrize("path", ["hf", "traced"])
+@pytest.mark.parametrize("path", ["hf", "traced", "hf-bf16"])
 def test_converting_adds_no_more_than_the_masters_and_the_low_copies(path):
     """Peak resident memory convert() adds to a process holding a float32 model (blocks on, the default: a
-    Hugging Face Llama exported around its blocks, a traced stack): the float32 masters (1x) and the bfloat16
-    copies (0.5x), with a margin for the graph and the example's activations. torch.export.unflatten cloned every
-    weight of each export (two per conversion): 3.6x before."""
-    if path == "hf":
+    Hugging Face Llama exported around its blocks, a traced stack) or a bfloat16 one: the float32 masters (1x)
+    and the bfloat16 copies (0.5x), with a margin for the graph and the example's activations. torch.export's
+    unflatten cloned every weight of each export (two per conversion): 3.6x before; a bfloat16 model was upcast
+    whole before loading: 2.7x."""
+    if path.startswith("hf"):
         pytest.importorskip("transformers")
     import json
     import os
