@@ -444,6 +444,70 @@ def module_path(node: fx.Node) -> str | None:
     return None
 
 
+_ROUTE_CHOICES = frozenset({"topk", "argmax", "argmin", "argsort", "sort"})  # a choice by rank: near-ties flip it
+_GATES = frozenset({"linear", "matmul", "mm", "addmm", "einsum"})
+_ROUTE_THROUGH = (OpClass.FOLLOW, OpClass.PROMOTE, OpClass.FP32, OpClass.FP32_OUT)
+_ROUTE_DEPTH = 8  # ops between a gate and its choice (a router is a few: softmax or sigmoid, views, a bias)
+
+
+def find_routers(gm: fx.GraphModule, policy: Policy) -> tuple[dict[str, str], set[str]]:
+    """The gating networks of ``gm``, by behaviour: a linear or matmul whose result reaches a topk, argmax or
+    sort through at most ``_ROUTE_DEPTH`` elementwise, shape and softmax ops. ({node: reason} for each gate, the
+    ops between it and its choice and the choice itself; the gates.) A mixture-of-experts router is one: in the
+    low dtype a near-tie of its scores sends a token to another expert than float32 does, a jump no later
+    precision recovers, which is why Switch Transformer, Megatron and DeepSeek-V3 keep the router in float32.
+    A gate is narrower than its input (scores for a few experts); a wider one (an LM head before a sampler's
+    top-k, a similarity over many keys) stays as it is, where float32 would cost most."""
+    if not policy.fp32_routers:
+        return {}, set()
+    out: dict[str, str] = {}
+    gates: set[str] = set()
+    for choice in gm.graph.nodes:
+        if choice.op not in ("call_function", "call_method") or op_name(choice) not in _ROUTE_CHOICES:
+            continue
+        fins = _float_inputs(choice)
+        if not fins:
+            continue
+        toward = {fins[0]: choice}  # node -> its reader one step nearer the choice
+        todo = [(fins[0], 1)]
+        while todo:
+            n, depth = todo.pop()
+            if n.op not in ("call_function", "call_method") or policy.by_name(n, module_path(n)):
+                continue
+            name = op_name(n)
+            if name in _GATES:  # the walk ends at the first matmul: a gate when low and narrow
+                if policy.classify(n, None, None)[0] is OpClass.LOW and _narrows(n):
+                    path, m = [], n
+                    while m is not choice:
+                        path.append(m)
+                        m = toward[m]
+                    via = [op_name(m) for m in path[1:]]
+                    what = f"{op_name(choice)} ({choice.name})" + (f" through {', '.join(via)}" if via else "")
+                    out[n.name] = (f"router: feeds {what}: logits in float32 from float32 inputs, so near-ties "
+                                   "choose as float32 does (Policy.fp32_routers)")
+                    gates.add(n.name)
+                    for m in path[1:]:
+                        out.setdefault(m.name, f"router: between the gate {n.name} and its choice {choice.name}: "
+                                                "float32")
+                    out.setdefault(choice.name, f"router: the choice of the gate {n.name}: float32")
+                continue
+            if depth >= _ROUTE_DEPTH or policy.classify(n, None, None)[0] not in _ROUTE_THROUGH:
+                continue
+            for a in _float_inputs(n):
+                if a not in toward:
+                    toward[a] = n
+                    todo.append((a, depth + 1))
+    return out, gates
+
+
+def _narrows(node: fx.Node) -> bool:
+    """Whether a matmul's result is narrower than its input (last dims): scores over a few choices."""
+    fins = _float_inputs(node)
+    info, x = node.meta.get("autocastfx_info"), fins[0].meta.get("autocastfx_info") if fins else None
+    return (_is_float(info) and _is_float(x) and len(info.shape) > 0 and len(x.shape) > 0
+            and info.shape[-1] < x.shape[-1])
+
+
 def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, master_weights: bool,
                keep_io_types: bool, free_inputs: frozenset[str] = frozenset()) -> CastPlan:
     """The cast plan of ``gm``: a label (low or float32) for every float value, by a min-cut over the casts.
@@ -465,6 +529,7 @@ def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, master_w
     def req(u: fx.Node, r: Req) -> None:
         reqs.setdefault(u.name, []).append(r)
 
+    routers, gates = find_routers(gm, policy)
     first_float_input = True
     guarded: set[str] = set()  # values an epsilon keeps from zero that the low dtype would round to zero
     for node in gm.graph.nodes:
@@ -533,6 +598,8 @@ def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, master_w
         if cls is None:
             unclassified.append(f"{node.name} ({op_name(node) if module is None else type(module).__name__})")
             cls, reason = OpClass.FP32, "unclassified op: float32 (add it to the policy)"
+        if node.name in routers and cls in (OpClass.LOW, OpClass.FOLLOW, OpClass.PROMOTE):
+            cls, reason = OpClass.FP32, routers[node.name]
         eps = _vanishing_constant(node, low)
         if eps is not None:
             guarded.add(node.name)
@@ -597,12 +664,15 @@ def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, master_w
     unfree: set[str] = set()
     for group in param_nodes.values():
         names = [n.name for n in group]
-        pinned = any(r.kind == "fixed" and r.label == FP32 for n in names for r in reqs.get(n, []))
-        if pinned:
+        pins = [r.consumer for n in names for r in reqs.get(n, []) if r.kind == "fixed" and r.label == FP32]
+        if pins:
+            gate = next((c for c in pins if c in gates), None)
+            why = (f"weight of the router {gate}, read in float32: kept float32 as stored (not cast up each forward: "
+                   "a low copy would round the gate's scores)" if gate else "parameter read in float32: kept float32")
             for n in names:
                 unfree.add(n)
                 fixed[n] = FP32
-                nodes[n] = NodePlan(None, FP32, "parameter read in float32: kept float32")
+                nodes[n] = NodePlan(None, FP32, why)
         elif len(names) > 1:
             tied.append(names)
 

@@ -178,6 +178,9 @@ class Policy:
     ``op_table``: op name -> class.  ``module_types``: leaf module type -> class.
     ``module_names``: (glob over qualified module names, class), later entries win.
     ``node_names``: node name -> class.  ``leaf_modules``: extra module types to keep whole when tracing.
+    ``fp32_routers``: a gating network (a linear or matmul whose result reaches a topk, argmax or sort) runs in
+    float32 with the ops between it and its routing decision (plan.py finds it); a class given by module name
+    or node name still wins.
     """
 
     op_table: Mapping[str, OpClass] = dataclasses.field(default_factory=lambda: dict(DEFAULT_OP_TABLE))
@@ -187,6 +190,7 @@ class Policy:
     leaf_modules: tuple[type, ...] = ()
     pad_max_growth: float = 4.0   # padding a GEMM/conv may grow its FLOPs at most this much (cost gate)
     pad_gate: str | None = None   # who decides each pad: "model" (cost model; None), "trial" (timed), "always"
+    fp32_routers: bool = True     # a mixture-of-experts router computes its logits and choice in float32
 
     def __post_init__(self):
         if self.pad_gate is not None and self.pad_gate not in PAD_GATES:
@@ -196,6 +200,9 @@ class Policy:
         if not self.pad_max_growth >= 1:
             raise ValueError(f"pad_max_growth must be a number >= 1 (how many times an op's FLOPs may grow "
                              f"when padded), got {self.pad_max_growth!r}")
+        if not isinstance(self.fp32_routers, bool):
+            raise ValueError(f"fp32_routers must be True (routers in float32) or False (routers low like any "
+                             f"linear), got {self.fp32_routers!r}")
 
     @classmethod
     def default(cls) -> "Policy":
@@ -204,7 +211,7 @@ class Policy:
     def override(self, *, ops: Mapping[str, Any] | None = None, module_types: Mapping[type, Any] | None = None,
                  module_names: Mapping[str, Any] | None = None, node_names: Mapping[str, Any] | None = None,
                  leaf_modules: tuple[type, ...] = (), pad_max_growth: float | None = None,
-                 pad_gate: str | None = None) -> "Policy":
+                 pad_gate: str | None = None, fp32_routers: bool | None = None) -> "Policy":
         """A new Policy with these entries added (classes given as OpClass or its value, e.g. ``"fp32"``)."""
         def conv(d):
             return {k: _as_class(v) for k, v in (d or {}).items()}
@@ -217,6 +224,7 @@ class Policy:
             leaf_modules=self.leaf_modules + tuple(leaf_modules),
             pad_max_growth=self.pad_max_growth if pad_max_growth is None else float(pad_max_growth),
             pad_gate=self.pad_gate if pad_gate is None else pad_gate,
+            fp32_routers=self.fp32_routers if fp32_routers is None else fp32_routers,
         )
 
     def is_leaf(self, module: nn.Module) -> bool:
@@ -243,6 +251,12 @@ class Policy:
         if node.name in self.node_names:
             cls, reason = self.node_names[node.name], f"node name {node.name!r}"
         return cls, reason
+
+    def by_name(self, node: torch.fx.Node, module_path: str | None) -> bool:
+        """Whether a module-name glob or the node's own name classifies ``node``: the user's word, which the
+        plan's own accuracy rules (routers in float32) leave as it is."""
+        return node.name in self.node_names or (module_path is not None and any(
+            fnmatch.fnmatchcase(module_path, pattern) for pattern, _ in self.module_names))
 
 
 def _as_class(v: Any) -> OpClass:
