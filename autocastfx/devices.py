@@ -80,7 +80,9 @@ def resolve(dtype, device: torch.device) -> tuple[torch.dtype, str | None]:
     if dtype is None:
         note = slow_note(torch.float16, device)
         return torch.float16, (f"float16, the default; {note}" if note else None)
-    note = slow_note(dtype, device) if isinstance(dtype, torch.dtype) else None
+    if dtype not in (torch.float16, torch.bfloat16):
+        return dtype, None  # refused by convert() with the dtypes it takes
+    note = slow_note(dtype, device)
     if note:
         warnings.warn(f"autocastfx: {note}", SlowDtypeWarning, stacklevel=4)
     return dtype, note
