@@ -28,8 +28,12 @@ class StepError(ValueError):
 def check_loss(loss: Any) -> torch.Tensor:
     """The loss must be one floating-point number connected to the weights; metadata only, no device read."""
     if not isinstance(loss, torch.Tensor):
-        raise StepError(f"loss_fn returned {type(loss).__name__}, not a tensor: return the loss tensor itself "
-                        "(for a model that computes its own loss, loss_fn=lambda out: out.loss or out['loss'])")
+        none = (" (None: a model that returns its loss only when given targets was converted without them: "
+                "convert it with the targets in the example, autocastfx.convert(model, (x, y)))"
+                if loss is None else "")
+        raise StepError(f"loss_fn returned {type(loss).__name__}, not a tensor{none}: return the loss tensor itself "
+                        "(for a model that computes its own loss, loss_fn=lambda out: out.loss, out['loss'], or "
+                        "out[1] for a (logits, loss) tuple)")
     if not loss.is_floating_point():
         raise StepError(f"the loss is {loss.dtype}, not floating point, so it has no gradient: compute it from the "
                         "model's floating-point output (e.g. F.cross_entropy(out, y)), not from argmax, "

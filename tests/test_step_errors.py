@@ -102,6 +102,7 @@ LOSSES = {
     "detached": (lambda out, y: F.cross_entropy(out.detach(), y), r"not connected.*detach"),
     "no_grad": (lambda out, y: _no_grad_loss(out, y), r"not connected.*torch.no_grad\(\)"),
     "not_tensor": (lambda out, y: 1.0, r"not a tensor.*out\.loss"),
+    "none": (lambda out, y: None, r"NoneType, not a tensor \(None: .*converted without them.*\(x, y\)"),
 }
 
 
