@@ -209,7 +209,7 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict, trace_error: Bas
                     inner = block_modules(units)
                     reads.extend(m for m in seen if id(m) not in inner)
             else:
-                with watch_training(reads):
+                with watch_training(reads), torch_internal_warnings_off():
                     gm = _export(model, tuple(args), dict(kwargs)).module()
         _strip_export_asserts(gm)
         if check:
@@ -414,6 +414,8 @@ _TORCH_INTERNAL_WARNINGS = (
     # copy.deepcopy of a pytree spec (a graph's code generator, an export's call signatures) makes each leaf
     # anew through the class torch marks deprecated
     (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
+    # nn.LSTM/GRU/RNN refresh their own _flat_weights list as they run; torch.export notes it and restores it
+    (UserWarning, r"The tensor attributes? (self\.[\w.]*_flat_weights\[\d+\](, )?)+ (was|were) assigned during export"),
 )
 
 

@@ -38,11 +38,21 @@ class KernelRule:
     graph_ops: frozenset[str] = frozenset()
     modules: tuple[type, ...] = ()
     measured: bool = True
+    one_dtype: bool = False  # every float tensor of the same_dtype arguments, lists flattened, in one dtype
 
 
 def _ops(text: str) -> frozenset[str]:
     return frozenset(text.split())
 
+
+_RNN_OPS = _ops("lstm gru rnn_tanh rnn_relu")
+_RNN_EVIDENCE = (
+    "cuDNN runs a whole recurrent layer from one flat weight buffer of one dtype: aten/src/ATen/native/cudnn/RNN.cpp "
+    "takes the data type from the input (getCudnnDataType(input)) and copies every weight and bias into that "
+    "buffer (_cudnn_rnn_flatten_weight, copy_weights_to_flat_buf_views with allow_type_change=false), hx and cx "
+    "in the input's dtype; nn.RNNBase.flatten_parameters gives up on weights of mixed dtypes and forward raises "
+    "'RNN input dtype ... does not match weight dtype'. A float32 bias beside low weights is no legal call; "
+    "not yet measured here")
 
 CUDA_RULES: tuple[KernelRule, ...] = (
     KernelRule("native_layer_norm", False, (0, 2, 3),
@@ -75,6 +85,9 @@ CUDA_RULES: tuple[KernelRule, ...] = (
                "SyncBatchNorm's CUDA kernels (batch_norm_stats, batch_norm_elemt) take float32 parameters and "
                "statistics with a float16 input, as mixed-precision data-parallel training needs; not yet "
                "measured here", _ops(""), (nn.SyncBatchNorm,), measured=False),
+    # input, weight list, weight_buf, hx, cx
+    KernelRule("_cudnn_rnn", False, (0, 1, 3, 4, 5), _RNN_EVIDENCE, _RNN_OPS, (nn.LSTM, nn.GRU, nn.RNN),
+               measured=False, one_dtype=True),
 )
 
 # Step-level rule, not a graph op: the fused optimizers take parameters and gradients of one dtype.
@@ -84,6 +97,9 @@ FUSED_OPTIMIZER_RULE = KernelRule(
     "masters float32 gradients", _ops("_fused_adamw_ _fused_adam_ _fused_sgd_ _fused_adagrad_"))
 
 RULES_BY_OP: dict[str, KernelRule] = {r.op: r for r in CUDA_RULES}
+for _name in _RNN_OPS:  # the graph-level call (aten.lstm.input / .data): input or data, hx, params, and the
+    # params of the .data form; batch_sizes is an integer tensor, never compared
+    RULES_BY_OP[_name] = dataclasses.replace(RULES_BY_OP["_cudnn_rnn"], op=_name, same_dtype=(0, 1, 2, 3))
 for _name in FUSED_OPTIMIZER_RULE.graph_ops:
     RULES_BY_OP[_name] = dataclasses.replace(FUSED_OPTIMIZER_RULE, op=_name)
 
@@ -122,6 +138,12 @@ def violations(op: str, args: tuple, dtype_of) -> list[str]:
     r = RULES_BY_OP.get(op)
     if r is None or r.accepts_mixed:
         return []
+    if r.one_dtype:
+        flat = [x for i in r.same_dtype if i < len(args)
+                for x in (args[i] if isinstance(args[i], (list, tuple)) else [args[i]])]
+        ds = {dtype_of(x) for x in flat} - {None}
+        return [f"{op}: input, state and weights have dtypes {sorted(map(str, ds))}; CUDA needs one dtype "
+                f"({r.evidence})"] if len(ds) > 1 else []
     groups: list[list] = []
     for i in r.same_dtype:
         if i >= len(args):

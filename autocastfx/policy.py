@@ -40,11 +40,13 @@ LOW_OPS = _names("""
     conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d convolution _convolution
     conv_tbc linear matmul mm bmm addmm addbmm baddbmm addmv mv addr einsum bilinear chain_matmul
     linalg_multi_dot linalg_vecdot _addmm_activation cudnn_convolution cudnn_convolution_transpose
-    lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell
+    lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell lstm gru rnn_tanh rnn_relu
     scaled_dot_product_attention _scaled_dot_product_flash_attention
     _scaled_dot_product_efficient_attention _scaled_dot_product_cudnn_attention _native_multi_head_attention
 """)
-# (an RNN cell runs whole in the low dtype, its state too, as CUDA autocast casts it)
+# (an RNN cell runs whole in the low dtype, its state too, as CUDA autocast casts it; so does a whole recurrent
+# layer, aten.lstm/gru/rnn_*: input, initial state and every weight and bias in one dtype, kernels.py's
+# _cudnn_rnn rule)
 
 NORM_OPS = _names("""
     batch_norm layer_norm group_norm instance_norm rms_norm native_batch_norm native_layer_norm

@@ -1,0 +1,270 @@
+"""Recurrent layers in low precision: nn.LSTM, nn.GRU and nn.RNN run whole in the low dtype, as autocast runs them.
+
+torch.fx cannot trace through an RNN module (its forward branches on the input), so a model with one is captured
+by torch.export, where the layer is one aten call (``aten.lstm.input``: input, [h0, c0], the flat weight list).
+The policy classifies it ``low``: input, initial state and every weight and bias reach it in the low dtype (the
+weights stored low, float32 masters kept), the one-dtype call cuDNN needs (kernels.py, ``_cudnn_rnn``). A packed
+sequence defeats the capture; the layer then runs in float32 as the model's own code.
+"""
+import warnings
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+import autocastfx
+from autocastfx import kernels
+from autocastfx.weights import master_pairs
+from helpers import AtenRecorder
+
+BF16 = torch.bfloat16
+RNN_OPS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
+MATMULS = {"mm", "addmm", "bmm", "matmul", "linear", "mkldnn_rnn_layer", "mkldnn_rnn_layer_backward"}
+
+
+class Tagger(nn.Module):
+    """embedding -> recurrent layer -> linear, per token."""
+
+    def __init__(self, rnn: nn.RNNBase, vocab=50, classes=5):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, rnn.input_size)
+        self.rnn = rnn
+        width = (rnn.proj_size or rnn.hidden_size) * (2 if rnn.bidirectional else 1)
+        self.out = nn.Linear(width, classes)
+
+    def forward(self, x):
+        e = self.emb(x)
+        if not self.rnn.batch_first:
+            e = e.transpose(0, 1)
+        y, _ = self.rnn(e)
+        if not self.rnn.batch_first:
+            y = y.transpose(0, 1)
+        return self.out(y)
+
+
+RNNS = {
+    "lstm_2layer": lambda: nn.LSTM(16, 32, num_layers=2, batch_first=True),
+    "lstm_bidirectional": lambda: nn.LSTM(16, 32, bidirectional=True, batch_first=True),
+    "lstm_proj": lambda: nn.LSTM(16, 32, proj_size=8, batch_first=True),
+    "gru_seq_first_bi_2layer": lambda: nn.GRU(16, 32, num_layers=2, bidirectional=True),
+    "gru_no_bias": lambda: nn.GRU(16, 32, bias=False, batch_first=True),
+    "rnn_tanh_2layer": lambda: nn.RNN(16, 32, num_layers=2, batch_first=True),
+    "rnn_relu": lambda: nn.RNN(16, 32, nonlinearity="relu", batch_first=True),
+}
+
+
+def _tokens(seed=0, batch=4, length=7):
+    return torch.randint(0, 50, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _convert(model, inputs, dtype=BF16):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gm = autocastfx.convert(model, inputs, dtype=dtype)
+    return gm, [str(w.message) for w in caught]
+
+
+class RnnCalls(fx.Interpreter):
+    """Runs a converted graph and keeps, for each recurrent aten call, the dtypes of its float tensor arguments
+    and what the CUDA contract says of them."""
+
+    def __init__(self, gm):
+        super().__init__(gm)
+        self.calls: list[tuple[str, set]] = []
+        self.violations: list[str] = []
+
+    def call_function(self, target, args, kwargs):
+        name = getattr(target, "_opname", None)
+        if name in RNN_OPS:
+            flat = torch.utils._pytree.tree_leaves(args)
+            self.calls.append((name, {t.dtype for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point()}))
+            self.violations += kernels.violations(name, args, _dtype)
+        return super().call_function(target, args, kwargs)
+
+
+def _dtype(a):
+    return a.dtype if isinstance(a, torch.Tensor) and a.is_floating_point() else None
+
+
+def _autocast_errors(model, gm, inputs, dtype=BF16):
+    model.eval(), gm.eval()
+    with torch.no_grad():
+        ref = model(*inputs)
+        with torch.autocast("cpu", dtype):
+            auto = model(*inputs).float()
+        ours = gm(*inputs).float()
+    return (ours - ref).abs().max().item(), (auto - ref).abs().max().item()
+
+
+@pytest.mark.parametrize("name", list(RNNS))
+def test_recurrent_layer_runs_low_with_one_dtype(name):
+    torch.manual_seed(0)
+    model, x = Tagger(RNNS[name]()), _tokens()
+    gm, warned = _convert(model, (x,))
+    assert not [w for w in warned if "_flat_weights" in w or "no policy list" in w], warned
+    # stored low, float32 masters for every weight and bias of the layer
+    rnn_params = {n: p for n, p in gm.named_parameters() if n.startswith("rnn.")}
+    assert rnn_params and all(p.dtype == BF16 for p in rnn_params.values()), {n: p.dtype for n, p in rnn_params.items()}
+    masters = [m for p, m in master_pairs(gm) if any(p is q for q in rnn_params.values())]
+    assert len(masters) == len(rnn_params) and all(m.dtype == torch.float32 for m in masters)
+    # the graph's recurrent call: input, state and weights in one low dtype (the cuDNN contract)
+    interp = RnnCalls(gm)
+    interp.run(x)
+    assert interp.calls and all(ds == {BF16} for _, ds in interp.calls), interp.calls
+    assert interp.violations == []
+    # what the CPU kernels see, forward and backward: every matmul in the low dtype
+    with AtenRecorder() as rec:
+        gm.train()
+        gm(x).float().sum().backward()
+    mats = [c for c in rec.calls if c.name in MATMULS]
+    assert mats and all(set(d for d in c.in_dtypes if d.is_floating_point) == {BF16} for c in mats), \
+        [(c.name, c.in_dtypes) for c in mats if set(c.in_dtypes) != {BF16}][:5]
+    # as accurate as torch.autocast against float32
+    ours, auto = _autocast_errors(model, gm, (x,))
+    assert ours <= 2 * auto + 2e-3, (ours, auto)
+
+
+def test_the_contract_check_flags_a_float32_bias_beside_low_weights():
+    """The check can fail: a recurrent call with a float32 bias among bfloat16 weights breaks the rule."""
+    b, f = torch.zeros(3, dtype=BF16), torch.zeros(3)
+    assert kernels.violations("lstm", (b, [b, b], [b, b, f, f], True), _dtype)
+    assert kernels.violations("gru", (b, b, [b, b, b, b], True), _dtype) == []
+    assert kernels.rule_for("lstm").op == "_cudnn_rnn" and not kernels.rule_for(None, nn.GRU(2, 2)).accepts_mixed
+
+
+def test_mkldnn_layer_sees_one_dtype_forward_and_backward():
+    """On the CPU an LSTM layer is one oneDNN call: input, four weights and the state share the low dtype."""
+    torch.manual_seed(0)
+    model, x = Tagger(nn.LSTM(16, 32, num_layers=2, bidirectional=True, batch_first=True)), _tokens()
+    gm, _ = _convert(model, (x,))
+    with AtenRecorder() as rec:
+        gm(x).float().sum().backward()
+    layers = rec.ops("mkldnn_rnn_layer", "mkldnn_rnn_layer_backward")
+    if not layers:
+        pytest.skip("this CPU build runs LSTM without oneDNN")
+    for c in layers:
+        assert {d for d in c.in_dtypes if d.is_floating_point} == {BF16}, (c.name, c.in_dtypes)
+
+
+class WithState(nn.Module):
+    """A language model step: the caller's state in and the new state out."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(16, 32, num_layers=2)
+        self.out = nn.Linear(32, 5)
+
+    def forward(self, x, h0, c0):
+        y, (h, c) = self.rnn(x, (h0, c0))
+        return self.out(y), h, c
+
+
+def test_state_in_and_out():
+    """A float32 state given is cast to the layer's dtype; the outputs come back as the model's (float32)."""
+    torch.manual_seed(0)
+    model = WithState()
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randn(7, 4, 16, generator=g), torch.randn(2, 4, 32, generator=g), torch.randn(2, 4, 32, generator=g))
+    gm, _ = _convert(model, inputs)
+    interp = RnnCalls(gm)
+    outs = interp.run(*inputs)
+    assert interp.calls == [("lstm", {BF16})]
+    assert [o.dtype for o in outs] == [torch.float32] * 3
+    with torch.no_grad():
+        ref = model(*inputs)
+        with torch.autocast("cpu", BF16):
+            auto = model(*inputs)
+        ours = gm(*inputs)
+    for o, a, r in zip(ours, auto, ref):
+        assert (o - r).abs().max() <= 2 * (a.float() - r).abs().max() + 2e-3
+
+
+def test_eval_mode_turns_dropout_between_layers_off():
+    torch.manual_seed(0)
+    model, x = Tagger(nn.LSTM(16, 32, num_layers=2, dropout=0.5, batch_first=True)), _tokens()
+    gm, _ = _convert(model, (x,))
+    gm.eval()
+    with torch.no_grad():
+        assert torch.equal(gm(x), gm(x))
+    ours, auto = _autocast_errors(model, gm, (x,))
+    assert ours <= 2 * auto + 2e-3, (ours, auto)
+
+
+def test_float16_on_a_tiny_layer():
+    torch.manual_seed(0)
+    model, x = Tagger(nn.GRU(8, 8, bidirectional=True, batch_first=True)), _tokens(batch=2, length=3)
+    gm, _ = _convert(model, (x,), dtype=torch.float16)
+    interp = RnnCalls(gm)
+    interp.run(x)
+    assert interp.calls == [("gru", {torch.float16})]
+    ours, auto = _autocast_errors(model, gm, (x,), torch.float16)
+    assert ours <= 2 * auto + 1e-3, (ours, auto)
+
+
+def test_training_reaches_every_recurrent_master():
+    """train_step: the loss falls, the masters stay float32 and every weight of the layers moves."""
+    torch.manual_seed(0)
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(50, 16)
+            self.lstm = nn.LSTM(16, 16, bidirectional=True, batch_first=True)
+            self.gru = nn.GRU(32, 16, batch_first=True)
+            self.out = nn.Linear(16, 5)
+
+        def forward(self, x):
+            y, _ = self.lstm(self.emb(x))
+            y, _ = self.gru(y)
+            return self.out(y)
+
+    model, x = Two(), _tokens(batch=8, length=6)
+    target = (x % 5)  # the class is a function of the token: learnable per position
+    gm, _ = _convert(model, (x,))
+    pairs = [(p, m) for p, m in master_pairs(gm)]
+    rnn_low = {id(p) for n, p in gm.named_parameters() if n.startswith(("lstm.", "gru."))}
+    rnn_masters = [m for p, m in pairs if id(p) in rnn_low]
+    assert len(rnn_masters) == 8 + 4  # bidirectional LSTM: 2 x 4 tensors; GRU: 4
+    before = [m.detach().clone() for m in rnn_masters]
+    opt = torch.optim.AdamW(gm.parameters(), lr=1e-2)
+    step = autocastfx.train_step(gm, lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), opt)
+    losses = [float(step((x,), target)) for _ in range(25)]
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert all(m.dtype == torch.float32 for m in rnn_masters)
+    assert all(not torch.equal(b, m) for b, m in zip(before, rnn_masters))
+    assert all(p.dtype == BF16 for n, p in gm.named_parameters() if n.startswith(("lstm.", "gru.")))
+
+
+class Packed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.rnn = nn.LSTM(16, 32, batch_first=True)
+        self.out = nn.Linear(32, 5)
+
+    def forward(self, x, lengths):
+        p = pack_padded_sequence(self.emb(x), lengths, batch_first=True, enforce_sorted=False)
+        y, _ = self.rnn(p)
+        y, _ = pad_packed_sequence(y, batch_first=True, total_length=x.shape[1])
+        return self.out(y)
+
+
+def test_packed_sequence_runs_the_layer_in_float32():
+    """Packing needs the lengths' values (torch.export cannot capture it): the model is converted piecewise,
+    the parts that capture run low, the recurrent layer in float32 as the model's own code, and a warning says
+    so."""
+    torch.manual_seed(0)
+    model, x, lengths = Packed(), _tokens(), torch.tensor([7, 3, 5, 2])
+    gm, warned = _convert(model, (x, lengths))
+    assert any("piecewise" in w and "out" in w for w in warned), warned
+    with AtenRecorder() as rec:
+        got = gm(x, lengths)
+    with torch.no_grad():
+        ref = model(x, lengths)
+    layers = rec.ops("mkldnn_rnn_layer", "lstm")
+    assert all(d == torch.float32 for c in layers for d in c.in_dtypes if d.is_floating_point)
+    assert all(p.dtype == torch.float32 for n, p in gm.named_parameters() if "rnn." in n)
+    assert (got.float() - ref).abs().max() < 2e-2
