@@ -268,3 +268,16 @@ def test_packed_sequence_runs_the_layer_in_float32():
     assert all(d == torch.float32 for c in layers for d in c.in_dtypes if d.is_floating_point)
     assert all(p.dtype == torch.float32 for n, p in gm.named_parameters() if "rnn." in n)
     assert (got.float() - ref).abs().max() < 2e-2
+
+
+def test_a_leaf_rnn_module_asked_low_runs_in_float32():
+    """As a leaf the module's parameters live inside it, beyond the plan's casts: a low input with float32
+    weights is no legal call, so the plan keeps the float32 form and the report says why."""
+    torch.manual_seed(0)
+    model, x = Tagger(nn.LSTM(16, 32, batch_first=True)), _tokens()
+    policy = autocastfx.Policy.default().override(module_types={nn.LSTM: "low"})
+    gm = autocastfx.convert(model, (x,), policy=policy)
+    (row,) = [r for r in autocastfx.report(gm).rows if r.target == "rnn"]
+    assert row.dtype == "fp32" and "_cudnn_rnn" in row.reason
+    assert all(p.dtype == torch.float32 for n, p in gm.named_parameters() if n.startswith("rnn."))
+    assert torch.allclose(gm(x).float(), model(x), atol=5e-2)
