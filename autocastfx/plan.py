@@ -446,6 +446,10 @@ def module_path(node: fx.Node) -> str | None:
 
 _ROUTE_CHOICES = frozenset({"topk", "argmax", "argmin", "argsort", "sort"})  # a choice by rank: near-ties flip it
 _GATES = frozenset({"linear", "matmul", "mm", "addmm", "einsum"})
+# comparisons give booleans: computed in a rounded dtype they can answer differently (x < y for a float32 x just
+# below a low y), so two float tensors are compared in float32
+_COMPARISONS = frozenset("eq ne lt le gt ge equal isclose __eq__ __ne__ __lt__ __le__ __gt__ __ge__".split())
+
 _ROUTE_THROUGH = (OpClass.FOLLOW, OpClass.PROMOTE, OpClass.FP32, OpClass.FP32_OUT)
 _ROUTE_DEPTH = 8  # ops between a gate and its choice (a router is a few: softmax or sigmoid, views, a bias)
 
@@ -600,6 +604,10 @@ def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, master_w
             cls, reason = OpClass.FP32, "unclassified op: float32 (add it to the policy)"
         if node.name in routers and cls in (OpClass.LOW, OpClass.FOLLOW, OpClass.PROMOTE):
             cls, reason = OpClass.FP32, routers[node.name]
+        if op_name(node) in _COMPARISONS and len(fins) >= 2 and cls in (OpClass.FOLLOW, OpClass.PROMOTE):
+            cls, reason = OpClass.FP32, ("compares two float tensors: in float32 (autocast's widest type), where "
+                                         "widening a low operand is exact and rounding a float32 one would change "
+                                         "the answer")
         eps = _vanishing_constant(node, low)
         if eps is not None:
             guarded.add(node.name)

@@ -584,3 +584,30 @@ def test_constant_beyond_the_low_dtype_keeps_its_op_in_float32():
         torch.testing.assert_close(out.float(), model(x, mask), rtol=2e-2, atol=2e-2)
         row = next(r for r in autocastfx.report(gm).rows if r.target.endswith("masked_fill"))
         assert row.dtype == "fp32", row  # bfloat16's largest value is under float32's too
+
+
+class _ThresholdByMean(nn.Module):
+    """A low matmul's output compared with a float32 reduction of it (a mask by threshold)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return (y > y.mean(-1, keepdim=True)).float() + (y == y.amax(-1, keepdim=True)).float()
+
+
+def test_two_float_tensors_are_compared_in_float32():
+    """A comparison's answer changes if an operand is rounded: two float tensors are compared in float32 (a low
+    one widened exactly), as autocast's widest-type rule has it; the report says why."""
+    torch.manual_seed(0)
+    model, x = _ThresholdByMean(), torch.randn(4, 16)
+    gm = convert(model, (x,), dtype=torch.bfloat16)
+    with AtenRecorder() as rec:
+        out = gm(x)
+    for c in rec.ops("gt", "eq"):
+        assert all(d == torch.float32 for d in c.in_dtypes if d.is_floating_point), c
+    rows = [r for r in autocastfx.report(gm).rows if "compares" in r.reason]
+    assert len(rows) == 2
+    assert out.dtype == torch.float32
