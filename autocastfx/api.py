@@ -44,7 +44,7 @@ class ConvertInfo:
     # original model be re-pointed to the converted module's parameters and masters
     source_params: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict, repr=False)  # all names
     # the model's class and its plain attributes (a config, sizes): the converted module answers the model's
-    # own methods and attributes through them (modes._Switchable.__getattr__)
+    # own methods and attributes through them (modes._add_model_surface)
     model_class: type | None = dataclasses.field(default=None, repr=False)
     model_attrs: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     # the inputs of the call the graph was captured for (calls.describe): a call of another shape is refused
@@ -130,9 +130,7 @@ def _convert_low_model(model: nn.Module, low: dict, example_inputs, example_kwar
             shell = torch.empty_like(t, device="meta", dtype=torch.float32 if t.is_floating_point() else t.dtype)
             memo[id(t)] = nn.Parameter(shell, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else shell
     twin = copy.deepcopy(model, memo)
-    device = next((t.device for t in _tensors(model)), torch.device("cpu"))
-    inputs = torch.utils._pytree.tree_leaves((example_inputs, example_kwargs))
-    device = next((t.device for t in inputs if isinstance(t, torch.Tensor) and not t.is_meta), device)
+    device = _device_of(model, example_inputs, example_kwargs)
     gm = convert(twin, example_inputs, example_kwargs=example_kwargs, **options)
     del twin, memo
     # the model's own tensors, not float32 copies of them: loading upcasts each into its master, one at a time
@@ -157,9 +155,7 @@ def _on_meta(model, example_inputs, example_kwargs):
     if not isinstance(model, nn.Module) or not any(t.is_meta for t in _tensors(model)):
         yield
         return
-    leaves = torch.utils._pytree.tree_leaves((example_inputs, example_kwargs))
-    device = next((t.device for t in leaves if isinstance(t, torch.Tensor) and not t.is_meta), torch.device("cpu"))
-    token = _capture.META_DEVICE.set(device)
+    token = _capture.META_DEVICE.set(_device_of(model, example_inputs, example_kwargs))
     try:
         yield
     finally:

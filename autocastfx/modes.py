@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import inspect
 
 import torch
 import torch.fx as fx
@@ -248,38 +249,6 @@ class _Switchable:
                 _calls.check(info.call_signature, args, kwargs, e)  # a call of another shape: said so
             raise
 
-    def __getattr__(self, name):
-        """What the module does not have is the model's: its plain attributes (``gm.config``) and its methods
-        and properties, run with ``self`` the converted module (a ``generate()`` that calls ``self(...)`` samples
-        through the converted forward)."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name.startswith("__"):
-                raise
-            info = self.__dict__.get("meta", {}).get("autocastfx")
-            cls = getattr(info, "model_class", None)
-            if info is None or cls is None:
-                raise
-            if name in info.model_attrs:
-                return info.model_attrs[name]
-            if name == "dtype" and hasattr(cls, "dtype"):  # the model's dtype is its state dict's: float32
-                return torch.float32
-            for klass in cls.__mro__:
-                if klass in (nn.Module, object) or name not in vars(klass):
-                    continue
-                value = vars(klass)[name]
-                if isinstance(value, property):
-                    return value.fget(self)
-                if isinstance(value, staticmethod):
-                    return value.__func__
-                if isinstance(value, classmethod):  # the model's class: its class attributes are there
-                    return value.__get__(None, cls)
-                if hasattr(value, "__get__"):
-                    return value.__get__(self, type(self))
-                return value
-            raise
-
     # the float32 model's state dict: masters under the model's own names (see weights.py)
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
         out = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
@@ -298,6 +267,7 @@ class _Switchable:
         """GraphModule's copy registers every buffer persistent: the copy keeps which ones are not (a rotary
         table stays out of the state dict, as in the model)."""
         out = super().__deepcopy__(memo)
+        _add_model_surface(out)  # the copy's class is made anew
         copies = dict(out.named_modules(remove_duplicate=False))
         for name, m in self.named_modules(remove_duplicate=False):
             c = copies.get(name)
@@ -316,23 +286,29 @@ class _Switchable:
 _BASES: dict[type, type] = {}
 
 
-def _model_class_surface(gm: nn.Module, base: type) -> dict:
-    """The model's own methods and class attributes that the converted class does not have, for code that reads
-    them from ``type(self)`` (Hugging Face's ``generate`` finds its decoding loop so). ``dtype`` stays out: the
-    converted module's is the float32 model's (``_Switchable.__getattr__``)."""
+def _add_model_surface(gm: nn.Module) -> None:
+    """Put on the converted module's own class (one per module) what the model answered and the converted module
+    does not: the model's methods, properties and class attributes (``gm.generate()``, also for code that reads
+    them from ``type(self)``, as Hugging Face's ``generate`` finds its decoding loop), its plain attributes
+    (``gm.config``), and ``dtype``, which is the float32 model's (its state dict's). On the class, not through a
+    ``__getattr__``: the generated forward's attribute reads stay as fast as a GraphModule's."""
     info = gm.meta.get("autocastfx")
     cls = getattr(info, "model_class", None)
     if cls is None:
-        return {}
-    out = {}
+        return
+    own = type(gm)
+    base = own.__mro__[1]
     for klass in reversed(cls.__mro__):
         if klass in (nn.Module, object) or klass in base.__mro__:
             continue
         for name, value in vars(klass).items():
-            if name.startswith("__") or name == "dtype" or hasattr(base, name):
-                continue
-            out[name] = value
-    return out
+            if not (name.startswith("__") or name == "dtype" or hasattr(base, name)):
+                setattr(own, name, value)
+    for name, value in info.model_attrs.items():
+        if not hasattr(base, name) and name not in gm.__dict__:
+            setattr(own, name, staticmethod(value) if inspect.isfunction(value) else value)
+    if hasattr(cls, "dtype") and not hasattr(base, "dtype"):
+        own.dtype = property(lambda self: torch.float32)
 
 
 def install(gm: fx.GraphModule) -> None:
@@ -344,8 +320,8 @@ def install(gm: fx.GraphModule) -> None:
         base = _BASES[base]
     gm.__dict__.pop("train", None)  # ep.module() sets instance attributes that raise NotImplementedError
     gm.__dict__.pop("eval", None)
-    gm.__class__ = type("GraphModuleImpl", (base,), _model_class_surface(gm, base))  # GraphModule keeps
-    # forward on a class of its own; the model's methods on it too, for code that looks them up on the class
+    gm.__class__ = type("GraphModuleImpl", (base,), {})  # GraphModule keeps forward on a class of its own
+    _add_model_surface(gm)
     keys = gm.meta.get("autocastfx_program_keys")
     current = gm.meta.pop("autocastfx_current_program", None)
     if keys and _programs_differ(gm.graph, keys):  # one graph per mode; run the one of the model's mode
