@@ -87,11 +87,7 @@ class Local:
 
     def master_pairs(self, gm) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
         """(qualified name, low weight, float32 master) over ``gm`` and its converted blocks."""
-        out = []
-        for prefix, unit in converted_units(gm):
-            params = dict(unit.named_parameters(remove_duplicate=False))
-            out += [(prefix + n, params[n], m) for n, m in unit.meta["autocastfx"].masters.items()]
-        return out
+        return _weights.named_master_pairs(gm)
 
     def local(self, t):
         return t

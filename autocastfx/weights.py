@@ -66,10 +66,15 @@ def master_pairs(gm: nn.Module) -> list[tuple[nn.Parameter, nn.Parameter]]:
     """(low-precision parameter in the module, float32 master) for every stored-low parameter of ``gm`` and of
     the converted units inside it."""
     _info(gm)
+    return [(low, master) for _, low, master in named_master_pairs(gm)]
+
+
+def named_master_pairs(gm: nn.Module) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
+    """(qualified name, low-precision parameter, float32 master) over ``gm`` and its converted units."""
     out = []
-    for _, unit in converted_units(gm):
+    for prefix, unit in converted_units(gm):
         params = dict(unit.named_parameters(remove_duplicate=False))
-        out += [(params[name], master) for name, master in unit.meta["autocastfx"].masters.items()]
+        out += [(prefix + name, params[name], m) for name, m in unit.meta["autocastfx"].masters.items()]
     return out
 
 
