@@ -1,20 +1,22 @@
 """autocastfx: any PyTorch model as an explicit mixed-precision torch.fx program."""
 from .api import ConvertInfo, convert, float32_state_dict, float32_weights, master_parameters, materialize
-from .capture import CaptureError
-from .checks import StepError
-from .devices import SlowDtypeWarning
-from .diagnose import GradHistogram, calibrate, grad_histogram
-from .distributed import load_checkpoint, save_checkpoint, shard, train_step
-from .export import ExportCheckError, ExportError, FormatError, export, load, save
-from .inference import for_inference
-from .graphed import CudaGraphStep
-from .plan import CastPlan
-from .recompute import checkpoint_blocks, compile_blocks
-from .policy import OpClass, Policy
-from .report import Report, report
-from .rewrite import Decision
-from .scaling import LossScaleError
-from .step import StepStats, TrainStep
+from .base.errors import CaptureError
+from .training.checks import StepError
+from .core.devices import SlowDtypeWarning
+from .tools.diagnose import GradHistogram, calibrate, grad_histogram
+from .training.checkpoints import load_checkpoint, save_checkpoint
+from .training.factory import train_step
+from .training.sharding import shard
+from .tools.export import ExportCheckError, ExportError, FormatError, export, load, save
+from .tools.inference import for_inference
+from .training.graphed import CudaGraphStep
+from .core.plan import CastPlan
+from .training.recompute import checkpoint_blocks, compile_blocks
+from .core.policy import OpClass, Policy
+from .tools.report import Report, report
+from .core.rewrite import Decision
+from .training.scaling import LossScaleError
+from .training.step import StepStats, TrainStep
 
 __all__ = ["convert", "report", "master_parameters", "Policy", "OpClass", "Report", "CastPlan", "Decision",
            "ConvertInfo", "CaptureError", "train_step", "TrainStep", "StepStats", "LossScaleError", "StepError",

@@ -104,7 +104,7 @@ def test_blocks_stay_modules_at_their_names_in_their_container():
 
 
 def _all_masters(gm):
-    from autocastfx.step import all_masters
+    from autocastfx.training.step import all_masters
     return all_masters(gm).items()
 
 
@@ -282,7 +282,7 @@ def test_export_of_a_piecewise_model_works_without_the_branch_or_names_what_stop
     torch.manual_seed(0)
     model, x, y = DataDependentLoss(layers=2), ids(), ids(seed=7)
     gm = autocastfx.convert(model, (x,), example_kwargs={"labels": y})
-    from autocastfx.export import ExportError
+    from autocastfx.tools.export import ExportError
     with pytest.raises(ExportError, match="piecewise.*DataDependentLoss: torch.fx.symbolic_trace failed"):
         autocastfx.export(gm, tmp_path / "m.pt2", (x,), example_kwargs={"labels": y})
     ep = autocastfx.export(gm, tmp_path / "m.pt2", (x,))  # without labels the model's code is a graph
@@ -322,7 +322,7 @@ warnings.simplefilter("ignore")
 import torch, torch.nn as nn, torch.nn.functional as F, torch.distributed as dist
 from test_blocks import Stack, Layer, ids
 import autocastfx
-from autocastfx.modes import mode_nodes
+from autocastfx.core.modes import mode_nodes
 
 class FLayer(Layer):  # functional dropout: each block's graph differs between the modes
     def forward(self, x):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autocastfx
-from autocastfx import kernels
+from autocastfx.core import kernels
 from small_models import ALL, example
 
 
@@ -130,7 +130,7 @@ def test_every_norm_type_keeps_the_cuda_contract(kind, capture):
     model, x = NormNet(kind), torch.randn(2, 3, 6, 6)
     y = torch.tensor([1, 2])
     if capture == "export":
-        gm, how = autocastfx.capture.capture_export(copy.deepcopy(model), (x,), {})
+        gm, how = autocastfx.capture.torch_export.capture_export(copy.deepcopy(model), (x,), {})
         assert how == "torch.export"
         gm = autocastfx.convert(gm, (x,))
     else:

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autocastfx
-from autocastfx.plan import FP32, LOW, Problem, Req, cast_cost, solve_min_cut
+from autocastfx.core.mincut import FP32, LOW, Problem, Req, cast_cost, solve_min_cut
 from helpers import AtenRecorder
 from small_models import ALL, TinyResNet, example
 

@@ -17,9 +17,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 import autocastfx
-from autocastfx import kernels
-from autocastfx.capture import capture, propagate
-from autocastfx.plan import build_plan
+from autocastfx.core import kernels
+from autocastfx.capture.trace import capture
+from autocastfx.core.propagate import propagate
+from autocastfx.core.plan import build_plan
 from test_op_coverage import entries
 
 pytestmark = [  # torch's own warnings about the probed calls
@@ -174,7 +175,7 @@ def test_avg_pool3d_runs_in_float32_on_the_cpu(dtype, capture):
     with pytest.raises(NotImplementedError, match="avg_pool3d_out_frame"):  # what a low avg_pool3d meets here
         F.avg_pool3d(torch.randn(1, 1, 4, 4, 4, dtype=dtype), 2)
     if capture == "export":
-        gm, how = autocastfx.capture.capture_export(copy.deepcopy(model), (x,), {})
+        gm, how = autocastfx.capture.torch_export.capture_export(copy.deepcopy(model), (x,), {})
         assert how == "torch.export"
         gm = autocastfx.convert(gm, (x,), dtype=dtype)
     else:
@@ -200,10 +201,10 @@ def test_the_cpu_gap_is_the_cpu_only():
         propagate(gm, (x,), {})
         for n in gm.graph.nodes:
             info = n.meta.get("autocastfx_info")
-            if isinstance(info, autocastfx.capture.TensorInfo):
+            if isinstance(info, autocastfx.base.meta.TensorInfo):
                 n.meta["autocastfx_info"] = dataclasses.replace(info, device=device)
         plan = build_plan(gm, autocastfx.Policy.default(), torch.bfloat16, master_weights=True,
                           keep_io_types=True)
         labels[device] = {k: (v.op_class, v.label) for k, v in plan.nodes.items() if "pool" in k}
-    assert set(labels["cpu"].values()) == {(autocastfx.policy.OpClass.FP32, False)}, labels
-    assert set(labels["cuda"].values()) == {(autocastfx.policy.OpClass.FOLLOW, True)}, labels
+    assert set(labels["cpu"].values()) == {(autocastfx.core.policy.OpClass.FP32, False)}, labels
+    assert set(labels["cuda"].values()) == {(autocastfx.core.policy.OpClass.FOLLOW, True)}, labels

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import autocastfx
-from autocastfx import devices
+from autocastfx.core import devices
 from small_models import example
 
 

@@ -5,7 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autocastfx
-from autocastfx.diagnose import calibrate, grad_histogram
+from autocastfx.tools.diagnose import calibrate, grad_histogram
 from helpers import AtenRecorder
 from small_models import example
 

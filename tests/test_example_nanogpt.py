@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autocastfx.weights import all_masters
+from autocastfx.core.weights import all_masters
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import autocastfx
-from autocastfx.export import FormatError, export, load, model_explorer_overlay, save
+from autocastfx.tools.export import FormatError, export, load, model_explorer_overlay, save
 from small_models import example
 
 BLOCKER = "import sys; sys.modules['autocastfx'] = None\n"  # any `import autocastfx` now fails

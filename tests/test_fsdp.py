@@ -132,7 +132,7 @@ def block_tree(norm=nn.RMSNorm):
     """A module tree as block conversion makes it: each decoder layer a converted GraphModule of its own (its own
     plan and masters), called by the root's graph as a submodule (call_module), the root's own layers float32."""
     import torch.fx as fx
-    from autocastfx.policy import Policy
+    from autocastfx.core.policy import Policy
     torch.manual_seed(0)
     model = TinyLlama(norm=norm)
     h = model.embed_tokens(global_batch(0)[0][:PER_RANK]).detach()
@@ -320,14 +320,14 @@ def full(t):
 
 
 def optimizer_state_by_name(step, key):
-    from autocastfx.distributed import _named_state
+    from autocastfx.training.checkpoints import _named_state
     _, name_of = _named_state(step)
     return {name_of[id(p)]: full(step.optimizer.state[p][key]) for p in step.optimizer_params}
 
 
 def weights_by_name(step):
     """The float32 weights the optimizer steps, gathered, by parameter name."""
-    from autocastfx.distributed import _named_state
+    from autocastfx.training.checkpoints import _named_state
     named, _ = _named_state(step)
     return {n: full(t) for n, t in named.items()}
 
@@ -506,7 +506,7 @@ def _worker(rank, init_file, out_dir):
             step2 = autocastfx.train_step(gm2, loss_fn, make_sgd(gm2.parameters()), clip_grad_norm=1.0)
             autocastfx.load_checkpoint(step2, ckpt)
             resumed = [float(step2(*rank_batch(i, rank))) for i in range(3, 6)]
-        out["meta"] = {"on_meta": on_meta, "units": [n for n, _ in autocastfx.distributed.converted_units(gm)],
+        out["meta"] = {"on_meta": on_meta, "units": [n for n, _ in autocastfx.training.step.converted_units(gm)],
                        "losses": losses, "resumed": resumed, "bytes": state_bytes(step),
                        "weights": weights_by_name(step), "resident": resident,
                        "largest_shard": max(p._local_tensor.numel() for p in gm.parameters()),
@@ -659,7 +659,7 @@ def test_meta_built_model_is_sharded_loaded_trained_and_resumed(ranks):
     model, largest_weight = sum(w.numel() for w in ref.values()), max(w.numel() for w in ref.values())
     a, b = ranks[0]["meta"], ranks[1]["meta"]
     assert a["on_meta"] and b["on_meta"]
-    assert a["units"] == [n for n, _ in autocastfx.distributed.converted_units(gm)] == ["layers.1.", "layers.0.", ""]
+    assert a["units"] == [n for n, _ in autocastfx.training.step.converted_units(gm)] == ["layers.1.", "layers.0.", ""]
     # the 2-rank run is the materialised model's run: its losses and weights within float16 noise
     mean = [(x + y) / 2 for x, y in zip(a["losses"], b["losses"])]
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(losses), rtol=0, atol=2e-3)

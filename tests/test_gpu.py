@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autocastfx
-from autocastfx import kernels
+from autocastfx.core import kernels
 from helpers import AtenRecorder
 from small_models import ALL, example
 from test_contract import NORM_KINDS, ContractRecorder, NormNet
@@ -141,7 +141,7 @@ def test_every_norm_type_on_the_device(kind, capture):
     model, x = NormNet(kind).to(DEV), torch.randn(8, 3, 6, 6, device=DEV)
     y = torch.randint(0, 4, (8,), device=DEV)
     if capture == "export":
-        gm, _ = autocastfx.capture.capture_export(copy.deepcopy(model), (x,), {})
+        gm, _ = autocastfx.capture.torch_export.capture_export(copy.deepcopy(model), (x,), {})
         gm = autocastfx.convert(gm, (x,))
     else:
         gm = autocastfx.convert(model, (x,))

@@ -19,9 +19,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import autocastfx
-from autocastfx import graphed
-from autocastfx.graphed import CudaGraphStep, TensorSpec
-from autocastfx.scaling import LossScaleError
+from autocastfx.training import graphed
+from autocastfx.training.graphed import CudaGraphStep, TensorSpec
+from autocastfx.training.scaling import LossScaleError
 
 LR = 2.0**-7   # exact in float32: the graph's float32 device lr equals the eager step's Python float
 

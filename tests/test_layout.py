@@ -9,8 +9,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autocastfx
-from autocastfx import layout
-from autocastfx.capture import TensorInfo, capture
+from autocastfx.core import layout
+from autocastfx.base.meta import TensorInfo
+from autocastfx.capture.trace import capture
 from helpers import AtenRecorder
 from small_models import example
 from test_padding import OddConvNet

@@ -187,7 +187,7 @@ def test_tied_and_unused_parameters_of_the_model_in_its_optimizer():
 def test_own_tensors_copies_as_deepcopy_would():
     """Tensors the converted module shares with the model are copied once each: a tensor held twice stays one
     tensor, two views of one storage stay views of one new storage, parameters stay parameters."""
-    from autocastfx.capture import own_tensors
+    from autocastfx.capture.ownership import own_tensors
 
     model = torch.nn.Module()
     model.w = torch.nn.Parameter(torch.randn(4, 4))

@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autocastfx
-from autocastfx import modes
+from autocastfx.core import modes
 
 import small_models
 
@@ -110,7 +110,7 @@ def test_exported_batch_norm_model_updates_running_stats_only_in_train_mode():
     torch.manual_seed(0)
     model = BNNet()
     x = torch.randn(4, 3, 6, 6)
-    gm, how = autocastfx.capture.capture_export(copy.deepcopy(model), (x,), {})
+    gm, how = autocastfx.capture.torch_export.capture_export(copy.deepcopy(model), (x,), {})
     gm = autocastfx.convert(gm, (x,))
     assert how == "torch.export"
     buffers = dict(gm.named_buffers())
@@ -192,7 +192,7 @@ def test_frozen_batch_norm_in_a_training_model_stays_frozen():
     x = torch.randn(4, 3, 6, 6)
     for how in ("trace", "export"):
         if how == "export":
-            gm, _ = autocastfx.capture.capture_export(copy.deepcopy(model), (x,), {})
+            gm, _ = autocastfx.capture.torch_export.capture_export(copy.deepcopy(model), (x,), {})
             gm = autocastfx.convert(gm, (x,))
         else:
             gm = autocastfx.convert(model, (x,))

@@ -16,7 +16,7 @@ ort = pytest.importorskip("onnxruntime", reason="the check needs onnxruntime: pi
 import onnx  # noqa: E402
 
 import autocastfx  # noqa: E402
-from autocastfx.export import ExportCheckError  # noqa: E402
+from autocastfx.tools.export import ExportCheckError  # noqa: E402
 from helpers import AtenRecorder  # noqa: E402
 from small_models import ALL, example  # noqa: E402
 
@@ -127,7 +127,7 @@ def test_other_extensions_are_refused_with_the_formats(tmp_path):
 def test_a_file_that_does_not_match_is_an_error(tmp_path):
     """The check compares onnxruntime's outputs with the module's; held to bit equality, float16 kernels of two
     runtimes disagree, and the error says by how much."""
-    from autocastfx.export import export_onnx
+    from autocastfx.tools.export import export_onnx
 
     model, (x,) = example("resnet")
     gm = autocastfx.convert(model.eval(), (x,))

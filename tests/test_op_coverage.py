@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import autocastfx
-from autocastfx.policy import OpClass
+from autocastfx.core.policy import OpClass
 from helpers import AtenRecorder
 
 pytestmark = [  # torch's own warnings about the lists' calls

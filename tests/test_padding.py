@@ -9,9 +9,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autocastfx
-import autocastfx.padding as padding
-from autocastfx import hardware
-from autocastfx.capture import propagate
+import autocastfx.core.padding as padding
+from autocastfx.core import cost as hardware
+from autocastfx.core.propagate import propagate
 from helpers import AtenRecorder
 from small_models import TinyGPT
 

@@ -16,9 +16,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import autocastfx
-from autocastfx import capture, padding
-from autocastfx.plan import FP32, LOW, Problem, Req, cast_cost, solve_min_cut
-from autocastfx.policy import Policy
+import types
+
+from autocastfx.base.meta import TensorInfo
+from autocastfx.capture import trace as _trace
+from autocastfx.core import propagate as _prop
+
+capture = types.SimpleNamespace(propagate=_prop.propagate, capture=_trace.capture, TensorInfo=TensorInfo,
+                                propagate_counts=_prop.propagate_counts)
+from autocastfx.core import padding
+from autocastfx.core.mincut import FP32, LOW, Problem, Req, cast_cost, solve_min_cut
+from autocastfx.core.policy import Policy
 from small_models import ALL, TinyResNet, example
 from test_core import NeedsExport, UserCasts
 from test_padding import CASES as PAD_CASES
@@ -45,12 +53,12 @@ def _zoo():
 ZOO = _zoo()
 
 
-_PROPAGATE = capture.propagate
+_PROPAGATE = _prop._propagate
 
 
 def _real(gm, args, kwargs, mode="fake"):
     """propagate() as convert() calls it, always on the real values."""
-    return _PROPAGATE(gm, args, kwargs, mode="real")
+    return _PROPAGATE(gm, args, kwargs, "real")
 
 
 def _infos(gm):
@@ -73,7 +81,7 @@ def test_fake_and_real_propagation_give_the_same_graph_plan_and_report(name, mon
     gm_fake = autocastfx.convert(model, inputs)
     assert gm_fake.meta["autocastfx_propagate"] == "fake"
     with monkeypatch.context() as m:
-        m.setattr(capture, "propagate", _real)
+        m.setattr(_prop, "_propagate", _real)
         gm_real = autocastfx.convert(model, inputs)
     assert gm_real.meta["autocastfx_propagate"] == "real"
     assert _infos(gm_fake) == _infos(gm_real)

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autocastfx
-from autocastfx.recompute import block_names, checkpointed, compiled
+from autocastfx.training.recompute import block_names, checkpointed, compiled
 from test_blocks import Layer, Stack, ids
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -60,7 +60,7 @@ def train(gm, steps=5, lr=0.1):
 
 def weights(gm):
     """Every trainable tensor: the module's parameters (float16 copies included) and the float32 masters."""
-    from autocastfx.step import all_masters
+    from autocastfx.training.step import all_masters
     out = {n: p.detach().clone() for n, p in gm.named_parameters()}
     out.update({"master:" + n: m.detach().clone() for n, m in all_masters(gm).items()})
     return out
@@ -194,7 +194,7 @@ def test_modes_deepcopy_and_state_dict_of_checkpointed_blocks(model):
     make = (lambda: Stack(layers=3, p=0.2)) if model == "Stack" else FunctionalStack
     ref, gm = converted(make=make), converted(make=make)
     autocastfx.checkpoint_blocks(gm)
-    from autocastfx.modes import mode_nodes
+    from autocastfx.core.modes import mode_nodes
     assert bool(mode_nodes(gm.layers[0])) is (model == "FunctionalStack")  # flags in the graph, or nn.Dropout
     x, y = ids(seed=5), ids(seed=6)
     for mode in (False, True, False):  # switched back and forth (a converted block recompiles its own graph)
@@ -258,7 +258,7 @@ import sys, tempfile, warnings
 warnings.simplefilter("ignore")
 import torch, torch.distributed as dist, torch.nn.functional as F
 import autocastfx
-from autocastfx.recompute import checkpointed
+from autocastfx.training.recompute import checkpointed
 from test_blocks import Stack, ids
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
 

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import autocastfx
-from autocastfx import kernels
-from autocastfx.weights import master_pairs
+from autocastfx.core import kernels
+from autocastfx.core.weights import master_pairs
 from helpers import AtenRecorder
 
 BF16 = torch.bfloat16

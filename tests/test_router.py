@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autocastfx
-from autocastfx.blocks import is_unit
+from autocastfx.base.meta import is_converted as is_unit
 from helpers import AtenRecorder
 from small_models import TinyGPT
 

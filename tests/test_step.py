@@ -102,7 +102,7 @@ def test_static_scale_one_equals_hand_written_master_loop(opt):
     gm, o, step, x, y = setup(opt, loss_scale=1.0)
     # the reference: a plain FP32-master loop over a copy, same optimizer settings (fused, as the step uses)
     gm_ref = copy.deepcopy(gm)
-    lows = [lo for lo, _ in autocastfx.weights.master_pairs(gm_ref)]
+    lows = [lo for lo, _ in autocastfx.core.weights.master_pairs(gm_ref)]
     masters = [m for m in autocastfx.master_parameters(gm_ref)]
     others = [p for p in gm_ref.parameters() if p.dtype == torch.float32]
     cls, kw = (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-4)) if opt == "sgd" else \
@@ -364,7 +364,7 @@ def test_batchnorm_model_trains_and_low_weights_follow_masters():
     step = autocastfx.train_step(gm, F.cross_entropy, o)
     losses = [float(step(x, y)) for _ in range(8)]
     assert losses[-1] < losses[0]
-    for lo, m in autocastfx.weights.master_pairs(gm):
+    for lo, m in autocastfx.core.weights.master_pairs(gm):
         assert lo.dtype == torch.float16 and torch.equal(lo, m.half())
 
 
@@ -556,7 +556,7 @@ def test_auto_scale_is_the_largest_safe_power_of_two_and_the_first_update_counts
     masters1 = autocastfx.master_parameters(gm)
     assert all(torch.isfinite(m).all() and not torch.equal(a, m) for a, m in zip(masters0, masters1))
     scale = float(step.stats.scale)
-    margin = autocastfx.scaling.AUTO_MARGIN
+    margin = autocastfx.training.scaling.AUTO_MARGIN
     assert scale == 2.0 ** round(math.log2(scale))
     assert scale * amax * margin <= 65504 * 1.01 < 2 * scale * amax * margin  # the largest within the margin
     for _ in range(5):
@@ -571,7 +571,7 @@ def test_auto_scale_is_capped_and_follows_an_overflow_like_a_fixed_scale():
     quiet = lambda out, y: 1e-3 * F.cross_entropy(out, y)  # noqa: E731 - small gradients: safe far over 2^16
     step = autocastfx.train_step(gm, quiet, torch.optim.SGD(gm.parameters(), lr=0.1), init_scale="auto")
     step(x, y)
-    assert float(step.stats.scale) == autocastfx.scaling.AUTO_MAX_SCALE == 2.0**16
+    assert float(step.stats.scale) == autocastfx.training.scaling.AUTO_MAX_SCALE == 2.0**16
     gm, o, step, x, y = setup(init_scale="auto", min_scale=0.25)
     inject(gm, when={0})  # the first update overflows even at the probe scale 1: skipped, backs off as usual
     m0 = [m.clone() for m in autocastfx.master_parameters(gm)]

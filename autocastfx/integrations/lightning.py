@@ -43,7 +43,8 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 import autocastfx
-from autocastfx.step import all_masters
+from ..core.weights import all_masters
+from ..base.meta import is_converted
 
 pl = None
 for _name in ("lightning.pytorch", "pytorch_lightning"):
@@ -100,7 +101,7 @@ class MixedPrecision(Precision):
         self.module, self.name = model, self._network_name(model)
         self._optimizer = optimizers[0] if fitting else None
         net = getattr(model, self.name)
-        if _is_converted(net):
+        if is_converted(net):
             self._adopt(net)
             if fitting:
                 self._build_step(net)
@@ -241,7 +242,7 @@ class MixedPrecision(Precision):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         net = getattr(self.module, self.name, None) if self.module is not None else None
-        if not _is_converted(net):
+        if not is_converted(net):
             return
         # the network's weights as the model has them: float32 masters in place of the low-precision copies,
         # under every name (tied weights have several; the converted module keeps one), so that they load into
@@ -251,11 +252,6 @@ class MixedPrecision(Precision):
             if prefix + own in weights:
                 value = masters[own].detach().clone() if own in masters else weights[prefix + own]
                 weights.update({prefix + n: value for n in names})
-
-
-def _is_converted(m: nn.Module) -> bool:
-    meta = getattr(m, "meta", None)
-    return isinstance(meta, dict) and meta.get("autocastfx") is not None
 
 
 def _model_names(gm: nn.Module) -> dict[str, tuple[str, ...]]:

@@ -1,0 +1,28 @@
+"""The keys autocastfx writes into ``node.meta`` and ``gm.meta``: every one named here, once.
+
+``gm.meta["autocastfx"]`` (``CONVERTED``) holds the :class:`autocastfx.ConvertInfo` of a converted module; the
+others are the passes' notes to one another, each written by one pass and read by the ones named beside it.
+"""
+
+CONVERTED = "autocastfx"                           # gm.meta: the ConvertInfo of a module made by convert()
+
+# node.meta
+INFO = "autocastfx_info"                           # TensorInfo of the value (propagate; read by every pass)
+FLOPS = "autocastfx_flops"                         # FLOPs of the op, counted once (flops; padding, report)
+LAYOUT = "autocastfx_layout"                       # why a layout-changing node was inserted (layout)
+MODE = "autocastfx_mode"                           # a flag that follows gm.training (modes.record)
+MEMBERS = "autocastfx_members"                     # the programs a node belongs to (programs.merge; modes)
+MODE_ARGS = "autocastfx_mode_args"                 # {program: {position: value}} where an argument differs
+BY_MODE = "autocastfx_by_mode"                     # {program: index of its value} on a by_mode node
+INLINED_FROM = "autocastfx_inlined_from"           # the wrapped function an inlined node came from (inline)
+
+# gm.meta
+BLOCK = "autocastfx_block"                         # a converted block: name, inputs' dtypes, whence its plan
+PROPAGATED = "autocastfx_propagate"                # "fake" or "real (...)": how shapes were found (propagate)
+CAPTURED_TRAINING = "autocastfx_captured_training"  # captured in training mode (trace; modes.record)
+OUTPUT_TYPE = "autocastfx_output_type"             # the model's output class, rebuilt at the end (trace; rewrite)
+MODES_READ = "autocastfx_modes_read"               # False: the captures read no module's .training (programs)
+PROGRAM_KEYS = "autocastfx_program_keys"           # the programs laid over one another (programs; modes)
+CURRENT_PROGRAM = "autocastfx_current_program"     # the program of the model's mode (programs; modes.install)
+PROGRAMS = "autocastfx_programs"                   # the union and one graph per mode (modes.install)
+SHARD = "autocastfx_shard"                         # what shard() did to a unit (sharding)

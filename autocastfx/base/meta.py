@@ -1,0 +1,151 @@
+"""The vocabulary every layer shares: what a value is (TensorInfo), what a converted module carries
+(ConvertInfo) and how to tell one, the names of the things a capture records.
+
+Nothing here imports another part of autocastfx but its siblings in ``base``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from . import keys as K
+from .options import ConvertOptions
+
+
+def is_converted(m: Any) -> bool:
+    """Whether ``m`` is a module made by ``convert()`` (a whole model, a block or a piecewise part)."""
+    meta = getattr(m, "meta", None)
+    return isinstance(meta, dict) and meta.get(K.CONVERTED) is not None
+
+
+def info_of(m: Any) -> ConvertInfo | None:
+    """``m.meta["autocastfx"]``, or None for anything autocastfx did not convert."""
+    meta = getattr(m, "meta", None)
+    return meta.get(K.CONVERTED) if isinstance(meta, dict) else None
+
+
+def require_info(m: Any, error: type[Exception] = TypeError, fix: str = "convert it first") -> ConvertInfo:
+    """``m``'s ConvertInfo; ``error`` naming the module and ``fix`` when ``m`` is not a converted module."""
+    info = info_of(m)
+    if info is None:
+        raise error(f"expected a module made by autocastfx.convert(), got {type(m).__name__}: {fix}")
+    return info
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    device: str = "cpu"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= int(s)
+        return n
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.is_floating_point
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def tensor_info(v: Any) -> Any:
+    """The TensorInfo of a tensor (a tuple of them for a sequence holding tensors), else None."""
+    if isinstance(v, torch.Tensor):
+        return TensorInfo(v.dtype, tuple(int(s) for s in v.shape), v.device.type)
+    if isinstance(v, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in v):
+        return tuple(tensor_info(x) for x in v)
+    return None
+
+
+class ReadsThrough(nn.Module):
+    """A module standing in for a block (its ``block`` submodule): the model's code reads the block's
+    attributes through it (Hugging Face Swin's ``layer.downsample is not None``)."""
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["block"], name)
+
+
+class _First:
+    """Marks, in a block's result template, the place of the block's first input."""
+
+    def __repr__(self):
+        return "<the block's first input>"
+
+
+FIRST = _First()
+
+
+@dataclasses.dataclass
+class ConvertInfo:
+    """What ``gm.meta["autocastfx"]`` holds for a converted module."""
+    dtype: torch.dtype
+    policy: Any                          # autocastfx.core.policy.Policy
+    capture: str
+    plan: Any                            # autocastfx.core.plan.CastPlan (None for a piecewise tree)
+    masters: dict[str, nn.Parameter]
+    absorbed: list[str]
+    options: ConvertOptions
+    extra_totals: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # id() of each parameter of the model convert() was given -> its name: lets an optimizer built over the
+    # original model be re-pointed to the converted module's parameters and masters
+    source_params: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict, repr=False)  # all names
+    # the model's class and its plain attributes (a config, sizes): the converted module answers the model's
+    # own methods and attributes through them (modes._add_model_surface)
+    model_class: type | None = dataclasses.field(default=None, repr=False)
+    model_attrs: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+    # the inputs of the call the graph was captured for (calls.describe): a call of another shape is refused
+    # with both named
+    call_signature: tuple = ()
+
+
+def names_by_id(model: nn.Module) -> dict[int, tuple[str, ...]]:
+    """id(parameter) -> every name it has in ``model``, first one first (tied weights have several, and the
+    graph keeps one of them)."""
+    names: dict[int, tuple[str, ...]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names[id(p)] = names.get(id(p), ()) + (n,)
+    return names
+
+
+def module_path(node: fx.Node) -> str | None:
+    """Qualified name of the innermost module a node came from."""
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        return path.removeprefix("L['self'].").replace("L__self___", "") if isinstance(path, str) else None
+    return None
+
+
+def example_inputs_of(gm: fx.GraphModule) -> tuple[tuple, dict]:
+    """(args, kwargs) of zeros shaped like the example inputs convert() saw."""
+    flat = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        info = n.meta.get(K.INFO)
+        if not isinstance(info, TensorInfo):
+            raise ValueError(f"input {n.target!r} of the converted module was not a tensor at convert time: "
+                             "pass example_inputs explicitly")
+        flat.append(torch.zeros(info.shape, dtype=info.dtype,
+                                device=info.device if info.device != "meta" else "cpu"))
+    spec = getattr(gm, "_in_spec", None)
+    if spec is not None:
+        args, kwargs = torch.utils._pytree.tree_unflatten(flat, spec)
+        return tuple(args), dict(kwargs)
+    return tuple(flat), {}

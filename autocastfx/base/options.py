@@ -1,0 +1,65 @@
+"""ConvertOptions: what ``convert()`` was asked, checked once and frozen; every pass reads it, none writes it."""
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+from typing import Any
+
+import torch
+
+LOW_DTYPES = (torch.float16, torch.bfloat16)
+# the options a saved file records (autocastfx.save): the rest (dtype, policy) are written on their own
+SAVED = ("pad_multiple", "master_weights", "keep_io_types", "memory_format")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertOptions(collections.abc.Mapping):
+    """The options of one ``convert()`` call, as the passes read them (``info.options`` of a converted module).
+
+    ``dtype``        the low dtype (torch.float16 or torch.bfloat16), resolved from ``"auto"``/``None``
+                     (core.devices); read by the plan, padding's cost model, the weights, the blocks' run
+    ``policy``       the frozen ``autocastfx.Policy``: op classes and overrides (core.plan, padding, capture)
+    ``pad_multiple`` 1 turns padding off (core.padding)
+    ``master_weights`` False: float32 weights cast in the graph instead of low weights + masters (core.plan)
+    ``keep_io_types`` outputs in the model's dtypes (core.plan, rewrite)
+    ``memory_format`` "auto", "channels_last" or "preserve" (core.layout)
+    ``blocks``       "auto", a list of names, or None: converted block by block (tree)
+
+    Built by ``convert()`` after it has checked every value (api._check_inputs, layout.check_memory_format).
+    Also a read-only mapping of its fields (``info.options["memory_format"]``)."""
+    dtype: torch.dtype = torch.float16
+    policy: Any = None
+    pad_multiple: int = 8
+    master_weights: bool = True
+    keep_io_types: bool = True
+    memory_format: str = "auto"
+    blocks: Any = "auto"
+
+    def replace(self, **changes) -> ConvertOptions:
+        return dataclasses.replace(self, **changes)
+
+    def saved(self) -> dict[str, Any]:
+        """The options a saved file records (plain values)."""
+        return {k: getattr(self, k) for k in SAVED}
+
+    def __str__(self) -> str:
+        blocks = self.blocks if isinstance(self.blocks, (str, type(None), bool)) else list(self.blocks)
+        return (f"dtype={str(self.dtype).removeprefix('torch.')}, pad_multiple={self.pad_multiple}, "
+                f"master_weights={self.master_weights}, keep_io_types={self.keep_io_types}, "
+                f"memory_format={self.memory_format}, blocks={blocks}")
+
+    # the mapping view: the fields by name
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._fields():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self):
+        return iter(self._fields())
+
+    def __len__(self) -> int:
+        return len(self._fields())
+
+    @classmethod
+    def _fields(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))

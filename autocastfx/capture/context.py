@@ -1,0 +1,45 @@
+"""CaptureContext: what a capture needs to know beyond the model and its inputs, passed explicitly.
+
+One ``convert()`` call makes one context; the tree of blocks derives the ones its parts are captured in
+(``replace``): never a module global, so two conversions never see each other's state.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any, Mapping
+
+import torch
+import torch.nn as nn
+
+
+@dataclasses.dataclass(frozen=True)
+class CaptureContext:
+    """``meta_device``: the model is on the meta device and will run on this one (None: a real model); shapes
+    are propagated as fake tensors of this device and torch.export's ``device=meta`` constants retargeted.
+    ``dynamic_sizes``: sizes of the model's own inputs free to vary (batch, sequence length): a block exported
+    on its own leaves its inputs' sizes free where they are one of these (see :func:`free_sizes`).
+    ``sources``: id(converted block) -> (the model's block, its result template): what torch.export traces for
+    a converted block inside the model around it (capture.around)."""
+    meta_device: torch.device | None = None
+    dynamic_sizes: frozenset[int] = frozenset()
+    sources: Mapping[int, tuple[nn.Module, Any]] = dataclasses.field(
+        default_factory=lambda: types.MappingProxyType({}))
+
+    def replace(self, **changes) -> CaptureContext:
+        if "sources" in changes:
+            changes["sources"] = types.MappingProxyType(dict(changes["sources"]))
+        return dataclasses.replace(self, **changes)
+
+
+def free_sizes(args: tuple, kwargs: dict) -> frozenset[int]:
+    """The sizes free to vary in a model's own inputs: every input's first size (the batch) and a token input's
+    sequence length (an integer tensor of two dimensions). Sizes of 1 are never free (torch.export specializes
+    them)."""
+    sizes = set()
+    for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor) and t.dim():
+            sizes.add(t.shape[0])
+            if not t.is_floating_point() and t.dim() == 2:
+                sizes.add(t.shape[1])
+    return frozenset(n for n in sizes if n > 1)

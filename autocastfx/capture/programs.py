@@ -1,0 +1,403 @@
+"""TODO"""
+from __future__ import annotations
+
+
+from . import inline as _inline
+from .context import CaptureContext
+from ..base.meta import is_converted
+import collections
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from ..base.errors import CaptureError
+from ..core.modes import BY_MODE, MEMBERS, MODE_ARGS, EVAL
+from ..core.modes import GIVEN
+from ..base import keys as K
+from ..core.modes import TRAIN
+from ..core.modes import _SWAPS
+from .trace import _capture
+from .trace import _copy
+from ..base.errors import _one_line
+from ..core.modes import by_mode
+from ..core.propagate import propagate
+from ..base.quiet import warn_user
+
+
+class ProgramMismatch(Exception):
+    """Two captures cannot be laid over one another (other inputs, another output structure)."""
+
+
+_SWAP_CLASS = {t: "batch_norm_update" for t in _SWAPS}
+
+
+def _fetch(mod: nn.Module, target: str):
+    for part in str(target).split("."):
+        mod = getattr(mod, part, None)
+        if mod is None:
+            return None
+    return mod
+
+
+def _canon(a, env: dict | None = None):
+    """A hashable form of an argument; nodes by identity (after ``env``, which maps the other program's nodes
+    to the union's)."""
+    if isinstance(a, fx.Node):
+        return ("N", id(env[a] if env is not None else a))
+    if isinstance(a, (tuple, list)):
+        return (type(a).__name__, tuple(_canon(x, env) for x in a))
+    if isinstance(a, dict):
+        return ("dict", tuple((k, _canon(v, env)) for k, v in a.items()))
+    if isinstance(a, slice):
+        return ("slice", _canon(a.start, env), _canon(a.stop, env), _canon(a.step, env))
+    if isinstance(a, torch.Tensor):
+        return ("T", id(a))
+    return ("L", type(a).__name__, repr(a))
+
+
+def _flag_like(a) -> bool:
+    """An argument that can differ between modes without changing any shape: a flag or a probability."""
+    return isinstance(a, (bool, float)) and not isinstance(a, fx.Node)
+
+
+def _normalized(target, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """An aten op's arguments with the defaults written out: one capture writes ``sdpa(q, k, v, mask, 0.1)``
+    where the other leaves ``dropout_p`` to its default."""
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return tuple(args), dict(kwargs)
+    full, named = [], {}
+    for i, a in enumerate(schema.arguments):
+        if a.kwarg_only:
+            if a.name in kwargs or a.has_default_value():
+                named[a.name] = kwargs.get(a.name, a.default_value if a.has_default_value() else None)
+        elif i < len(args):
+            full.append(args[i])
+        elif a.name in kwargs:
+            full.append(kwargs[a.name])
+        elif a.has_default_value():
+            full.append(a.default_value)
+        else:
+            return tuple(args), dict(kwargs)  # not a call of this schema: leave it as written
+    return tuple(full), named
+
+
+def _exact_key(op, target, args, kwargs, env=None):
+    args, kwargs = _normalized(target, args, kwargs)
+    return (op, target, _canon(args, env), _canon(kwargs, env))
+
+
+def _loose_key(op, target, args, kwargs, env=None):
+    args, kwargs = _normalized(target, args, kwargs)
+    top = lambda a: ("flag",) if _flag_like(a) else _canon(a, env)  # noqa: E731
+    return (op, _SWAP_CLASS.get(target, target), tuple(top(a) for a in args),
+            tuple((k, top(v)) for k, v in kwargs.items()))
+
+
+def merge(programs: dict[str, fx.GraphModule]) -> fx.GraphModule:
+    """Lay the programs over the first one, in its graph module; returns it (see the comment above). Raises
+    :class:`ProgramMismatch` where the programs cannot be laid over one another."""
+    keys = list(programs)
+    gm = programs[keys[0]]
+    for n in gm.graph.nodes:
+        n.meta[MEMBERS] = {keys[0]}
+    for key in keys[1:]:
+        _merge_into(gm, programs[key], key)
+    for n in gm.graph.nodes:
+        if MEMBERS in n.meta:
+            n.meta[MEMBERS] = frozenset(n.meta[MEMBERS])
+    gm.meta[K.PROGRAM_KEYS] = tuple(keys)
+    gm.graph.lint()
+    return gm
+
+
+def _merge_into(gm: fx.GraphModule, other: fx.GraphModule, key: str) -> None:
+    graph = gm.graph
+    order = {n: (i, 0) for i, n in enumerate(graph.nodes)}
+    exact: dict = collections.defaultdict(collections.deque)
+    loose: dict = collections.defaultdict(collections.deque)
+    placeholders, attrs = {}, {}
+    cursor = None
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            placeholders[n.target] = n
+            cursor = n
+        elif n.op == "get_attr":
+            attrs.setdefault(n.target, n)
+        elif n.op in ("call_function", "call_method", "call_module"):
+            exact[_exact_key(n.op, n.target, n.args, n.kwargs)].append(n)
+            loose[_loose_key(n.op, n.target, n.args, n.kwargs)].append(n)
+    matched: set = set()
+    env: dict[fx.Node, fx.Node] = {}
+
+    def take(queue):
+        while queue:
+            u = queue.popleft()
+            if u not in matched:
+                return u
+        return None
+
+    def place(u):
+        nonlocal cursor
+        if cursor is None or order[u] > order[cursor]:
+            cursor = u
+
+    def add(op, target, args, kwargs, like: fx.Node):
+        nonlocal cursor
+        fx.node.map_arg((args, kwargs), place)  # after every input (the cursor only moves forward)
+        ctx = graph.inserting_after(cursor) if cursor is not None else graph.inserting_before(next(iter(graph.nodes)))
+        with ctx:
+            u = graph.create_node(op, target, args, kwargs, name=like.name)
+        u.meta = {k: v for k, v in like.meta.items() if k not in (MEMBERS, MODE_ARGS)}
+        u.meta[MEMBERS] = {key}
+        base = order[cursor] if cursor is not None else (-1, 0)
+        order[u] = (base[0], base[1] + 1)
+        cursor = u
+        return u
+
+    out_other = None
+    for m in other.graph.nodes:
+        if m.op == "placeholder":
+            u = placeholders.get(m.target)
+            if u is None:
+                raise ProgramMismatch(f"input {m.target} appears in the {key} capture only")
+            u.meta[MEMBERS].add(key)
+            env[m] = u
+            place(u)
+            continue
+        if m.op == "output":
+            out_other = m
+            continue
+        args = fx.node.map_arg(m.args, lambda a: env[a])
+        kwargs = fx.node.map_arg(m.kwargs, lambda a: env[a])
+        if m.op == "get_attr":
+            env[m] = _merge_attr(gm, other, m, key, attrs, add)
+            place(env[m])
+            continue
+        target = m.target
+        if m.op == "call_module":
+            theirs, mine = _fetch(other, target), _fetch(gm, target)
+            if mine is not theirs and not _same_program(mine, theirs):
+                target = _unique_attr(gm, str(target))
+                gm.add_submodule(target, theirs)
+        u = take(exact.get(_exact_key(m.op, target, args, kwargs), ()))
+        if u is None:
+            u = take(loose.get(_loose_key(m.op, target, args, kwargs), ()))
+            if u is not None:
+                _note_mode_args(u, key, target, args, kwargs)
+        if u is None:
+            u = add(m.op, target, args, kwargs, m)
+        else:
+            matched.add(u)
+            u.meta[MEMBERS].add(key)
+            place(u)
+        env[m] = u
+    _merge_output(graph, out_other, env, key)
+
+
+def _merge_attr(gm, other, m, key, attrs, add):
+    theirs, mine = _fetch(other, m.target), _fetch(gm, m.target)
+    same = mine is theirs or (isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor)
+                              and mine.shape == theirs.shape and mine.dtype == theirs.dtype
+                              and mine.device == theirs.device
+                              # on the meta device there are no values: the same name in both captures of
+                              # one model is the same tensor
+                              and (mine.is_meta or torch.equal(mine, theirs)))
+    if same and m.target in attrs:
+        u = attrs[m.target]
+        u.meta[MEMBERS].add(key)
+        return u
+    target = m.target
+    if not same:  # a constant of the other capture's own under a name the first one uses for something else
+        target = _unique_attr(gm, str(m.target))
+        if isinstance(theirs, nn.Parameter):
+            gm.register_parameter(target, theirs)
+        elif isinstance(theirs, torch.Tensor):
+            gm.register_buffer(target, theirs, persistent=False)
+        elif isinstance(theirs, nn.Module):
+            gm.add_submodule(target, theirs)
+        else:
+            setattr(gm, target, theirs)
+    u = add("get_attr", target, (), {}, m)
+    attrs[target] = u
+    return u
+
+
+def _same_program(a, b) -> bool:
+    """Two graph modules that run the same code on no state of their own (torch.export's ``_guards_fn``)."""
+    return (isinstance(a, fx.GraphModule) and isinstance(b, fx.GraphModule) and a.code == b.code
+            and not list(a.parameters()) and not list(a.buffers()) and not list(b.parameters())
+            and not list(b.buffers()))
+
+
+def _unique_attr(gm: nn.Module, name: str) -> str:
+    base = name.replace(".", "_") + "_eval"
+    name, i = base, 0
+    while _fetch(gm, name) is not None:
+        i += 1
+        name = f"{base}{i}"
+    return name
+
+
+def _note_mode_args(u: fx.Node, key: str, target, args, kwargs) -> None:
+    diff = {}
+    if target is not u.target:
+        diff["target"] = target
+    mine, mine_kw = _normalized(u.target, u.args, u.kwargs)
+    theirs, theirs_kw = _normalized(target, args, kwargs)
+    schema = getattr(u.target, "_schema", None)
+    for i, (a, b) in enumerate(zip(mine, theirs)):
+        if _flag_like(b) and (a != b or type(a) is not type(b)):
+            # where the union's node writes it: by position, or by name where it left it to its default
+            diff[i if i < len(u.args) or schema is None else schema.arguments[i].name] = b
+    for k, b in theirs_kw.items():
+        a = mine_kw.get(k)
+        if _flag_like(b) and (a != b or type(a) is not type(b)):
+            diff[k] = b
+    if diff:
+        u.meta.setdefault(MODE_ARGS, {})[key] = diff
+
+
+def _merge_output(graph: fx.Graph, out_other: fx.Node, env: dict, key: str) -> None:
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    out.meta[MEMBERS].add(key)
+    theirs = fx.node.map_arg(out_other.args, lambda a: env[a])
+
+    def join(mine, their):
+        if isinstance(mine, fx.Node) or isinstance(their, fx.Node):
+            if mine is their:
+                return mine
+            if not (isinstance(mine, fx.Node) and isinstance(their, fx.Node)):
+                raise ProgramMismatch("an output is a tensor in one capture and a constant in the other")
+            if mine.target is by_mode and BY_MODE in mine.meta:
+                mine.args = mine.args + (their,)
+                mine.meta[BY_MODE][key] = len(mine.args) - 1
+                mine.meta[MEMBERS].add(key)
+                return mine
+            with graph.inserting_before(out):
+                sel = graph.call_function(by_mode, (mine, their))
+            sel.meta[BY_MODE] = {key: 1}  # every other program: index 0
+            sel.meta[MEMBERS] = set(out.meta[MEMBERS])
+            return sel
+        if isinstance(mine, (tuple, list)) and type(mine) is type(their) and len(mine) == len(their):
+            return type(mine)(join(a, b) for a, b in zip(mine, their))
+        if isinstance(mine, dict) and isinstance(their, dict) and list(mine) == list(their):
+            return {k: join(mine[k], their[k]) for k in mine}
+        if type(mine) is type(their) and mine == their:
+            return mine
+        raise ProgramMismatch(f"the outputs differ in structure between captures ({type(mine).__name__} and "
+                              f"{type(their).__name__})")
+
+    out.args = join(out.args, theirs)
+
+
+def capture(model: nn.Module, args: tuple, kwargs: dict, policy, ctx: CaptureContext, *,
+            share_tensors: bool = False) -> tuple[fx.GraphModule, str, list]:
+    """Capture ``model`` in training mode and in eval mode (and as it is, when its modules are in mixed modes),
+    open up each program's opaque calls, and merge the programs; returns (union, how, inline decisions).
+
+    One deep copy serves every capture, its modes switched between them: the programs share the leaf modules
+    and the model's tensors. A model that cannot be captured in training mode (batch norm on a batch of one)
+    or in eval mode is captured in the mode it can be, as one program whose known flags follow the mode
+    (:func:`record`), and a warning says so."""
+    work = _copy(model, share_tensors)
+    given = {name: m.training for name, m in work.named_modules()}
+    mixed = len(set(given.values())) > 1
+    current = GIVEN if mixed else (TRAIN if model.training else EVAL)
+
+    def restore():
+        for name, m in work.named_modules():
+            m.training = given[name]
+
+    programs: dict[str, fx.GraphModule] = {}
+    why = None
+    reads: list = []
+    try:
+        gm, how = _capture(work.train(), args, kwargs, policy, ctx, compile_code=False, reads=reads)
+        programs[TRAIN] = gm
+        if not reads and not _switches_itself(work):  # nothing read the mode: one graph serves both
+            for n in gm.graph.nodes:
+                n.meta[MEMBERS] = frozenset((TRAIN, EVAL))
+            gm.meta[K.PROGRAM_KEYS] = (TRAIN, EVAL)
+            gm.meta[K.CURRENT_PROGRAM] = TRAIN
+            gm.meta[K.MODES_READ] = False
+            restore()
+            decisions = _inline.inline_opaque_calls(gm)
+            if any(d.inlined for d in decisions):
+                propagate(gm, args, kwargs, meta_device=ctx.meta_device)
+            return gm, how, decisions
+        for key in (EVAL, GIVEN) if mixed else (EVAL,):
+            work.eval() if key == EVAL else restore()
+            try:
+                programs[key] = _capture(work, args, kwargs, policy, ctx, compile_code=False, method=how,
+                                                  check=False)[0]  # the union is propagated below
+            except Exception as e:  # noqa: BLE001 - told below, and the one program still works
+                why = f"it cannot be captured in {key} mode ({_one_line(e)})"
+                break
+    except CaptureError as e:
+        if model.training:
+            raise
+        why = f"it cannot be captured in training mode ({_one_line(e).splitlines()[0]})"
+        restore()
+        gm, how = _capture(work, args, kwargs, policy, ctx, compile_code=False)
+        programs = {current: gm}
+    finally:
+        restore()
+    decisions, traces = [], {}
+    for key, p in programs.items():
+        if key != TRAIN and any(_inline.is_opaque(n) for n in p.graph.nodes):
+            propagate(p, args, kwargs, meta_device=ctx.meta_device)  # inlining reads the shapes of the calls' arguments
+        found = _inline.inline_opaque_calls(p, traces)
+        decisions += found
+        if any(d.inlined for d in found):
+            propagate(p, args, kwargs, meta_device=ctx.meta_device)
+    if why is None:
+        before = list(programs[TRAIN].graph.nodes)
+        try:
+            gm = merge(programs)
+        except ProgramMismatch as e:
+            why = f"its {TRAIN} and {EVAL} captures cannot be laid over one another ({e})"
+            kept = set(before)
+            for n in reversed(list(programs[TRAIN].graph.nodes)):
+                if n not in kept:
+                    programs[TRAIN].graph.erase_node(n)
+    if why is not None:
+        gm = programs[TRAIN] if TRAIN in programs else next(iter(programs.values()))
+        return _single(gm, why, model, args, kwargs, decisions, how, ctx)
+    gm.meta[K.CURRENT_PROGRAM] = current
+    try:
+        propagate(gm, args, kwargs, meta_device=ctx.meta_device)
+    except Exception as e:  # noqa: BLE001 - the other capture does not run on the inputs: the first alone
+        why = f"its {EVAL} capture does not run on the example inputs ({_one_line(e)})"
+        kept = set(before)
+        for n in reversed(list(gm.graph.nodes)):
+            if n not in kept:
+                gm.graph.erase_node(n)
+        return _single(gm, why, model, args, kwargs, decisions, how, ctx)
+    return gm, how, list({str(d): d for d in decisions}.values())  # the programs share most calls
+
+
+def _switches_itself(model: nn.Module) -> bool:
+    """Whether a module of the model has its own ``train()``/``eval()``, which may set state other than the
+    ``training`` flags (then only a capture in each mode tells what differs)."""
+    units = [m for name, m in model.named_modules() if name and is_converted(m)]  # converted blocks switch as leaves do
+    inside = {id(s) for u in units for s in u.modules()}
+    return any((type(m).train is not nn.Module.train or type(m).eval is not nn.Module.eval) and id(m) not in inside
+               for m in model.modules())
+
+
+def _single(gm: fx.GraphModule, why: str, model: nn.Module, args, kwargs, decisions, how: str, ctx: CaptureContext):
+    """The one program there is, its known flags marked by :func:`record`, and a warning that says why."""
+    gm.meta.pop(K.PROGRAM_KEYS, None)
+    gm.meta.pop(K.CURRENT_PROGRAM, None)
+    for n in gm.graph.nodes:
+        n.meta.pop(MEMBERS, None)
+        n.meta.pop(MODE_ARGS, None)
+    if why.startswith("it cannot be captured in training mode"):
+        gm.meta.pop(K.CAPTURED_TRAINING, None)
+    else:
+        gm.meta[K.CAPTURED_TRAINING] = True
+        propagate(gm, args, kwargs, meta_device=ctx.meta_device)
+    warn_user(f"autocastfx: {type(model).__name__} is converted from one capture because {why}: "
+                  "gm.train()/gm.eval() switch the dropout and batch-norm flags they recognise, and other "
+                  "mode-dependent code keeps the form it was captured in")
+    return gm, how, decisions

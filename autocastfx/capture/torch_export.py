@@ -1,0 +1,167 @@
+"""TODO"""
+from __future__ import annotations
+import contextlib
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from ..base.errors import CaptureError
+import functools
+from .around import block_modules, export_around
+from .context import CaptureContext
+from ..core.propagate import _check_example_values
+from ..base.errors import _one_line
+from .watch import _outer_units
+from ..base.quiet import _quiet
+from ..core.propagate import propagate
+from ..base.quiet import torch_internal_warnings_off
+from .watch import watch_training
+
+
+def capture_export(model: nn.Module, args: tuple, kwargs: dict, ctx: CaptureContext = CaptureContext(),
+                   trace_error: BaseException | None = None, check: bool = True, reads: list | None = None) -> tuple[fx.GraphModule, str]:
+    _check_example_values(torch.utils._pytree.tree_leaves((tuple(args), dict(kwargs))), ctx.meta_device)
+    units = _outer_units(model)
+    try:
+        with _quiet():  # torch.export prints graphs and shape warnings while it fails; the error says it all
+            if units:  # the converted blocks inside stay calls of one graph around them
+                seen: list | None = [] if reads is not None else None
+                with watch_training(seen):
+                    gm = export_around(model, tuple(args), dict(kwargs), units, functools.partial(_export, ctx=ctx),
+                                       ctx.sources)
+                if reads is not None:  # what the blocks read of their own modes is theirs: not the root's
+                    inner = block_modules(units, ctx.sources)
+                    reads.extend(m for m in seen if id(m) not in inner)
+            else:
+                with watch_training(reads), torch_internal_warnings_off():
+                    gm = _export(model, tuple(args), dict(kwargs), ctx=ctx).module()
+        _strip_export_asserts(gm)
+        if check:
+            propagate(gm, args, kwargs, meta_device=ctx.meta_device)
+        return gm, "torch.export"
+    except Exception as e:  # noqa: BLE001
+        export_error = e
+    raise CaptureError(
+        f"cannot capture {type(model).__name__} as a graph.\n"
+        f"  torch.fx.symbolic_trace failed: {_one_line(trace_error) if trace_error else 'not tried'}\n"
+        f"  torch.export.export(strict=False) failed: {_one_line(export_error)}\n"
+        "Ways out: convert a submodule that traces (autocastfx.convert(model.backbone, ...)); mark the "
+        "module that breaks tracing as a leaf (Policy.default().override(leaf_modules=(MyBlock,))); remove "
+        "data-dependent Python control flow from forward (if x.sum() > 0: ...); or pass example_inputs "
+        "that match forward's signature so the torch.export fallback can run."
+    ) from export_error
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict, preserve: tuple[str, ...] = (), *, ctx: CaptureContext):
+    """torch.export with the batch size, and the sequence length of token inputs, free to vary where the model
+    allows it (``Dim.AUTO``), so that a converted model takes other batch sizes and sequence lengths than the
+    example's; a static export when the dynamic one fails (a model whose code needs concrete sizes).
+
+    Other sizes (an image's height and width, feature widths) are the example's: free spatial sizes cost a
+    windowed vision model's export nearly a minute of symbolic reasoning on its padding arithmetic (a small
+    Hugging Face Swin: 59 s with every size free, 1.9 s with a free batch, 1.1 s static)."""
+    target = ctx.meta_device
+    if target is not None:  # on the meta device: the inputs too, and the device the program will run on after
+        args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+    with _explicit_keywords(model, kwargs):
+        try:
+            spec = _auto_dynamic_shapes(model, args, kwargs, ctx.dynamic_sizes)
+            ep = torch.export.export(model, args, kwargs, dynamic_shapes=spec, strict=False,
+                                     preserve_module_call_signature=preserve)
+        except Exception:  # noqa: BLE001 - the static export below reports its own failure
+            ep = torch.export.export(model, args, kwargs, strict=False, preserve_module_call_signature=preserve)
+    if target is not None:
+        _retarget_devices(ep.graph_module, torch.device("meta"), target)
+    return ep
+
+
+def _retarget_devices(gm: fx.GraphModule, old: torch.device, new: torch.device) -> None:
+    """Every ``device=old`` argument of ``gm``'s graph (``torch.arange(..., device=x.device)`` as the export of a
+    model on the meta device records it) made ``new``, in nested graphs too."""
+    def swap(a):
+        return new if isinstance(a, torch.device) and a == old else a
+
+    for m in gm.modules():
+        graph = getattr(m, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        for node in graph.nodes:
+            node.args = fx.node.map_aggregate(node.args, swap)
+            node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
+        if isinstance(m, fx.GraphModule):
+            m.recompile()
+
+
+@contextlib.contextmanager
+def _explicit_keywords(model: nn.Module, kwargs: dict):
+    """Meanwhile ``model.forward`` names every keyword input it takes through ``**kwargs`` (a Hugging Face layer's
+    ``position_ids``): torch.export matches dynamic shapes against the inputs bound to the signature in one place
+    and against the keyword inputs laid out flat in another, and the two differ for a ``**kwargs`` forward, so
+    every dynamic export of such a block failed and fell back to a static one (its batch size fixed)."""
+    import inspect
+
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        yield
+        return
+    params = list(sig.parameters.values())
+    extra = [k for k in kwargs if k not in sig.parameters]
+    if not extra or not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        yield
+        return
+    named = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    named += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in extra]
+    own = model.__dict__.get("forward")
+    original = model.forward
+
+    def forward(*a, **k):
+        return original(*a, **k)
+
+    forward.__signature__ = sig.replace(parameters=named)
+    model.__dict__["forward"] = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.__dict__["forward"]
+        else:
+            model.__dict__["forward"] = own
+
+
+def _auto_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict, sizes: frozenset[int]) -> dict:
+    import inspect
+
+    auto = torch.export.Dim.AUTO
+
+    def spec(v):
+        if isinstance(v, torch.Tensor):
+            if not v.dim():
+                return None
+            token = not v.is_floating_point() and v.dim() == 2  # ids, masks, positions: (batch, sequence)
+            free = set(range(2 if token else 1)) | {i for i, n in enumerate(v.shape) if n in sizes}
+            return {i: auto for i in sorted(free)}
+        if isinstance(v, (tuple, list)):
+            return type(v)(spec(x) for x in v)
+        if isinstance(v, dict):
+            return {k: spec(x) for k, x in v.items()}
+        return None
+
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    out = {}
+    for name, value in bound.arguments.items():
+        kind = inspect.signature(model.forward).parameters[name].kind
+        out[name] = (tuple(spec(x) for x in value) if kind is inspect.Parameter.VAR_POSITIONAL
+                     else {k: spec(x) for k, x in value.items()} if kind is inspect.Parameter.VAR_KEYWORD
+                     else spec(value))
+    return out
+
+
+def _strip_export_asserts(gm: fx.GraphModule) -> None:
+    """torch.export pins every dtype with ``_assert_tensor_metadata``; the rewrite changes dtypes on purpose."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in (
+            torch.ops.aten._assert_tensor_metadata.default,
+        ) and not node.users:
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()

@@ -1,0 +1,159 @@
+"""Capture: model -> GraphModule. torch.fx.symbolic_trace first, torch.export (training IR) second."""
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from ..core.policy import Policy
+from ..base.errors import CaptureError
+from ..base import keys as K
+from .torch_export import capture_export
+from ..base.meta import is_converted
+from ..base.runtime import no_recompile
+from ..core.propagate import propagate
+from .watch import watch_training
+from .context import CaptureContext
+from ..base.errors import _one_line
+
+
+class _Tracer(fx.Tracer):
+    def __init__(self, policy: Policy):
+        super().__init__()
+        self.policy = policy
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return self.policy.is_leaf(m) or (bool(qualname) and is_converted(m))  # a converted block: one call
+
+    def trace(self, root, concrete_args=None):
+        self._param_names = {id(p): n for n, p in root.named_parameters()} if isinstance(root, nn.Module) else {}
+        self._arg_depth, self.output_type = 0, None
+        return super().trace(root, concrete_args)
+
+    def create_arg(self, a):
+        # the forward's result is the last value made into a graph argument: a dict subclass there (a Hugging
+        # Face ModelOutput) is written as a plain dict literal, so its type is noted to be given back
+        if self._arg_depth == 0 and isinstance(a, dict) and type(a) is not dict \
+                and type(a) in torch.utils._pytree.SUPPORTED_NODES:
+            self.output_type = type(a)
+        elif self._arg_depth == 0:
+            self.output_type = None
+        self._arg_depth += 1
+        try:
+            return super().create_arg(a)
+        finally:
+            self._arg_depth -= 1
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        # fx's own lookup scans every parameter on every access (quadratic in model size): use a dict
+        name = self._param_names.get(id(attr_val)) if isinstance(attr_val, nn.Parameter) else None
+        if name is None:
+            return super().getattr(attr, attr_val, parameter_proxy_cache)
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
+
+
+def capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, *, compile_code: bool = True,
+            share_tensors: bool = False, ctx: CaptureContext = CaptureContext()) -> tuple[fx.GraphModule, str]:
+    """Return (graph module, how) where how is ``"symbolic_trace"`` or ``"torch.export"``.
+
+    ``ctx``: the conversion's :class:`CaptureContext` (meta device, free sizes, converted blocks' stand-ins).
+    The model is deep-copied first: nothing the capture does reaches the caller's model. The copy is put in
+    training mode, so that every mode-dependent op shows its training form (an attention's dropout
+    probability, which eval mode writes as 0.0); ``modes.py`` then gives the graph the modes the model had.
+    A model that cannot be captured in training mode (batch norm on an example batch of one) is captured in
+    the mode it is in. A traced graph must also run on the example inputs; one that does not goes to the
+    torch.export fallback too. ``compile_code=False`` leaves a traced module's code to be written by its
+    caller's ``gm.recompile()`` once its passes are done (``gm.recompile`` is a no-op on the instance until
+    the caller deletes it): writing the code of a large graph costs a third of tracing it.
+    ``share_tensors=True`` copies the module tree but not its parameters and buffers: the graph module holds
+    the caller's tensors until the caller gives it copies of its own with ``own_tensors`` (``convert()`` does,
+    after the conversion has replaced the weights it stores low), so that no second float32 copy of the
+    whole model is ever made; the capture itself never writes to a tensor.
+    """
+    try:
+        gm, how = _capture(_copy(model, share_tensors).train(), args, kwargs, policy, ctx, compile_code)
+        gm.meta[K.CAPTURED_TRAINING] = True
+        return gm, how
+    except CaptureError:
+        if model.training:
+            raise
+    return _capture(_copy(model, share_tensors), args, kwargs, policy, ctx, compile_code)
+
+
+def _copy(model: nn.Module, share_tensors: bool, keep: Iterable[nn.Module] = ()) -> nn.Module:
+    """A deep copy of ``model``; with ``share_tensors`` its parameters, buffers and converted blocks are the
+    model's own; the modules in ``keep`` are the model's own too (the caller puts something else in their
+    place before it hands the copy on)."""
+    memo: dict[int, Any] = {id(m): m for m in keep}
+    if share_tensors:
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            memo[id(t)] = t
+        for name, m in model.named_modules():
+            if name and is_converted(m):  # a converted block inside: the capture calls it, never copies it
+                memo[id(m)] = m
+    return copy.deepcopy(model, memo)
+
+
+def _capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, ctx: CaptureContext,
+             compile_code: bool = True,
+             method: str | None = None, check: bool = True, reads: list | None = None
+             ) -> tuple[fx.GraphModule, str]:
+    """Capture ``model`` as it is; ``method`` (``"symbolic_trace"`` or ``"torch.export"``) insists on one way,
+    as the second capture of a model in another mode must take the way the first took. ``check=False`` skips
+    the run of a traced graph on the example inputs (its caller propagates what it makes of it). ``reads``
+    collects the modules whose ``training`` flag the model's code read while it was captured."""
+    if method == "torch.export":
+        return capture_export(model, args, kwargs, ctx, check=check, reads=reads)
+    try:
+        tracer = _Tracer(policy)
+        with watch_training(reads):
+            graph = tracer.trace(model)
+        gm = _graph_module(tracer.root, graph, model.__class__.__name__, compile_code)
+        if tracer.output_type is not None:
+            gm.meta[K.OUTPUT_TYPE] = tracer.output_type
+        if kwargs and not _accepts_kwargs(gm, kwargs):
+            raise TypeError(f"traced forward does not take keyword inputs {sorted(kwargs)}")
+        if check:
+            propagate(gm, args, kwargs, meta_device=ctx.meta_device)
+        return gm, "symbolic_trace"
+    except Exception as e:  # noqa: BLE001 - every tracing failure goes to the fallback
+        if method is not None:
+            raise CaptureError(f"cannot trace {type(model).__name__} in this mode: {_one_line(e)}") from e
+        trace_error = e
+    return capture_export(model, args, kwargs, ctx, trace_error, reads=reads)
+
+
+def _graph_module(root: nn.Module, graph: fx.Graph, name: str, compile_code: bool) -> fx.GraphModule:
+    """``fx.GraphModule(root, graph, name)``; without its code when ``compile_code`` is False: the instance's
+    ``recompile`` is a no-op until the caller deletes it and recompiles (the constructor writes the code through
+    ``self.recompile()``, which finds the instance attribute first)."""
+    if compile_code:
+        return fx.GraphModule(root, graph, name)
+    gm = fx.GraphModule.__new__(fx.GraphModule, root, graph, name)  # the per-instance class GraphModule makes
+    object.__setattr__(gm, "recompile", no_recompile)
+    gm.__init__(root, graph, name)
+    return gm
+
+
+def _accepts_kwargs(gm: fx.GraphModule, kwargs: dict) -> bool:
+    names = {n.target for n in gm.graph.nodes if n.op == "placeholder"}
+    return all(k in names for k in kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Facts about every value: dtype, shape, bytes, FLOPs, from one run of the graph on fake tensors.
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The fake run. Every op runs on fake tensors (FakeTensorMode: metadata only, on the example's devices), and
+# each node's result is memoised by what the op is and the metadata of what it reads: a stack of identical
+# blocks runs its first block on fake tensors and looks the others up. Values whose op was looked up stay
+# _Virtual (metadata only) until an op that must really run reads them.
+
+

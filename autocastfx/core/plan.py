@@ -1,0 +1,475 @@
+"""Plan: which dtype every value has and where the casts go.
+
+Each call node gets a *label*, LOW or FP32. LOW and FP32 ops are fixed; FOLLOW, PROMOTE and NORM ops are free,
+and the plan chooses their labels to move the fewest bytes through casts. A cast lives on an edge and is
+shared: value ``u`` costs ``numel(u)`` once for each dtype some consumer needs that ``u`` is not in. With two
+labels that objective is an s-t minimum cut (networkx), exact, in one max-flow.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from ..base.meta import TensorInfo
+from . import kernels as _kernels
+from .policy import FP32_OUT_OPS, OpClass, Policy, op_name
+from ..base import keys as K
+from .mincut import Problem
+from .mincut import Req
+from .mincut import cast_cost
+from ..base.meta import is_converted
+from ..base.meta import module_path
+from .mincut import naive_labels
+from .mincut import solve_min_cut
+from .mincut import FP32
+from .mincut import LOW
+from ..base.quiet import warn_user
+
+
+
+# ----------------------------------------------------------------------------------------------------------
+# From a graph to a Problem, and the plan that comes back.
+
+@dataclasses.dataclass
+class NodePlan:
+    op_class: OpClass | None
+    label: bool | None          # LOW / FP32 / None (not a float value)
+    reason: str
+    fp32_out: bool = False      # takes dtype=float32 instead of a cast of its input
+
+
+@dataclasses.dataclass
+class CastPlan:
+    """The printable result of planning. ``casts``: (value, to_low) pairs; ``low_params``: parameter names."""
+    dtype: torch.dtype
+    nodes: dict[str, NodePlan]
+    reqs: dict[str, list[Req]]
+    casts: list[tuple[str, bool]]
+    low_params: list[str]
+    unclassified: list[str]
+    before: tuple[int, int]      # (elements cast, casts) with the naive rule
+    after: tuple[int, int]       # (elements cast, casts) after the min-cut
+    weight: dict[str, int]
+
+    def __str__(self) -> str:
+        lines = [f"CastPlan(dtype={self.dtype}, casts {self.before[1]} -> {self.after[1]}, "
+                 f"elements cast {self.before[0]} -> {self.after[0]})"]
+        for v, to_low in self.casts:
+            lines.append(f"  cast {v} -> {'low' if to_low else 'fp32'} ({self.weight.get(v, 0)} elements)")
+        return "\n".join(lines)
+
+
+def _float_inputs(node: fx.Node) -> list[fx.Node]:
+    seen: list[fx.Node] = []
+    for a in node.all_input_nodes:
+        info = a.meta.get(K.INFO)
+        if _is_float(info) or _is_multi_float(info):
+            if a not in seen:
+                seen.append(a)
+    return seen
+
+
+def _is_float(info: Any) -> bool:
+    return isinstance(info, TensorInfo) and info.is_float
+
+
+def _is_multi_float(info: Any) -> bool:
+    return isinstance(info, tuple) and any(_is_float(i) for i in info)
+
+
+def _unit_inputs(node: fx.Node, unit: nn.Module) -> list[tuple[fx.Node, torch.dtype]]:
+    """(float input, the dtype the block was converted for) for a call of a converted block."""
+    want = unit.meta.get(K.BLOCK, {}).get("inputs")
+    leaves = torch.utils._pytree.tree_leaves((tuple(node.args), dict(node.kwargs)))
+    if want is None or len(want) != len(leaves):
+        raise ValueError(f"{node.name} calls the converted block {node.target} with inputs of another structure "
+                         "than the one it was converted with")
+    out = []
+    for a, d in zip(leaves, want):
+        if isinstance(a, fx.Node) and _is_float(a.meta.get(K.INFO)):
+            if d is None:
+                raise ValueError(f"{node.name}: input {a.name} of the converted block {node.target} is a float "
+                                 "tensor where the block was converted for something else")
+            out.append((a, d))
+    return out
+
+
+def _unit_output_label(node: fx.Node, info: Any, low: torch.dtype) -> bool:
+    infos = [info] if _is_float(info) else [i for i in info if _is_float(i)] if _is_multi_float(info) else []
+    dtypes = {i.dtype for i in infos}
+    if len(dtypes) > 1:
+        raise ValueError(f"the converted block {node.target} returns float tensors of several dtypes "
+                         f"({sorted(map(str, dtypes))}): a tuple cannot be cast apart")
+    return LOW if dtypes == {low} else FP32
+
+
+def _on_cpu(fins: list[fx.Node]) -> bool:
+    """Whether an op's float inputs live on the CPU (where a few ops have no low-precision kernel)."""
+    for a in fins:
+        info = a.meta.get(K.INFO)
+        for i in (info if isinstance(info, tuple) else (info,)):
+            if _is_float(i):
+                return i.device == "cpu"
+    return False
+
+
+def _accepts_dtype_kwarg(node: fx.Node) -> bool:
+    if op_name(node) not in FP32_OUT_OPS:
+        return False
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return any(a.name == "dtype" and a.kwarg_only for a in t._schema.arguments)
+    return node.op in ("call_function", "call_method")
+
+
+_AVG_POOLS = {"adaptive_avg_pool1d": 1, "adaptive_avg_pool2d": 2, "adaptive_avg_pool3d": 3,
+              "_adaptive_avg_pool2d": 2, "_adaptive_avg_pool3d": 3}
+
+
+def global_pool_dims(node: fx.Node, module: nn.Module | None = None) -> tuple[int, ...] | None:
+    """The dims an adaptive average pooling averages away, when its output is 1 x ... x 1 (a global mean)."""
+    if module is not None:
+        k = {nn.AdaptiveAvgPool1d: 1, nn.AdaptiveAvgPool2d: 2, nn.AdaptiveAvgPool3d: 3}.get(type(module))
+    else:
+        k = _AVG_POOLS.get(op_name(node)) if node.op in ("call_function", "call_method") else None
+    info = node.meta.get(K.INFO)
+    if not k or not isinstance(info, TensorInfo) or len(info.shape) < k or node.kwargs:
+        return None
+    if any(s != 1 for s in info.shape[-k:]):
+        return None
+    return tuple(range(-k, 0))
+
+
+def _target_name(node: fx.Node) -> str:
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _out_of_range_constant(node: fx.Node, low: torch.dtype) -> float | None:
+    """A finite float constant among the node's arguments beyond what ``low`` can hold (Hugging Face attention
+    fills masks with ``torch.finfo(torch.float32).min``, which torch.export writes down as a number): in the low
+    dtype the op fails ("value cannot be converted to type c10::Half without overflow")."""
+    limit = torch.finfo(low).max
+    for a in itertools.chain(node.args, node.kwargs.values()):
+        if isinstance(a, float) and math.isfinite(a) and abs(a) > limit:
+            return a
+    return None
+
+
+_GUARDS = {"clamp_min", "clamp", "clip", "maximum", "max", "add", "__add__", "__radd__", "iadd"}
+_SHAPE_ONLY = {n: True for n in ("expand", "expand_as", "view", "reshape", "unsqueeze", "broadcast_to",
+                                 "contiguous", "repeat", "permute", "transpose", "squeeze", "flatten", "clone")}
+
+
+def _vanishing_constant(node: fx.Node, low: torch.dtype) -> float | None:
+    """A nonzero float constant an op guards with (``norm.clamp_min(1e-12)``, ``x + 1e-12``) that ``low`` rounds to
+    zero: in the low dtype the guard is gone, and the division it protects gives 0/0 (a zero vector under
+    F.normalize, as swin_v2's cosine attention has in its padded windows)."""
+    if op_name(node) not in _GUARDS:
+        return None
+    tiny = torch.finfo(low).smallest_normal * torch.finfo(low).eps  # the smallest subnormal
+    for a in itertools.chain(node.args[1:], node.kwargs.values()):
+        if isinstance(a, float) and a != 0.0 and math.isfinite(a) and abs(a) < tiny / 2:
+            return a
+    return None
+
+
+def _builds_structure(node: fx.Node) -> bool:
+    """A call that only packs values into a container: a namedtuple, a dataclass (Hugging Face's ModelOutput
+    is one), or the dict/tuple/list constructors. Not an op: no warning, and it follows what it packs."""
+    t = node.target
+    if node.op != "call_function":
+        return False
+    if t in (tuple, list, dict):
+        return True
+    if not isinstance(t, type):
+        return False
+    return ((issubclass(t, tuple) and hasattr(t, "_fields")) or dataclasses.is_dataclass(t)
+            or any(b.__name__ == "ModelOutput" for b in t.__mro__))
+
+
+_ROUTE_CHOICES = frozenset({"topk", "argmax", "argmin", "argsort", "sort"})  # a choice by rank: near-ties flip it
+_GATES = frozenset({"linear", "matmul", "mm", "addmm", "einsum"})
+# comparisons give booleans: computed in a rounded dtype they can answer differently (x < y for a float32 x just
+# below a low y), so two float tensors are compared in float32
+_COMPARISONS = frozenset("eq ne lt le gt ge equal isclose __eq__ __ne__ __lt__ __le__ __gt__ __ge__".split())
+
+_ROUTE_THROUGH = (OpClass.FOLLOW, OpClass.PROMOTE, OpClass.FP32, OpClass.FP32_OUT)
+_ROUTE_DEPTH = 8  # ops between a gate and its choice (a router is a few: softmax or sigmoid, views, a bias)
+
+
+def find_routers(gm: fx.GraphModule, policy: Policy) -> tuple[dict[str, str], set[str]]:
+    """The gating networks of ``gm``, by behaviour: a linear or matmul whose result reaches a topk, argmax or
+    sort through at most ``_ROUTE_DEPTH`` elementwise, shape and softmax ops. ({node: reason} for each gate, the
+    ops between it and its choice and the choice itself; the gates.) A mixture-of-experts router is one: in the
+    low dtype a near-tie of its scores sends a token to another expert than float32 does, a jump no later
+    precision recovers, which is why Switch Transformer, Megatron and DeepSeek-V3 keep the router in float32.
+    A gate is narrower than its input (scores for a few experts); a wider one (an LM head before a sampler's
+    top-k, a similarity over many keys) stays as it is, where float32 would cost most."""
+    if not policy.fp32_routers:
+        return {}, set()
+    out: dict[str, str] = {}
+    gates: set[str] = set()
+    for choice in gm.graph.nodes:
+        if choice.op not in ("call_function", "call_method") or op_name(choice) not in _ROUTE_CHOICES:
+            continue
+        fins = _float_inputs(choice)
+        if not fins:
+            continue
+        toward = {fins[0]: choice}  # node -> its reader one step nearer the choice
+        todo = [(fins[0], 1)]
+        while todo:
+            n, depth = todo.pop()
+            if n.op not in ("call_function", "call_method") or policy.by_name(n, module_path(n)):
+                continue
+            name = op_name(n)
+            if name in _GATES:  # the walk ends at the first matmul: a gate when low and narrow
+                if policy.classify(n, None, None)[0] is OpClass.LOW and _narrows(n):
+                    path, m = [], n
+                    while m is not choice:
+                        path.append(m)
+                        m = toward[m]
+                    via = [op_name(m) for m in path[1:]]
+                    what = f"{op_name(choice)} ({choice.name})" + (f" through {', '.join(via)}" if via else "")
+                    out[n.name] = (f"router: feeds {what}: logits in float32 from float32 inputs, so near-ties "
+                                   "choose as float32 does (Policy.fp32_routers)")
+                    gates.add(n.name)
+                    for m in path[1:]:
+                        out.setdefault(m.name, f"router: between the gate {n.name} and its choice {choice.name}: "
+                                                "float32")
+                    out.setdefault(choice.name, f"router: the choice of the gate {n.name}: float32")
+                continue
+            if depth >= _ROUTE_DEPTH or policy.classify(n, None, None)[0] not in _ROUTE_THROUGH:
+                continue
+            for a in _float_inputs(n):
+                if a not in toward:
+                    toward[a] = n
+                    todo.append((a, depth + 1))
+    return out, gates
+
+
+def _narrows(node: fx.Node) -> bool:
+    """Whether a matmul's result is narrower than its input (last dims): scores over a few choices."""
+    fins = _float_inputs(node)
+    info, x = node.meta.get(K.INFO), fins[0].meta.get(K.INFO) if fins else None
+    return (_is_float(info) and _is_float(x) and len(info.shape) > 0 and len(x.shape) > 0
+            and info.shape[-1] < x.shape[-1])
+
+
+def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, master_weights: bool,
+               keep_io_types: bool, free_inputs: frozenset[str] = frozenset()) -> CastPlan:
+    """The cast plan of ``gm``: a label (low or float32) for every float value, by a min-cut over the casts.
+    ``free_inputs``: placeholders whose dtype the plan chooses too (a block's inputs, which the model around it
+    delivers in the dtype chosen, cast once there for every block that reads it)."""
+    nodes: dict[str, NodePlan] = {}
+    fixed: dict[str, bool] = {}
+    free: list[str] = []
+    weight: dict[str, int] = {}
+    reqs: dict[str, list[Req]] = {}
+    multi: set[str] = set()
+    unclassified: list[str] = []
+    promote: set[str] = set()
+    inputs: dict[str, list[str]] = {}
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    param_nodes: dict[int, list[fx.Node]] = {}
+    io_label = FP32
+
+    def req(u: fx.Node, r: Req) -> None:
+        reqs.setdefault(u.name, []).append(r)
+
+    routers, gates = find_routers(gm, policy)
+    first_float_input = True
+    guarded: set[str] = set()  # values an epsilon keeps from zero that the low dtype would round to zero
+    for node in gm.graph.nodes:
+        info = node.meta.get(K.INFO)
+        if _is_float(info):
+            weight[node.name] = info.numel
+        elif _is_multi_float(info):
+            multi.add(node.name)
+        is_value = node.name in weight or node.name in multi
+        if node.op == "placeholder":
+            if is_value and node.name in free_inputs and _is_float(info):
+                free.append(node.name)
+                nodes[node.name] = NodePlan(None, None, f"input ({info.dtype} in the example): its dtype chosen "
+                                                        "by the plan, the model around the block delivers it so")
+                if first_float_input:
+                    io_label, first_float_input = (LOW if info.dtype == low else FP32), False
+            elif is_value:
+                lab = LOW if info.dtype == low else FP32
+                fixed[node.name] = lab
+                nodes[node.name] = NodePlan(None, lab, f"input ({info.dtype})")
+                if first_float_input:
+                    io_label, first_float_input = lab, False
+            continue
+        if node.op == "get_attr":
+            if is_value:
+                p = params.get(str(node.target))
+                if p is not None and master_weights:
+                    param_nodes.setdefault(id(p), []).append(node)
+                    free.append(node.name)
+                    nodes[node.name] = NodePlan(None, None, "parameter")
+                else:
+                    fixed[node.name] = FP32
+                    what = "parameter" if p is not None else "buffer or constant"
+                    nodes[node.name] = NodePlan(None, FP32, f"{what}, kept float32")
+            continue
+        if node.op == "output":
+            if keep_io_types:
+                for a in _float_inputs(node):
+                    req(a, Req(node.name, "fixed", io_label))
+            continue
+        if not is_value and not node.users:  # runs for its effect only (guards, asserts): nothing to decide
+            nodes[node.name] = NodePlan(None, None, "no tensor result")
+            continue
+        fins = _float_inputs(node)
+        inputs[node.name] = [a.name for a in fins]
+        module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+        if module is not None and is_converted(module):  # a converted block: its inputs in the dtypes it was made for
+            lab = _unit_output_label(node, info, low)
+            fixed[node.name] = lab
+            for a, d in _unit_inputs(node, module):
+                req(a, Req(node.name, "fixed", LOW if d == low else FP32))
+            nodes[node.name] = NodePlan(None, lab, "converted block (a module of its own, planned apart): takes "
+                                                   "its inputs in the dtypes its plan chose")
+            continue
+        cls, reason = policy.classify(node, module, module_path(node))
+        if not fins:
+            if is_value:  # a source: creation op, or computed from integers only
+                lab = LOW if (isinstance(info, TensorInfo) and info.dtype == low) else FP32
+                fixed[node.name] = lab
+                nodes[node.name] = NodePlan(cls, lab, "no float inputs: keeps its own dtype")
+            else:
+                nodes[node.name] = NodePlan(cls, None, reason or "no float inputs")
+            continue
+        if cls is None and _builds_structure(node):
+            cls, reason = OpClass.FOLLOW, f"builds the output structure ({_target_name(node)}): not an op"
+        if cls is None:
+            unclassified.append(f"{node.name} ({op_name(node) if module is None else type(module).__name__})")
+            cls, reason = OpClass.FP32, "unclassified op: float32 (add it to the policy)"
+        if node.name in routers and cls in (OpClass.LOW, OpClass.FOLLOW, OpClass.PROMOTE):
+            cls, reason = OpClass.FP32, routers[node.name]
+        if op_name(node) in _COMPARISONS and len(fins) >= 2 and cls in (OpClass.FOLLOW, OpClass.PROMOTE):
+            cls, reason = OpClass.FP32, ("compares two float tensors: in float32 (autocast's widest type), where "
+                                         "widening a low operand is exact and rounding a float32 one would change "
+                                         "the answer")
+        eps = _vanishing_constant(node, low)
+        if eps is not None:
+            guarded.add(node.name)
+        elif _SHAPE_ONLY.get(op_name(node)) and fins and fins[0].name in guarded:
+            guarded.add(node.name)  # the guarded value, broadcast or viewed
+        elif any(a.name in guarded for a in fins) and cls in (OpClass.FOLLOW, OpClass.PROMOTE, OpClass.LOW):
+            cls, reason = OpClass.FP32, ("reads a value an epsilon keeps from zero (a normalisation's "
+                                         f"clamp_min), which {low} would round to zero: float32")
+        if eps is not None and cls in (OpClass.FOLLOW, OpClass.PROMOTE, OpClass.LOW):
+            cls, reason = OpClass.FP32, (f"takes the constant {eps!r}, which {low} rounds to zero (an epsilon "
+                                         "written for float32): float32")
+        big = _out_of_range_constant(node, low)
+        if big is not None and cls in (OpClass.FOLLOW, OpClass.PROMOTE, OpClass.LOW):
+            cls, reason = OpClass.FP32, (f"takes the constant {big!r}, which {low} cannot hold (a mask fill "
+                                         "written for float32): float32")
+        if cls is OpClass.FP32 and global_pool_dims(node, module) is not None:
+            cls, reason = OpClass.FP32_OUT, reason + ": global average pooling, as mean(dtype=float32)"
+        if cls is OpClass.FP32_OUT and not _accepts_dtype_kwarg(node) and global_pool_dims(node, module) is None:
+            cls, reason = OpClass.FP32, reason + " (no dtype= argument: cast instead)"
+        if cls in (OpClass.FOLLOW, OpClass.PROMOTE, OpClass.NORM, OpClass.LOW) and _on_cpu(fins):
+            gap = _kernels.cpu_gap(op_name(node) if module is None else None, module, low)
+            if gap is not None:
+                cls, reason = OpClass.FP32, (f"{reason}; float32 on the CPU, which has no {low} kernel for "
+                                             f"{gap.op} (kernels.CPU_GAPS)")
+        if cls is OpClass.NORM:
+            mixed_ok, why = _kernels.norm_form(op_name(node) if module is None else None, module)
+            reason = f"{reason}; {why}"
+            if not mixed_ok:
+                cls = OpClass.FP32
+        elif cls is OpClass.LOW and module is not None and not _kernels.norm_form(None, module)[0]:
+            # a leaf module's parameters are not graph values the plan can cast: low input, float32 weight
+            cls, reason = OpClass.FP32, (f"{reason}: asked for low, but its float32 parameters live inside the "
+                                         f"module and {_kernels.rule_for(None, module).op} on CUDA rejects the mix; "
+                                         "float32 form")
+        if cls is OpClass.LOW:
+            fixed[node.name] = LOW
+            for a in fins:
+                req(a, Req(node.name, "fixed", LOW))
+        elif cls is OpClass.FP32:
+            fixed[node.name] = FP32
+            for a in fins:
+                req(a, Req(node.name, "fixed", FP32))
+        elif cls is OpClass.FP32_OUT:
+            fixed[node.name] = FP32
+            for a in fins:
+                req(a, Req(node.name, "any"))
+        elif cls is OpClass.NORM:
+            free.append(node.name)
+            act = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else fins[0]
+            for a in fins:
+                req(a, Req(node.name, "same") if a is act else Req(node.name, "fixed", FP32))
+        else:
+            free.append(node.name)
+            if cls is OpClass.PROMOTE:
+                promote.add(node.name)
+            for a in fins:
+                req(a, Req(node.name, "same"))
+        nodes[node.name] = NodePlan(cls, None, reason)
+
+    # parameters: free only when every reader takes them in its own label or as LOW
+    tied = []
+    unfree: set[str] = set()
+    for group in param_nodes.values():
+        names = [n.name for n in group]
+        pins = [r.consumer for n in names for r in reqs.get(n, []) if r.kind == "fixed" and r.label == FP32]
+        if pins:
+            gate = next((c for c in pins if c in gates), None)
+            why = (f"weight of the router {gate}, read in float32: kept float32 as stored (not cast up each forward: "
+                   "a low copy would round the gate's scores)" if gate else "parameter read in float32: kept float32")
+            for n in names:
+                unfree.add(n)
+                fixed[n] = FP32
+                nodes[n] = NodePlan(None, FP32, why)
+        elif len(names) > 1:
+            tied.append(names)
+
+    free = [n for n in free if n not in unfree]
+    problem = Problem(fixed, free, weight, reqs, multi, tied)
+    order = [n.name for n in gm.graph.nodes]
+    before = cast_cost(problem, naive_labels(problem, order, inputs, promote))
+    labels = solve_min_cut(problem)
+    after = cast_cost(problem, labels)
+
+    low_params: list[str] = []
+    for name, np_ in nodes.items():
+        if name in labels:
+            np_.label = labels[name]
+        if np_.op_class is OpClass.FP32_OUT:
+            np_.fp32_out = any(labels.get(i) == LOW for i in inputs.get(name, []))
+    free_set = set(problem.free)
+    for group in param_nodes.values():
+        for n in group:
+            if n.name in free_set:
+                lab = labels[n.name]
+                nodes[n.name].reason = ("parameter stored in low precision, float32 master kept" if lab == LOW
+                                        else "parameter, kept float32")
+                if lab == LOW:
+                    low_params.append(str(n.target))
+    casts: list[tuple[str, bool]] = []
+    for u, rs in reqs.items():
+        if u in multi or u not in weight:
+            continue
+        need = {labels[r.consumer] if r.kind == "same" else r.label for r in rs if r.kind != "any"}
+        for d in sorted(need):
+            if d != labels[u]:
+                casts.append((u, d))
+    if unclassified:
+        per_op: dict[str, int] = {}
+        for u in unclassified:
+            op = u[u.rindex("(") + 1:-1]
+            per_op[op] = per_op.get(op, 0) + 1
+        names = [f"{op} ({n} nodes)" if n > 1 else op for op, n in per_op.items()]
+        warn_user("autocastfx: ops on no policy list run in float32: " + ", ".join(names[:20])
+                      + (" ..." if len(names) > 20 else "")
+                      + ". Classify them with Policy.default().override(ops={name: 'follow'|'low'|...}).")
+    return CastPlan(low, nodes, reqs, casts, low_params, unclassified, before, after, weight)

@@ -1,0 +1,233 @@
+"""Rewrite: carry out a CastPlan on the graph. Casts are real nodes, named for what they do."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from ..base.meta import TensorInfo
+from .plan import LOW, CastPlan, NodePlan, global_pool_dims
+from .policy import CAST_OPS, OpClass, op_name
+from ..base import keys as K
+
+_SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_CASTABLE = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What ``node.meta["autocastfx"]`` holds for every node of a converted graph."""
+    kind: str                       # "op" | "cast" | "input" | "param" | "output" | "other"
+    op_class: str | None            # low / fp32 / promote / follow / norm / fp32_out, or None
+    dtype: torch.dtype | None       # the dtype the node computes in (None: not a float value)
+    reason: str
+    casts_in: tuple[str, ...] = ()  # names of cast nodes feeding this node
+    numel: int = 0                  # elements, for cast nodes: what they move
+    added_dtype_kwarg: bool = False # the pass set dtype=torch.float32 on this op
+
+
+def undo(gm: fx.GraphModule) -> None:
+    """Take out what a previous conversion put in (its cast nodes and dtype= arguments), in place."""
+    from ..base.runtime import rebuild_output
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is rebuild_output:  # made again after the passes
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            continue
+        d = node.meta.pop("autocastfx", None)
+        if d is None:
+            continue
+        if d.kind == "cast":
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+        elif d.added_dtype_kwarg:
+            node.kwargs = {k: v for k, v in node.kwargs.items() if k != "dtype"}
+    gm.graph = copy.deepcopy(gm.graph)  # a fresh namespace: the casts' names are free again
+    gm.graph.lint()
+    gm.recompile()
+
+
+def absorb_casts(gm: fx.GraphModule) -> list[str]:
+    """Remove the model's own float<->float casts (``.float()``, ``.half()``, ``.to(dtype)``, ``type_as``);
+    the plan decides those dtypes now. Returns the names removed. Integer/bool conversions are kept. A cast
+    that also changes the memory format (``.to(torch.float32, memory_format=torch.channels_last)``) keeps its
+    layout change: it becomes ``x.contiguous(memory_format=...)``, which follows whatever dtype arrives."""
+    removed = []
+    for node in list(gm.graph.nodes):
+        if node.op not in ("call_method", "call_function") or op_name(node) not in CAST_OPS:
+            continue
+        if not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        src = node.args[0].meta.get(K.INFO)
+        out = node.meta.get(K.INFO)
+        if not (isinstance(src, TensorInfo) and isinstance(out, TensorInfo)):
+            continue
+        if src.dtype not in _CASTABLE or out.dtype not in _CASTABLE or src.shape != out.shape:
+            continue
+        if not _only_changes_dtype(node, src.device):
+            continue
+        replacement = node.args[0]
+        if _changes_layout(node):
+            with gm.graph.inserting_before(node):
+                replacement = gm.graph.call_method("contiguous", (node.args[0],),
+                                                   {"memory_format": node.kwargs["memory_format"]})
+            replacement.meta = {**node.meta, K.INFO: dataclasses.replace(out, dtype=src.dtype)}
+        node.replace_all_uses_with(replacement)
+        gm.graph.erase_node(node)
+        removed.append(node.name)
+    return removed
+
+
+def _changes_layout(node: fx.Node) -> bool:
+    fmt = node.kwargs.get("memory_format")
+    return fmt is not None and fmt != torch.preserve_format
+
+
+def _same_device(a: object, device: str) -> bool:
+    """Whether ``a`` is a device (a device's name, or a traced ``t.device`` of a tensor) of the type ``device``
+    the tensor is on already."""
+    if isinstance(a, fx.Node):  # ``x.to(device=y.device)`` as symbolic_trace records it
+        if a.op == "call_function" and a.target is getattr and len(a.args) == 2 and a.args[1] == "device" \
+                and isinstance(a.args[0], fx.Node):
+            info = a.args[0].meta.get(K.INFO)
+            return isinstance(info, TensorInfo) and torch.device(info.device).type == device
+        return False
+    if not isinstance(a, (torch.device, str)):
+        return False
+    try:
+        return torch.device(a).type == device
+    except (RuntimeError, ValueError):
+        return False
+
+
+def _only_changes_dtype(node: fx.Node, device: str) -> bool:
+    """Whether the call converts dtype and nothing else the plan cannot redo (a memory format is kept apart)."""
+    extra_args = node.args[1:]
+    name = op_name(node)
+    if name == "type_as":
+        return len(extra_args) == 1 and not node.kwargs
+    if name in ("float", "half", "bfloat16"):
+        return not extra_args and set(node.kwargs) <= {"memory_format"}
+    if name == "type":
+        return len(extra_args) == 1 and isinstance(extra_args[0], torch.dtype)
+    if any(not (isinstance(a, (torch.dtype, bool)) or _same_device(a, device)) for a in extra_args):
+        return False  # ``x.to(x.device, torch.float32)`` (aten's to.device) only changes the dtype too
+    allowed = {"dtype", "copy", "non_blocking", "memory_format"}
+    for k, v in node.kwargs.items():
+        if k == "device":
+            if v is not None and not _same_device(v, device):
+                return False
+        elif k in ("layout", "pin_memory"):
+            if v is not None and not (k == "layout" and v == torch.strided) and v is not False:
+                return False
+        elif k not in allowed:
+            return False
+    return True
+
+
+def apply_plan(gm: fx.GraphModule, plan: CastPlan) -> None:
+    """Insert the planned casts, switch the fp32_out ops to ``dtype=torch.float32``, record decisions."""
+    graph = gm.graph
+    low = plan.dtype
+    by_name = {n.name: n for n in graph.nodes}
+    last_placeholder = None
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            last_placeholder = n
+    casts_in: dict[str, list[str]] = {}
+    label = {k: v.label for k, v in plan.nodes.items()}
+
+    for value_name, to_low in plan.casts:
+        value = by_name[value_name]
+        target = low if to_low else torch.float32
+        readers = {r.consumer for r in plan.reqs[value_name]
+                   if (r.kind == "same" and label.get(r.consumer) == to_low)
+                   or (r.kind == "fixed" and r.label == to_low)}
+        anchor = last_placeholder if value.op == "placeholder" else value
+        with graph.inserting_after(anchor):
+            cast = graph.call_method("to", (value, target))
+        cast._rename(f"to_{_SHORT[target]}_{value_name}")
+        numel = plan.weight[value_name]
+        src_info = value.meta[K.INFO]
+        cast.meta[K.INFO] = TensorInfo(target, src_info.shape, src_info.device)
+        cast.meta["autocastfx"] = Decision("cast", None, target, f"cast {value_name} for {', '.join(sorted(readers))}",
+                                           numel=numel)
+        for r in readers:
+            consumer = by_name[r]
+            consumer.replace_input_with(value, cast)
+            casts_in.setdefault(r, []).append(cast.name)
+
+    for node in graph.nodes:
+        if "autocastfx" in node.meta and node.meta["autocastfx"].kind == "cast":
+            continue
+        np_: NodePlan | None = plan.nodes.get(node.name)
+        dtype = None if np_ is None or np_.label is None else (low if np_.label == LOW else torch.float32)
+        if np_ is not None and np_.fp32_out:
+            module = gm.get_submodule(node.target) if node.op == "call_module" else None
+            dims = global_pool_dims(node, module)
+            if dims is not None:  # adaptive average pooling to 1x1 is a mean, which takes dtype=
+                node.op, node.target = "call_function", torch.mean
+                node.args, node.kwargs = (node.args[0], dims), {"keepdim": True}
+            node.kwargs = {**node.kwargs, "dtype": torch.float32}
+        kind = {"placeholder": "input", "get_attr": "param", "output": "output"}.get(node.op, "op")
+        if np_ is None:
+            reason = "output" if node.op == "output" else "not a float tensor"
+            node.meta["autocastfx"] = Decision(kind if node.op == "output" else "other", None, None, reason,
+                                               tuple(casts_in.get(node.name, ())))
+            continue
+        reason = np_.reason
+        if np_.op_class in (OpClass.FOLLOW, OpClass.PROMOTE, OpClass.NORM) and np_.label is not None:
+            reason += f" -> {_SHORT[dtype]} (min-cut)"
+        if np_.fp32_out:
+            reason += " -> dtype=torch.float32 on a low input"
+        node.meta["autocastfx"] = Decision(kind, None if np_.op_class is None else np_.op_class.value, dtype,
+                                           reason, tuple(casts_in.get(node.name, ())),
+                                           added_dtype_kwarg=np_.fp32_out)
+    graph.lint()
+    gm.recompile()
+
+
+def entry_casts(gm: fx.GraphModule) -> list[str]:
+    """Each float input taken as ``x.to(dtype)`` in the dtype the graph was converted for: a block converted for
+    a float16 input runs on a float32 one too, and on the float16 it was made for the call is free (``Tensor.to``
+    returns the tensor itself, no kernel runs)."""
+    graph = gm.graph
+    places = [n for n in graph.nodes if n.op == "placeholder"]
+    made = []
+    for p in places:
+        info = p.meta.get(K.INFO)
+        if not (isinstance(info, TensorInfo) and info.dtype in _CASTABLE) or not p.users:
+            continue
+        with graph.inserting_after(places[-1]):
+            c = graph.call_method("to", (p, info.dtype))
+        c._rename(f"{p.name}_as_{_SHORT[info.dtype]}")
+        p.replace_all_uses_with(c, delete_user_cb=lambda u: u is not c)
+        c.meta[K.INFO] = info
+        c.meta["autocastfx"] = Decision("other", None, info.dtype, "the input in the dtype this block was converted "
+                                        "for (no copy when it already is)")
+        made.append(c.name)
+    graph.lint()
+    gm.recompile()
+    return made
+
+
+def rebuild_output_type(gm: fx.GraphModule) -> bool:
+    """Give back the model's own result type where tracing wrote it as a plain dict (a ModelOutput): one
+    ``rebuild_output`` call before the output. True if one was added."""
+    from ..base.runtime import rebuild_output
+    from ..base.runtime import type_name
+    cls = gm.meta.get(K.OUTPUT_TYPE)
+    out = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
+    if cls is None or out is None or not isinstance(out.args[0], dict):
+        return False
+    if any(n.op == "call_function" and n.target is rebuild_output for n in gm.graph.nodes):
+        return False
+    with gm.graph.inserting_before(out):
+        node = gm.graph.call_function(rebuild_output, (out.args[0], type_name(cls)))
+    node.meta["autocastfx"] = Decision("other", None, None, f"the model's result type, {cls.__name__}")
+    out.args = (node,)
+    gm.graph.lint()
+    gm.recompile()
+    return True

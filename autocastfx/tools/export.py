@@ -1,0 +1,372 @@
+"""Export and save.
+
+``export(gm, path, example_inputs)``: a plain ``torch.export`` archive (.pt2) that loads with
+``torch.export.load(path).module()`` where autocastfx is not installed.
+
+``save(gm, path)`` / ``load(path)``: the converted module for resuming work: its program (a torch.export
+archive), its float32 masters, and its policy, options and report as JSON. Nothing in the file is unpickled
+as an arbitrary object: tensors load with ``torch.load(weights_only=True)``, everything else is JSON checked
+against the expected schema, and the program is torch.export's own serialized graph of aten operators.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import zipfile
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from ..base.meta import ConvertInfo
+from ..core.policy import OpClass
+from ..core.policy import Policy
+from .report import Report, Row
+from ..base.meta import example_inputs_of
+
+FORMAT = "autocastfx.save"
+VERSION = 1
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class FormatError(ValueError):
+    """A file that is not a well-formed autocastfx save (truncated, tampered with, or something else)."""
+
+
+def _info(gm) -> ConvertInfo:
+    meta = getattr(gm, "meta", None)
+    info = meta.get("autocastfx") if isinstance(meta, dict) else None
+    if info is None:
+        raise TypeError(f"expected a module made by autocastfx.convert(), got {type(gm).__name__}")
+    return info
+
+
+def export_program(gm: fx.GraphModule, example_inputs: tuple | None = None, example_kwargs: dict | None = None,
+                   dynamic_shapes: Any = None) -> torch.export.ExportedProgram:
+    info = _info(gm)
+    piecewise = info.capture == "piecewise"
+    if example_inputs is None and example_kwargs is None:
+        if piecewise:
+            raise ValueError("a module converted piecewise has no graph of its own to take example inputs from: "
+                             "pass example_inputs (and example_kwargs) to export it")
+        example_inputs, example_kwargs = example_inputs_of(gm)
+    if isinstance(example_inputs, torch.Tensor):
+        raise TypeError("example_inputs must be a tuple of inputs: write (x,) instead of x")
+    try:
+        return torch.export.export(gm, tuple(example_inputs or ()), dict(example_kwargs or {}),
+                                   dynamic_shapes=dynamic_shapes, strict=False)
+    except Exception as e:  # noqa: BLE001 - said with the part that stops it
+        if not piecewise:
+            raise
+        eager = info.extra_totals.get("eager", {})
+        parts = "; ".join(f"{n or type(gm).__name__}: {why}" for n, why in eager.items())
+        raise ExportError(
+            f"{type(gm).__name__} was converted piecewise and torch.export cannot capture it either: the code "
+            f"that stays eager stops it ({parts}). torch.export says: {str(e).strip().splitlines()[0][:300]}. "
+            "Export a converted part instead (autocastfx.export(gm.get_submodule(name), ...), names in "
+            "report(gm)), or call the model so that the data-dependent branch is not taken (without labels=)"
+        ) from e
+
+
+class ExportError(RuntimeError):
+    """A converted module that cannot be exported, and why."""
+
+
+FORMATS = {".pt2": "a torch.export archive", ".onnx": "an ONNX model"}
+
+
+class ExportCheckError(RuntimeError):
+    """A written file that its runtime refuses, or whose outputs differ from the converted module's."""
+
+
+def export(gm: fx.GraphModule, path: str | os.PathLike, example_inputs: tuple | None = None, *,
+           example_kwargs: dict | None = None, dynamic_shapes: Any = None, inference: bool | None = None,
+           check: bool = True) -> Any:
+    """Write the converted module to ``path``, in the format its extension names.
+
+    ``.pt2``: a ``torch.export`` archive of the module as it is (its current mode), which needs only torch to load
+    and run; returns the ExportedProgram. ``.onnx``: an ONNX model of :func:`autocastfx.for_inference`'s
+    deployment copy (eval program, batch norms folded, every weight low; ``inference=False`` exports the eval
+    program as converted), written by ``torch.onnx.export(dynamo=True)``; then, with ``check=True``, loaded in
+    onnxruntime where it is installed and run on the example inputs against the exported module (raises
+    :class:`ExportCheckError` if it does not load or does not match); returns the ONNXProgram."""
+    fmt = os.path.splitext(os.fspath(path))[1].lower()
+    if fmt not in FORMATS:
+        raise ValueError(f"cannot tell which format to write from {os.fspath(path)!r}: export() writes "
+                         + ", ".join(f"{k} ({v})" for k, v in FORMATS.items()) + "; name the file model.pt2 or "
+                         "model.onnx")
+    if fmt == ".onnx":
+        return export_onnx(gm, path, example_inputs, example_kwargs=example_kwargs, dynamic_shapes=dynamic_shapes,
+                           inference=True if inference is None else inference, check=check)
+    if inference:
+        from .inference import for_inference
+        gm = for_inference(gm, example_inputs, example_kwargs=example_kwargs)
+    ep = export_program(gm, example_inputs, example_kwargs, dynamic_shapes)
+    torch.export.save(ep, os.fspath(path))
+    return ep
+
+
+def export_onnx(gm: fx.GraphModule, path: str | os.PathLike, example_inputs: tuple | None = None, *,
+                example_kwargs: dict | None = None, dynamic_shapes: Any = None, inference: bool = True,
+                check: bool = True, rtol: float = 2e-2) -> Any:
+    """See :func:`export`. The exporter's own graph optimizer is used (it makes the smaller file); should the
+    runtime refuse that file, it is written again without it and checked again."""
+    import logging
+
+    for need in ("onnx", "onnxscript"):
+        try:
+            __import__(need)
+        except ImportError as e:
+            raise ImportError(f"writing ONNX needs {need}: pip install 'autocastfx[onnx]'") from e
+    from .inference import for_inference
+
+    _info(gm)
+    if example_inputs is None and example_kwargs is None:
+        example_inputs, example_kwargs = example_inputs_of(gm)
+    args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})
+    module = for_inference(gm, args, example_kwargs=kwargs) if inference else _eval_copy(gm)
+    path = os.fspath(path)
+    refused = None
+    for optimize in (True, False):
+        level = logging.getLogger("torch.onnx").level
+        logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+        try:
+            program = torch.onnx.export(module, args, path, kwargs=kwargs or None, dynamo=True, optimize=optimize,
+                                        dynamic_shapes=dynamic_shapes, verbose=False)
+        finally:
+            logging.getLogger("torch.onnx").setLevel(level)
+        if inference and optimize:
+            _store_folded_casts_low(path)
+        if not check:
+            return program
+        refused = _check_onnx(module, path, args, kwargs, rtol)
+        if refused is None:
+            return program
+        if not refused.startswith("onnxruntime refuses"):
+            break
+    raise ExportCheckError(f"{path}: {refused}")
+
+
+def _store_folded_casts_low(path: str) -> int:
+    """The exporter's optimizer folds constants: a weight stored float16 and cast up where it is read becomes a
+    float32 initializer (small ones: norms' weights, a class token broadcast to the batch), twice the bytes. Every
+    float32 initializer whose values are all float16 values (so it is a cast-up, or as good as one) is stored
+    float16 again with a Cast beside it: the same numbers, half the bytes. Returns how many were."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from onnx.external_data_helper import load_external_data_for_model
+
+    model = onnx.load(path, load_external_data=False)
+    external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+    if external:
+        load_external_data_for_model(model, os.path.dirname(os.path.abspath(path)))
+    graph = model.graph
+    inputs = {i.name for i in graph.input}
+    taken = {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output} | inputs
+    casts, keep, moved = [], [], 0
+    for t in graph.initializer:
+        if t.data_type != onnx.TensorProto.FLOAT or t.name in inputs:
+            keep.append(t)
+            continue
+        a = numpy_helper.to_array(t)
+        if a.size < 2 or not np.isfinite(a).all():
+            keep.append(t)
+            continue
+        low = a.astype(np.float16)
+        if not np.array_equal(low.astype(np.float32), a):
+            keep.append(t)
+            continue
+        name, i = f"{t.name}_float16", 0
+        while name in taken:
+            i += 1
+            name = f"{t.name}_float16_{i}"
+        taken.add(name)
+        keep.append(numpy_helper.from_array(low, name))
+        casts.append(helper.make_node("Cast", [name], [t.name], to=onnx.TensorProto.FLOAT, name=f"{name}_cast"))
+        moved += 1
+    if not moved:
+        return 0
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+    nodes = casts + list(graph.node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    data = os.path.basename(path) + ".data"
+    if external and os.path.exists(os.path.join(os.path.dirname(os.path.abspath(path)), data)):
+        os.remove(os.path.join(os.path.dirname(os.path.abspath(path)), data))
+    onnx.save_model(model, path, save_as_external_data=external, all_tensors_to_one_file=True, location=data)
+    return moved
+
+
+def _eval_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    import copy
+    return copy.deepcopy(gm).eval()
+
+
+def _check_onnx(module: nn.Module, path: str, args: tuple, kwargs: dict, rtol: float) -> str | None:
+    """None if onnxruntime (where installed) loads the file and its outputs match the module's, else why not."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None  # nothing to check it with here; onnx.checker at least
+    try:
+        session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    except Exception as e:  # noqa: BLE001 - the runtime's words are the message
+        return f"onnxruntime refuses the file: {str(e).strip().splitlines()[0][:300]}"
+    flat = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    feeds = {i.name: t.detach().cpu().numpy() for i, t in zip(session.get_inputs(), flat)}
+    got = session.run(None, feeds)
+    with torch.no_grad():
+        want = [t for t in torch.utils._pytree.tree_leaves(module(*args, **kwargs)) if isinstance(t, torch.Tensor)]
+    if len(got) != len(want):
+        return f"onnxruntime gives {len(got)} outputs, the module {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        g, w = torch.from_numpy(g).double(), w.detach().double().cpu()
+        if g.shape != w.shape:
+            return f"output {i} has shape {tuple(g.shape)} in onnxruntime, {tuple(w.shape)} in the module"
+        err = ((g - w).norm() / w.norm().clamp_min(1e-12)).item() if w.is_floating_point() else float(not torch.equal(g, w))
+        if not err <= rtol:
+            return f"output {i} differs from the module's by {err:.2e} (relative), more than {rtol:.0e}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------- save/load
+
+def _policy_to_data(p: Policy) -> dict:
+    return {
+        "op_table": {k: v.value for k, v in p.op_table.items()},
+        "module_types": {f"{t.__module__}.{t.__qualname__}": v.value for t, v in p.module_types.items()},
+        "module_names": [[g, c.value] for g, c in p.module_names],
+        "node_names": {k: v.value for k, v in p.node_names.items()},
+    }
+
+
+def _policy_from_data(d: dict) -> Policy:
+    types = {}
+    for qual, c in d["module_types"].items():
+        mod, _, name = qual.rpartition(".")
+        if mod.startswith("torch.nn") and hasattr(nn, name):  # only torch.nn types are looked up, by name
+            types[getattr(nn, name)] = OpClass(c)
+    return Policy(op_table={k: OpClass(v) for k, v in d["op_table"].items()}, module_types=types,
+                  module_names=tuple((g, OpClass(c)) for g, c in d["module_names"]),
+                  node_names={k: OpClass(v) for k, v in d["node_names"].items()})
+
+
+def save(gm: fx.GraphModule, path: str | os.PathLike, example_inputs: tuple | None = None, *,
+         example_kwargs: dict | None = None) -> None:
+    """Save a converted module with its masters, policy, options and report (see the module docstring)."""
+    from .report import report
+    info = _info(gm)
+    ep = export_program(gm, example_inputs, example_kwargs)
+    program = io.BytesIO()
+    torch.export.save(ep, program)
+    masters = io.BytesIO()
+    torch.save({k: v.detach().cpu() for k, v in info.masters.items()}, masters)
+    meta = {
+        "format": FORMAT, "version": VERSION, "torch": torch.__version__,
+        "dtype": str(info.dtype).removeprefix("torch."), "capture": info.capture,
+        "options": info.options, "policy": _policy_to_data(info.policy),
+        "masters": sorted(info.masters), "report": report(gm).to_dict(),
+    }
+    with zipfile.ZipFile(os.fspath(path), "w", compression=zipfile.ZIP_STORED) as z:
+        z.writestr("meta.json", json.dumps(meta))
+        z.writestr("program.pt2", program.getvalue())
+        z.writestr("masters.pt", masters.getvalue())
+
+
+def _check(cond: bool, what: str, path) -> None:
+    if not cond:
+        raise FormatError(f"{path}: {what}; the file was changed or is not an autocastfx.save() file")
+
+
+def load(path: str | os.PathLike) -> fx.GraphModule:
+    """Load what :func:`save` wrote: the converted module with masters, policy and report.
+
+    Raises FormatError (a ValueError) for a truncated, tampered or foreign file; never unpickles code.
+    """
+    path = os.fspath(path)
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = set(z.namelist())
+            _check(names == {"meta.json", "program.pt2", "masters.pt"}, f"unexpected members {sorted(names)}", path)
+            bad = z.testzip()
+            _check(bad is None, f"member {bad} is corrupt (CRC mismatch)", path)
+            meta_bytes, program, masters_bytes = (z.read(n) for n in ("meta.json", "program.pt2", "masters.pt"))
+    except (zipfile.BadZipFile, EOFError, OSError) as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise FormatError(f"{path}: not a readable autocastfx save file ({e}); it may be truncated") from None
+    try:
+        meta = json.loads(meta_bytes)
+    except ValueError as e:
+        raise FormatError(f"{path}: meta.json is not valid JSON ({e})") from None
+    _check(isinstance(meta, dict) and meta.get("format") == FORMAT, "meta.json has no autocastfx format tag", path)
+    _check(meta.get("version") == VERSION, f"format version {meta.get('version')!r}, expected {VERSION}", path)
+    schema = {"dtype": str, "capture": str, "options": dict, "policy": dict, "masters": list, "report": dict}
+    for key, typ in schema.items():
+        _check(isinstance(meta.get(key), typ), f"meta.json field {key!r} missing or not a {typ.__name__}", path)
+    _check(meta["dtype"] in _DTYPES, f"dtype {meta['dtype']!r}", path)
+    _check(all(isinstance(n, str) for n in meta["masters"]), "master names are not strings", path)
+    try:
+        policy = _policy_from_data(meta["policy"])
+    except (KeyError, ValueError, TypeError, AttributeError) as e:
+        raise FormatError(f"{path}: the saved policy is malformed ({e})") from None
+    try:
+        masters = torch.load(io.BytesIO(masters_bytes), weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - weights_only refuses anything but tensors and plain containers
+        raise FormatError(f"{path}: masters.pt is not a plain tensor file ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200]})") from None
+    _check(isinstance(masters, dict) and sorted(masters) == sorted(meta["masters"])
+           and all(isinstance(v, torch.Tensor) and v.dtype == torch.float32 for v in masters.values()),
+           "masters.pt does not hold the float32 masters meta.json names", path)
+    try:
+        gm = torch.export.load(io.BytesIO(program)).module()
+    except Exception as e:  # noqa: BLE001
+        raise FormatError(f"{path}: program.pt2 does not load ({type(e).__name__}: {str(e)[:200]})") from None
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    low = _DTYPES[meta["dtype"]]
+    for name, m in masters.items():
+        _check(name in params and params[name].shape == m.shape and params[name].dtype == low,
+               f"master {name!r} does not match a {meta['dtype']} parameter of the program", path)
+    report_rows = [Row(**r) for r in meta["report"].get("nodes", [])]
+    info = ConvertInfo(dtype=low, policy=policy, capture=meta["capture"], plan=None,
+                       masters={k: nn.Parameter(v, requires_grad=params[k].requires_grad) for k, v in masters.items()},
+                       absorbed=[], options=meta["options"],
+                       extra_totals={"saved_report": Report(report_rows, meta["report"].get("totals", {}))})
+    gm.meta["autocastfx"] = info
+    return gm
+
+
+def model_explorer_overlay(gm: fx.GraphModule, ep: torch.export.ExportedProgram, graph_id: str = "main") -> dict:
+    """Node data for Google's Model Explorer over the exported program: each node coloured by compute dtype
+    (1 low, 0 float32, 0.5 follow/promote), with a sidecar of reasons and casts keyed by the same node ids."""
+    decisions = {n.name: n.meta["autocastfx"] for n in gm.graph.nodes if "autocastfx" in n.meta}
+    low = _info(gm).dtype
+    colour = {"low": "#f4a261", "fp32": "#4a90d9", "cast": "#e63946"}
+    results, notes = {}, {}
+    for node in ep.graph.nodes:
+        if node.op not in ("call_function",):
+            continue
+        sources = [s.name for s in node.meta.get("from_node", []) or []]
+        d = next((decisions[s] for s in sources if s in decisions), None)
+        if d is None:
+            continue
+        if d.kind == "cast":
+            value, bg = (1.0 if d.dtype == low else 0.0), colour["cast"]
+        elif d.dtype == low:
+            value, bg = 1.0, colour["low"]
+        elif d.dtype == torch.float32:
+            value, bg = 0.0, colour["fp32"]
+        else:
+            continue
+        results[node.name] = {"value": value, "bgColor": bg}
+        notes[node.name] = {"dtype": str(d.dtype).removeprefix("torch."), "class": d.op_class, "kind": d.kind,
+                            "reason": d.reason, "casts_in": list(d.casts_in), "source_node": sources[0]}
+    return {"node_data": {graph_id: {"results": results,
+                                     "thresholds": [{"value": 0.25, "bgColor": colour["fp32"]},
+                                                    {"value": 1.0, "bgColor": colour["low"]}]}},
+            "notes": notes}

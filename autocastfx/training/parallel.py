@@ -1,0 +1,191 @@
+"""TODO"""
+from __future__ import annotations
+import contextlib
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from .checks import StepError
+from .step import Local, compiled_module, converted_units
+from .sharding import _local_slice
+
+try:  # FSDP2 and DTensor: torch >= 2.6 on every platform with torch.distributed
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch built without distributed
+    FSDPModule = DTensor = MixedPrecisionPolicy = fully_shard = None
+
+
+
+def parallel_for(model: nn.Module) -> Local:
+    """The answers for ``model``: DDP around a converted module, an FSDP2-sharded one, or one process; any of
+    them compiled (``torch.compile(gm)``: the step calls the compiled module, and finds the weights and masters
+    in the module it compiled)."""
+    inner = compiled_module(model)
+    if inner is not model:
+        parallel = parallel_for(inner)
+        parallel.model = model
+        return parallel
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return DDP(model)
+    if FSDPModule is not None and isinstance(model, FSDPModule):
+        return FSDP(model)
+    if FSDPModule is not None and any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise StepError("some submodules of this module are sharded with fully_shard() but the module itself is "
+                        "not: call fully_shard(gm) on the converted module too, after its blocks (FSDP2 needs "
+                        "the root to be sharded last), or use autocastfx.shard(gm)")
+    return Local(model)
+
+
+class DDP(Local):
+    """DistributedDataParallel around a converted module: full masters on every rank, gradients all-reduced by
+    DDP; the step reduces ``found_inf`` and skips DDP's all-reduce on all micro-batches but the last."""
+    kind = "ddp"
+    distributed = True
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model.module)
+        self.model = model
+        self.group = model.process_group
+
+    def all_reduce_max(self, t: torch.Tensor) -> None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+
+    def sync(self, last: bool):
+        return contextlib.nullcontext() if last else self.model.no_sync()
+
+
+class FSDP(Local):
+    """A converted module sharded with FSDP2's ``fully_shard`` (by hand, or by :func:`shard`).
+
+    Masters: a stored-low weight's float32 master is cut to the weight's own shard (same mesh, same placements),
+    so optimizer state and gradients are sharded with it; a float32 parameter is its own master. The step works on
+    the shards' local tensors (``_local_tensor``: no copy) and gives the optimizer DTensors, so the optimizer's
+    state is sharded DTensors that ``torch.distributed.checkpoint`` writes and reshards."""
+    kind = "fsdp"
+    distributed = True
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        self._check_group_dtypes(model)
+        meshes = []
+        for p in model.parameters():
+            if isinstance(p, DTensor) and all(p.device_mesh != m for m in meshes):
+                meshes.append(p.device_mesh)
+        if len(meshes) != 1:
+            raise StepError(f"the sharded module's parameters live on {len(meshes)} device meshes: the step reduces "
+                            "its overflow flag over one mesh; shard every block and the root on the same mesh")
+        self.mesh = meshes[0]
+        self.group = self.mesh.get_group()
+        unsharded = [n for n, p in model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+        if unsharded:
+            raise StepError(f"parameters {unsharded[:3]} of the sharded module are not sharded (fully_shard(..., "
+                            "ignored_params=...)?): the step needs every trainable parameter under FSDP2")
+
+    @staticmethod
+    def _check_group_dtypes(model: nn.Module) -> None:
+        """FSDP2 gathers each fully_shard group in one dtype and asserts it at the first forward; say it here, with
+        the two ways out, before anything runs."""
+        owner: dict[int, str] = {}
+        names = dict(model.named_modules())
+        for name, m in reversed(list(names.items())):  # innermost first: a parameter belongs to the nearest
+            if isinstance(m, FSDPModule):
+                for pname, p in m.named_parameters():
+                    owner.setdefault(id(p), (name or "the root") + ":" + (f"{name}.{pname}" if name else pname))
+        dtypes: dict[str, dict] = {}
+        for p in model.parameters():
+            if p.requires_grad and id(p) in owner:
+                unit, pname = owner[id(p)].split(":", 1)
+                dtypes.setdefault(unit, {}).setdefault(p.dtype, pname)
+        for unit, seen in dtypes.items():
+            if len(seen) > 1:
+                example = ", ".join(f"{n} is {str(d).replace('torch.', '')}" for d, n in seen.items())
+                raise StepError(
+                    f"the fully_shard group of {unit} holds parameters of several dtypes ({example}): the cast plan "
+                    "stores weights read only by low-precision ops in the low dtype and keeps the others float32, "
+                    "and FSDP2 gathers a group in one dtype. Either shard with autocastfx.shard(gm) (float32 "
+                    "shards as masters, gathered low, norms in a float32 group of their own), or convert with "
+                    "master_weights=False (every parameter float32, cast in the graph) before fully_shard")
+
+    def master_pairs(self, gm) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
+        """(qualified name, sharded low weight, its master cut to the same shard). The full float32 master in
+        ``meta["autocastfx"].masters`` is replaced there by its shard, so that it is freed."""
+        pairs = []
+        for prefix, unit in converted_units(gm):
+            info = unit.meta["autocastfx"]
+            params = dict(unit.named_parameters(remove_duplicate=False))
+            for name, master in list(info.masters.items()):
+                low = params[name]
+                if isinstance(master, DTensor):
+                    pairs.append((prefix + name, low, master))
+                    continue
+                if not isinstance(low, DTensor):
+                    raise StepError(f"the low-precision weight {name!r} is not sharded, but the module is: shard "
+                                    "the root module last, after its blocks")
+                local = _local_slice(master.detach(), low)
+                sharded = nn.Parameter(DTensor.from_local(local, low.device_mesh, low.placements, run_check=False,
+                                                          shape=low.shape, stride=low.stride()),
+                                       requires_grad=master.requires_grad)
+                info.masters[name] = sharded
+                pairs.append((prefix + name, low, sharded))
+        return pairs
+
+    def local(self, t):
+        return t._local_tensor if isinstance(t, DTensor) else t
+
+    def locals(self, ts):
+        return [t._local_tensor if isinstance(t, DTensor) else t for t in ts]
+
+    def as_grad(self, master, view):
+        if not isinstance(master, DTensor):
+            return view
+        return DTensor.from_local(view, master.device_mesh, master.placements, run_check=False,
+                                  shape=master.shape, stride=master.stride())
+
+    def all_reduce_max(self, t: torch.Tensor) -> None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+
+    def sync(self, last: bool):
+        return _GradientSync(self.model, last)
+
+    def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The global 2-norm over every shard of every rank: local sums of squares, summed over the mesh (a
+        replicated tensor would be counted once per rank; FSDP2 shards every parameter, so none is)."""
+        local = self.locals(grads)
+        sq = torch.stack(torch._foreach_norm(local, 2.0)).pow(2).sum() if local else torch.zeros(())
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.group)
+        return sq.sqrt()
+
+    def drop_unsynced_grads(self) -> None:
+        """Forget the gradients of an unfinished accumulation cycle: with gradient sync off, FSDP2 keeps them
+        unsharded inside its own parameter state, where setting ``.grad = None`` on the shards does not reach."""
+        for m in self.model.modules():
+            if not isinstance(m, FSDPModule):
+                continue
+            for group in getattr(m._get_fsdp_state(), "_fsdp_param_groups", ()):
+                for fp in group.fsdp_params:
+                    fp.unsharded_accumulated_grad = None
+                    unsharded = getattr(fp, "_unsharded_param", None)
+                    if unsharded is not None:
+                        unsharded.grad = None
+
+    def allows_fused(self, optimizer: torch.optim.Optimizer) -> bool:
+        """DTensor runs the fused Adam and AdamW kernels on the shards (torch has sharding rules for them); other
+        fused kernels (SGD's) it refuses, so those optimizers run their foreach kernels and the step reads
+        ``found_inf`` on the host once per update to skip."""
+        return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+
+
+class _GradientSync:
+    """FSDP2's switch for the reduce-scatter after backward: off for all micro-batches but the last."""
+
+    def __init__(self, model, last):
+        self.model, self.last = model, last
+
+    def __enter__(self):
+        self.model.set_requires_gradient_sync(self.last)
+
+    def __exit__(self, *exc):
+        self.model.set_requires_gradient_sync(True)
+        return False
+
+

@@ -1,0 +1,188 @@
+"""Per-block activation checkpointing and per-block compilation of a converted module's blocks.
+
+A module converted with ``convert(..., blocks="auto")`` (the default) keeps its blocks (the repeated children of
+its ``nn.ModuleList``s) as converted modules of their own, each called from the root's graph as a
+``call_module`` node (see :mod:`autocastfx.blocks`). Two things are done to them one by one, as TorchTitan does
+to a transformer's layers:
+
+- :func:`checkpoint_blocks`: each block's forward runs inside ``torch.utils.checkpoint.checkpoint(...,
+  use_reentrant=False, preserve_rng_state=True)``. Backward keeps only each block's inputs and recomputes the
+  block's activations when it reaches the block; the random number generator's state is saved at the forward
+  and restored for the recompute, so a dropout draws the same mask twice and the losses and weights are those
+  of the plain run, bit for bit.
+- :func:`compile_blocks`: ``block.compile(**kwargs)`` (``nn.Module.compile``) on each block, in place.
+
+How the checkpoint is put in: the block's class is swapped for a subclass whose ``__call__`` runs the block's
+own ``__call__`` (its hooks, its forward, its compiled code where :func:`compile_blocks` compiled it) under the
+checkpoint. The root's graph calls the block module as before, so nothing in the root changes. The subclass is
+made the way autocastfx.modes makes the converted module's class (a GraphModule keeps its generated
+``forward`` on a class of its own per instance), so ``copy.deepcopy`` (GraphModule's deepcopy rebuilds the
+instance's class over the first class in its MRO that is not a ``GraphModuleImpl``: the subclass),
+``state_dict``, ``train()``/``eval()`` (a converted block switches its own graphs) and FSDP2's ``fully_shard``
+applied afterwards (it subclasses the class it finds) keep working. ``checkpoint_blocks(gm, enabled=False)``
+puts the original class back.
+
+Checkpointing applies while gradients are recorded (``torch.is_grad_enabled()``); under ``torch.no_grad()``
+the block runs as before.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils.checkpoint as _checkpoint
+
+from ..tree.blocks import BLOCK_META
+
+__all__ = ["checkpoint_blocks", "compile_blocks", "block_names", "checkpointed", "compiled"]
+
+
+class _Recomputed:
+    """Mixed in before a block's class: its call runs under a non-reentrant checkpoint."""
+
+    def __call__(self, *args, **kwargs):
+        call = super().__call__
+        if not torch.is_grad_enabled():
+            return call(*args, **kwargs)
+        if kwargs:
+            call = functools.partial(call, **kwargs)
+        return _checkpoint.checkpoint(call, *args, use_reentrant=False, preserve_rng_state=True)
+
+
+_CLASSES: dict[type, type] = {}  # original class -> its checkpointed subclass (made once per class)
+
+
+def _is_impl(c: type) -> bool:
+    return c.__qualname__.split(".")[-1] == "GraphModuleImpl"
+
+
+def _base(m: nn.Module) -> type:
+    """The class to subclass: for a GraphModule, the first class of its MRO that is not the per-instance
+    ``GraphModuleImpl`` (as GraphModule.__new__ and autocastfx.modes.install take it); else the module's class."""
+    if isinstance(m, fx.GraphModule):
+        return next(c for c in type(m).__mro__ if not _is_impl(c))
+    return type(m)
+
+
+def _set_class(m: nn.Module, base: type) -> None:
+    if isinstance(m, fx.GraphModule):
+        m.__class__ = type("GraphModuleImpl", (base,), {})  # a class of its own, for the forward recompile writes
+        m.recompile()
+    else:
+        m.__class__ = base
+
+
+def checkpointed(m: nn.Module) -> bool:
+    """Whether ``m``'s calls run under :func:`checkpoint_blocks`' checkpoint."""
+    return isinstance(m, _Recomputed)
+
+
+def block_names(gm: nn.Module) -> list[str]:
+    """The qualified names of ``gm``'s converted blocks (submodules with ``meta[K.BLOCK]``), in module
+    order, leaving out a block that holds another (the inner ones are checkpointed: recomputing an outer one
+    would hold all of its inner activations at once in backward)."""
+    found = [(n, m) for n, m in gm.named_modules() if n and isinstance(getattr(m, "meta", None), dict)
+             and BLOCK_META in m.meta]
+    return [n for n, _ in found if not any(o != n and o.startswith(n + ".") for o, _ in found)]
+
+
+def _resolve(gm: nn.Module, blocks: Iterable[str] | None, what: str) -> list[tuple[str, nn.Module]]:
+    if blocks is None:
+        names = block_names(gm)
+        if not names:
+            raise ValueError(
+                f"{what}: {type(gm).__name__} has no converted blocks (submodules with meta['autocastfx_block']). "
+                "Convert the model with autocastfx.convert(model, inputs, blocks=\"auto\") (the default; it makes "
+                "the repeated children of the model's nn.ModuleLists blocks), or blocks=[names] / "
+                "blocks=lambda name, module: ... for blocks elsewhere; blocks=None makes one graph with no blocks")
+    else:
+        if isinstance(blocks, str):
+            blocks = [blocks]
+        names = list(blocks)
+        have = dict(gm.named_modules())
+        missing = [n for n in names if not n or n not in have]
+        if missing:
+            raise ValueError(f"{what}: {missing} are not submodules of {type(gm).__name__} (its converted blocks: "
+                             f"{block_names(gm)[:8]})")
+    return [(n, gm.get_submodule(n)) for n in names]
+
+
+def checkpoint_blocks(gm: nn.Module, blocks: Iterable[str] | None = None, *, enabled: bool = True) -> nn.Module:
+    """Recompute each converted block of ``gm`` in backward (activation checkpointing per block); in place,
+    returns ``gm``.
+
+    ``blocks``: the qualified names of the submodules to checkpoint; by default every converted block
+    (:func:`block_names`). Each one's call runs under ``torch.utils.checkpoint.checkpoint(...,
+    use_reentrant=False, preserve_rng_state=True)`` while gradients are recorded: backward keeps the block's
+    inputs only and recomputes the rest, with the forward's random number generator state (dropout masks are
+    the same). Checkpointing a block again does nothing.
+
+    ``enabled=False`` undoes it (for ``blocks``, by default every checkpointed submodule): the original class
+    comes back. Call it before ``shard()``/``fully_shard`` (as TorchTitan applies activation checkpointing before
+    FSDP): checkpointing or undoing a block FSDP2 has sharded (a class made over the block's) is refused.
+
+    Raises ValueError for a module with no converted blocks (convert with ``blocks="auto"``, the default)."""
+    if not isinstance(gm, nn.Module):
+        raise TypeError(f"checkpoint_blocks() takes a module, got {type(gm).__name__}")
+    if not enabled:
+        if blocks is None:
+            targets = [(n, m) for n, m in gm.named_modules() if checkpointed(m)]
+        else:
+            targets = _resolve(gm, blocks, "checkpoint_blocks")
+        for name, m in targets:
+            if checkpointed(m):
+                _undo(name, m)
+        return gm
+    todo = []
+    for name, m in _resolve(gm, blocks, "checkpoint_blocks"):  # every check before anything changes
+        if m is gm:
+            raise ValueError("checkpoint_blocks: the root itself cannot be a block (nothing would be kept)")
+        if checkpointed(m):
+            continue
+        base = _base(m)
+        if isinstance(m, fx.GraphModule) and any(_is_impl(c) for c in base.__mro__[1:]):
+            # a class another wrapper made over the GraphModule's own (FSDP2's fully_shard): GraphModule's call
+            # looks its wrapped call up on the instance's class, so a subclass over this one would call itself
+            raise ValueError(f"checkpoint_blocks: {name!r} is a {base.__name__}, a class made over the converted "
+                             "block's (fully_shard / shard() makes one): checkpoint the blocks before sharding, as "
+                             "TorchTitan applies activation checkpointing before FSDP")
+        todo.append((m, base))
+    for m, base in todo:
+        sub = _CLASSES.get(base)
+        if sub is None:
+            sub = _CLASSES[base] = type(f"Recomputed{base.__name__}", (_Recomputed, base),
+                                        {"__module__": __name__, "_autocastfx_original": base})
+        _set_class(m, sub)
+    return gm
+
+
+def _undo(name: str, m: nn.Module) -> None:
+    base = _base(m)
+    original = base.__dict__.get("_autocastfx_original")
+    if original is None:  # another subclass (FSDP2's) was made over the checkpointed class
+        raise ValueError(f"checkpoint_blocks(enabled=False): {name!r} is now a {type(m).__name__} (a class made "
+                         "over the checkpointed one, by fully_shard or another wrapper); undo checkpointing before "
+                         "sharding, or convert the model again")
+    _set_class(m, original)
+
+
+def compile_blocks(gm: nn.Module, blocks: Iterable[str] | None = None, **compile_kwargs: Any) -> nn.Module:
+    """``block.compile(**compile_kwargs)`` (``nn.Module.compile``: ``torch.compile`` of the block's call, in
+    place) on each converted block of ``gm`` (or the submodules named in ``blocks``), as TorchTitan compiles each
+    transformer layer. The root's graph, the model around the blocks, stays eager; the training step is
+    unchanged. Returns ``gm``. A block checkpointed by :func:`checkpoint_blocks` runs its compiled code inside
+    the checkpoint (and again in the recompute)."""
+    if not isinstance(gm, nn.Module):
+        raise TypeError(f"compile_blocks() takes a module, got {type(gm).__name__}")
+    for _, m in _resolve(gm, blocks, "compile_blocks"):
+        m.compile(**compile_kwargs)
+    return gm
+
+
+def compiled(m: nn.Module) -> bool:
+    """Whether ``m`` was compiled in place (``nn.Module.compile``)."""
+    return getattr(m, "_compiled_call_impl", None) is not None
+

@@ -1,0 +1,179 @@
+"""TODO"""
+from __future__ import annotations
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from ..core import weights as _weights
+from .step import converted_units
+from ..base import keys as K
+from ..base.meta import is_converted
+
+try:  # FSDP2 and DTensor: torch >= 2.6 on every platform with torch.distributed
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch built without distributed
+    FSDPModule = DTensor = MixedPrecisionPolicy = fully_shard = None
+
+
+
+def _local_slice(full: torch.Tensor, like) -> torch.Tensor:
+    """This rank's part of ``full``, cut as the DTensor ``like`` is sharded (FSDP2's chunking, uneven included)."""
+    return _local_view(full, like).to(like.device).clone(memory_format=torch.contiguous_format).contiguous()
+
+
+def _local_view(full: torch.Tensor, like) -> torch.Tensor:
+    """This rank's part of ``full`` as a view, cut as the DTensor ``like`` is sharded."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+    return full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+
+
+def shard(gm: nn.Module, mesh=None, reshard_after_forward: bool = True) -> nn.Module:
+    """Shard a converted module with FSDP2, the float32 shard of each parameter being its master (in place;
+    returns ``gm``).
+
+    Each converted block (a submodule with ``meta["autocastfx"]`` of its own), then the root, gets two FSDP2
+    groups: its stored-low weights, whose float32 masters go back into the module and are gathered as
+    ``MixedPrecisionPolicy(param_dtype=low, reduce_dtype=float32)``, so every rank holds 1/N of the float32
+    weights, gathers half the bytes of a float32 all-gather and reduces gradients in float32; and the
+    parameters the cast plan keeps in float32 (norms, biases read by float32 ops), gathered in float32 and kept
+    gathered through backward (they are small), so the kernels see float32 weights as the plan says.
+
+    The module must have been converted with ``master_weights=True`` (the default): the plan's split between
+    stored-low and float32 parameters is what the two groups are made of. Build the optimizer over
+    ``gm.parameters()`` after this call, then ``train_step(gm, loss_fn, optimizer)``.
+
+    A module converted on the meta device shards on meta (nothing allocated; the mesh is the accelerator's where
+    the process group is NCCL's, the CPU's under gloo, or pass ``mesh``); then
+    ``autocastfx.materialize(gm, device, state_dict, buffers=...)`` allocates each rank's shards and copies into
+    them its slice of each full tensor of ``state_dict`` (the float32 model's, or low-precision values, upcast):
+    ``gm.load_state_dict`` of a sharded module takes full tensors, and with a state dict read by
+    ``torch.load(path, mmap=True)`` a rank reads its slices alone, never a whole weight.
+    """
+    if FSDPModule is None:
+        raise RuntimeError("autocastfx.shard needs torch.distributed with FSDP2 (torch.distributed.fsdp.fully_shard)")
+    if not is_converted(gm):
+        raise TypeError(f"shard() takes the module autocastfx.convert() returned, got {type(gm).__name__}")
+    if any(isinstance(m, FSDPModule) for m in gm.modules()):
+        raise ValueError("this module is already sharded with fully_shard(): shard() applies the whole policy "
+                         "itself, to a converted module that is not sharded yet")
+    if mesh is None:
+        if not dist.is_initialized():
+            raise RuntimeError("shard() needs a process group: call torch.distributed.init_process_group() first "
+                               "(torchrun sets the environment for it), or pass a DeviceMesh")
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(_mesh_device(gm), (dist.get_world_size(),))
+    units = [u for _, u in converted_units(gm)]
+    plans = []
+    for unit in units:  # every check before anything changes
+        info = unit.meta["autocastfx"]
+        if not info.options.get("master_weights", True):
+            raise ValueError("shard() needs a module converted with master_weights=True (the default): then the "
+                             "plan says which weights are stored low, and those are gathered low while the rest "
+                             "stays float32. With master_weights=False every weight is float32 in the module and "
+                             "cast inside the graph, so FSDP2 would gather float32 (twice the bytes); convert again "
+                             "without master_weights=False")
+        plans.append(_float32_owners(unit, units))
+    for unit, fp32_owners in zip(units, plans):
+        info = unit.meta["autocastfx"]
+        low = info.dtype
+        read = []  # groups whose modules' forward never runs (a graph reads their weights): gathered by hand
+        if fp32_owners:
+            # FSDP2 runs a group's hooks when its modules run; a group whose modules are partly called and partly
+            # read through get_attr takes FSDP2's partial-forward path and loses the read weights' gradients, so
+            # the two kinds are two groups
+            names = {id(m): n for n, m in unit.named_modules()}
+            if hasattr(unit, "graph"):
+                called = {str(n.target) for g in _graphs(unit) for n in g.nodes if n.op == "call_module"}
+            else:  # converted piecewise: the model's own Python calls its modules
+                called = set(names.values())
+            calls = [m for m in fp32_owners if names.get(id(m)) in called]
+            reads = [m for m in fp32_owners if names.get(id(m)) not in called]
+            for group in (calls, reads):
+                if group:
+                    made = fully_shard(group, mesh=mesh, reshard_after_forward=False,
+                                       mp_policy=MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32))
+                    if group is reads:
+                        read.append(made[0] if isinstance(made, list) else made)
+        _weights.restore_masters(unit)  # the float32 masters are the module's parameters again: FSDP2 shards them
+        info.masters.clear()
+        # the root keeps its weights gathered from forward to backward (FSDP2's own rule for the root: they would
+        # be gathered again at once), so reshard_after_forward is for the blocks
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward if unit is not gm else None,
+                    mp_policy=MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32))
+        for g in read:
+            # their own forward never runs (the graph reads their weights through get_attr): gathered when the
+            # unit starts, after FSDP2's own pre-forward
+            unit.register_forward_pre_hook(lambda *_, g=g: g.unshard())
+        unit.meta[K.SHARD] = {"low": low, "float32_groups": len(fp32_owners)}
+        unit.register_load_state_dict_pre_hook(_full_tensors_to_shards)
+    return gm
+
+
+def _mesh_device(gm: nn.Module) -> str:
+    """The device type of the mesh ``shard()`` makes: the parameters' own, or on the meta device the one the
+    process group's backend drives (gloo: the CPU)."""
+    device = next(gm.parameters()).device
+    if device.type != "meta":
+        return device.type
+    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    return accelerator.type if accelerator is not None and dist.get_backend() != "gloo" else "cpu"
+
+
+def _full_tensors_to_shards(unit, state_dict, prefix, *_):
+    """A load-state-dict pre-hook of a sharded unit: each full tensor meant for a sharded parameter becomes a
+    DTensor over this rank's slice of it (a view: nothing is copied until the parameter's own ``copy_``), so that
+    ``load_state_dict`` (and :func:`autocastfx.materialize`) takes the float32 model's state dict on every rank.
+    DTensors (``torch.distributed.checkpoint``, ``set_model_state_dict``) and mismatched shapes pass as they are."""
+    for name, p in unit.named_parameters(remove_duplicate=False):
+        value = state_dict.get(prefix + name)
+        if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
+                and value.shape == p.shape:
+            state_dict[prefix + name] = DTensor.from_local(
+                _local_view(value.detach(), p).to(p.device), p.device_mesh, p.placements, run_check=False,
+                shape=p.shape, stride=p.stride())
+
+
+def _graphs(unit: nn.Module) -> list:
+    """Every graph a converted unit may run (one per mode where the modes differ)."""
+    programs = getattr(unit, "meta", {}).get(K.PROGRAMS)
+    if programs is not None:
+        return list(programs.graphs.values())
+    graph = getattr(unit, "graph", None)
+    return [graph] if graph is not None else []
+
+
+def _float32_owners(unit: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """The submodules that own the unit's trainable float32 parameters (those the plan did not store low),
+    leaving out what a nested converted block owns. Raises for a module that holds both kinds (FSDP2 gathers a
+    group in one dtype) and for a float32 parameter of the unit itself."""
+    info = unit.meta["autocastfx"]
+    nested = {id(m) for m in units if m is not unit}
+    inner_params: set[int] = set()
+    for m in unit.modules():
+        if id(m) in nested:
+            inner_params |= {id(p) for p in m.parameters()}
+    params, by_id = _weights.aliases(unit)
+    low_ids = {id(params[n]) for n in info.masters}
+    owners: dict[int, nn.Module] = {}
+    kinds: dict[int, set] = {}
+    for name, p in params.items():
+        if id(p) in inner_params or not p.is_floating_point():
+            continue  # frozen float32 parameters too: the low group would gather them in the low dtype
+        owner_name = name.rpartition(".")[0]
+        owner = unit.get_submodule(owner_name)
+        kinds.setdefault(id(owner), set()).add("low" if id(p) in low_ids else "float32")
+        if id(p) not in low_ids:
+            if owner is unit:
+                raise ValueError(f"the float32 parameter {name!r} belongs to the converted module itself, not to "
+                                 "a submodule: shard() cannot gather it in float32 beside the low weights. Keep it "
+                                 "in a submodule of the model (as nn.LayerNorm keeps its weight), or convert with "
+                                 "master_weights=False and use fully_shard(gm)")
+            owners[id(owner)] = owner
+    mixed = [i for i, k in kinds.items() if len(k) == 2 and i in owners]
+    if mixed:
+        names = [n for n, m in unit.named_modules() if id(m) in mixed]
+        raise ValueError(f"submodule {names[0]!r} holds both stored-low and float32 parameters; FSDP2 gathers one "
+                         "dtype per group, so shard() cannot keep its float32 ones float32. Convert with "
+                         "master_weights=False and use fully_shard(gm)")
+    return list(owners.values())

@@ -1,0 +1,568 @@
+"""The training step: generated Python source, compiled once, that carries out the whole mixed-precision recipe.
+
+    forward with low-precision weights, the loss in float32
+    backward of loss * scale
+    low-precision gradients into the float32 masters' .grad, unscaled and checked for inf/NaN in one fused pass
+    optional clipping by global norm; the optimizer steps the masters, skipped on the device on overflow
+    masters copied back into the low-precision weights in one fused copy; the scale updated on the device
+
+``print(step.code)`` shows exactly what runs: only the branches the options need are generated. Around it,
+``TrainStep.__call__`` does the host-side work: the first call with a new input signature is checked and
+guarded (autocastfx.checks), and after every call a host copy of the "stuck at min_scale" flag is read.
+
+What depends on how the model is spread over processes, the step asks of a ``parallel`` object: :class:`Local`
+here (one process); autocastfx.distributed answers for DistributedDataParallel and FSDP2, and builds steps through
+``train_step()``. This module imports neither that one nor autocastfx.graphed: both import it.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import textwrap
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from ..core import weights as _weights
+from .checks import InputChecker, StepError, check_grad_mode, check_loss, signature, unique_by_id
+from .scaling import HISTORY, LossScaleError, ScalerConfig, ScaleState
+
+
+class _DynamicDefault(str):
+    """The default ``loss_scale``: "dynamic" for float16, off for bfloat16 (whose range needs no scaling)."""
+
+
+DYNAMIC = _DynamicDefault("dynamic")
+
+
+@dataclasses.dataclass
+class StepStats:
+    """Device tensors, read only when you ask (``summary()`` and ``history()`` copy them to the host)."""
+    scale: torch.Tensor
+    steps: torch.Tensor
+    skipped: torch.Tensor
+    overflow_history: torch.Tensor
+    scale_history: torch.Tensor
+    grad_norm: torch.Tensor | None
+
+    def summary(self) -> dict[str, Any]:
+        return {"scale": float(self.scale), "steps": int(self.steps), "skipped": int(self.skipped),
+                "grad_norm": None if self.grad_norm is None else float(self.grad_norm)}
+
+    def history(self) -> list[tuple[float, bool]]:
+        """(scale used, overflowed) for the last steps, oldest first (at most 1024)."""
+        n = int(self.steps)
+        idx = [(i % HISTORY) for i in range(max(0, n - HISTORY), n)]
+        scales, flows = self.scale_history.tolist(), self.overflow_history.tolist()
+        return [(scales[i], bool(flows[i])) for i in idx]
+
+
+class Forwarded:
+    """The output of a forward its caller already ran (a trainer that calls the model in its own training code):
+    the step takes it as the model's output instead of calling the model."""
+    __slots__ = ("output",)
+
+    def __init__(self, output: Any):
+        self.output = output
+
+
+class Local:
+    """What the step asks of the data-parallel wrapper, answered for one process.
+
+    ``master_pairs``: (qualified name, low-precision weight, float32 master) for every stored-low weight, in
+    the module and its converted blocks. ``local``/``locals``: the tensor(s) the step's fused kernels work on (a
+    sharded parameter's local shard; here the tensor itself). ``as_grad``: a master's gradient as the optimizer
+    must see it. ``all_reduce_max``: one overflow decision for every process (emitted into the step only where
+    ``distributed``). ``sync(last)``: the context a micro-batch's forward and backward run in (gradient sync on
+    the last only). Clipping uses torch's ``clip_grad_norm_`` here and under DDP (whole gradients); a sharded
+    wrapper adds ``grad_norm``, the norm over every shard."""
+    kind = "local"
+    distributed = False
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.gm = model
+
+    def master_pairs(self, gm) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
+        """(qualified name, low weight, float32 master) over ``gm`` and its converted blocks."""
+        return _weights.named_master_pairs(gm)
+
+    def local(self, t):
+        return t
+
+    def locals(self, ts):
+        return ts
+
+    def as_grad(self, master, view):
+        return view
+
+    def all_reduce_max(self, t: torch.Tensor) -> None:
+        pass
+
+    def sync(self, last: bool):
+        return contextlib.nullcontext()
+
+    def drop_unsynced_grads(self) -> None:
+        """Gradients held outside ``.grad`` by an unfinished accumulation cycle: none here."""
+
+    def allows_fused(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the optimizer's fused kernel (which skips an overflowing update on the device) runs here."""
+        return True
+
+
+def compiled_module(model):
+    """The module ``torch.compile(module)`` compiled (its ``_orig_mod``), or ``model`` itself."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule" else model
+
+
+converted_units = _weights.converted_units
+all_masters = _weights.all_masters
+
+
+def _call(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, Forwarded):
+        return inputs.output
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    return model(inputs)
+
+
+class TrainStep:
+    """``step(inputs, *targets) -> loss``; see :func:`train_step`.
+
+    The step owns the backward, the division by ``accum_steps``, unscaling, clipping (``clip_grad_norm``), the
+    optimizer step on the float32 masters and the copy back, and frees every gradient after an update: a loop
+    calls it once per micro-batch and writes no ``loss.backward()``, ``clip_grad_norm_`` (it would see no
+    gradients), ``optimizer.step()`` or ``zero_grad()``. The learning rate (``group["lr"]`` or an LR scheduler on
+    the same optimizer), ``eval()``/``train()`` and checkpoints (``gm.state_dict()``, the float32 model, or
+    :meth:`state_dict`, everything) stay the loop's. docs/training.md shows the loop before and after."""
+
+    def __init__(self, model, loss_fn, optimizer, *, loss_scale=DYNAMIC, init_scale="auto", growth_factor=2.0,
+                 backoff_factor=0.5, growth_interval=2000, min_scale=1.0, hysteresis=1, on_overflow="skip",
+                 max_retries=8, accum_steps=1, clip_grad_norm=None, parallel: Local | None = None):
+        if parallel is None:
+            if isinstance(compiled_module(model), torch.nn.parallel.DistributedDataParallel):
+                raise TypeError("a step over DistributedDataParallel is built by autocastfx.train_step(), which "
+                                "knows how to reduce the overflow flag across processes")
+            parallel = Local(compiled_module(model))
+            parallel.model = model
+        gm = parallel.gm
+        info = getattr(gm, "meta", {}).get("autocastfx") if isinstance(getattr(gm, "meta", None), dict) else None
+        if info is None:
+            raise TypeError("train_step() needs the module autocastfx.convert() returned (or DistributedDataParallel "
+                            f"around it, or it sharded with FSDP2), got {type(gm).__name__}: convert the model first")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not callable(loss_fn):
+            raise TypeError("loss_fn must be callable as loss_fn(output, *targets)")
+        if on_overflow not in ("skip", "retry"):
+            raise ValueError(f"on_overflow must be 'skip' or 'retry', got {on_overflow!r}")
+        if not (isinstance(accum_steps, int) and accum_steps >= 1):
+            raise ValueError(f"accum_steps must be a positive int, got {accum_steps!r}")
+        if not (isinstance(max_retries, int) and max_retries >= 0):
+            raise ValueError(f"max_retries must be an int >= 0, got {max_retries!r}")
+        if on_overflow == "retry" and accum_steps > 1:
+            raise ValueError("on_overflow='retry' re-runs one batch and cannot re-run earlier micro-batches: "
+                             "use on_overflow='skip' with accum_steps > 1")
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be > 0 or None, got {clip_grad_norm!r}")
+        if isinstance(loss_scale, _DynamicDefault):
+            mode = "off" if info.dtype == torch.bfloat16 else "dynamic"
+        elif loss_scale is None:
+            mode = "off"
+        elif loss_scale == "dynamic":
+            mode = "dynamic"
+        elif isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool) and loss_scale > 0:
+            mode, init_scale = "static", float(loss_scale)
+        else:
+            raise ValueError(f"loss_scale must be 'dynamic', a positive number (static scale) or None, got {loss_scale!r}")
+        if on_overflow == "retry" and mode != "dynamic":
+            raise ValueError("on_overflow='retry' needs loss_scale='dynamic' (a fixed scale would overflow again)")
+        if init_scale == "auto" and mode == "off":
+            init_scale = 2.0**16  # no scaling: the value is never used
+
+        self.model, self.gm, self.loss_fn, self.optimizer = model, gm, loss_fn, optimizer
+        self.parallel = P = parallel
+        self.ddp = P.kind == "ddp"
+        self.accum_steps, self.on_overflow = accum_steps, on_overflow
+        self.clip, self.max_retries = clip_grad_norm, max_retries
+        self.cfg = ScalerConfig(mode, init_scale, growth_factor, backoff_factor, growth_interval, min_scale, hysteresis,
+                                low_max=torch.finfo(info.dtype).max)
+
+        repointed = self._repointed_groups(info)  # raises before anything is changed
+        name_of_master = {id(m): n for n, m in all_masters(gm).items()}
+        triples = P.master_pairs(gm)  # FSDP2: each master cut to its weight's shard here
+        pairs = [(lo, m) for _, lo, m in triples]
+        self.names = [n for n, _, _ in triples]
+        self.lows = [lo for lo, _ in pairs]
+        self.masters = [m for _, m in pairs]
+        low_ids = {id(p) for p in self.lows}
+        self.fp32_params = [p for p in unique_by_id(gm.parameters()) if p.requires_grad and id(p) not in low_ids]
+        device = (self.lows + self.fp32_params)[0].device if (self.lows or self.fp32_params) else torch.device("cpu")
+        if P.kind == "fsdp":  # the masters were cut to shards: point the optimizer at those
+            by_name = dict(zip(self.names, self.masters))
+            repointed = [[(p, by_name.get(name_of_master.get(id(t)), t)) for p, t in group] for group in repointed]
+        for lo, m in pairs:
+            if m.device != lo.device:
+                m.data = m.data.to(lo.device)
+        self.state = ScaleState(self.cfg, device, reduce_max=P.all_reduce_max if P.distributed else None)
+        self._repoint_optimizer(repointed)
+        self.fused = self._use_fused_skip()
+        # float32 master gradients live only inside an update (one flat buffer, allocated per update): between
+        # steps the step holds no gradient at all, as autocast + GradScaler with zero_grad(set_to_none=True)
+        local_masters = P.locals(self.masters)  # under FSDP2: this rank's shards
+        self._master_numel = sum(m.numel() for m in local_masters)
+        self._grad_views = _view_specs(local_masters)  # each master's place and layout in that buffer, fixed
+        self._buckets = _buckets([m.numel() for m in local_masters], BUCKET_ELEMENTS)
+        self.all_params = self.lows + self.fp32_params
+        self.grad_holders = self.all_params + self.masters
+        self.grad_norm = torch.zeros((), device=device) if clip_grad_norm is not None else None
+        self.micro = 0
+        self.checker = InputChecker(gm, device)  # host-side checks of each new input signature
+        self.code = self._generate()
+        namespace = {"torch": torch, "contextlib": contextlib, "self": self, "model": model, "loss_fn": loss_fn,
+                     "optimizer": optimizer, "S": self.state, "P": P, "_call": _call, "check_loss": check_loss}
+        exec(compile(self.code, "<autocastfx train_step>", "exec"), namespace)  # noqa: S102 - our own source
+        self._fn: Callable = namespace["train_step"]
+
+    # ------------------------------------------------------------------------------------------- set-up
+    def _repointed_groups(self, info) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """For each optimizer group, (tensor it holds, float32 master or module parameter to hold instead).
+        Raises StepError for a tensor that belongs to neither model, before anything is changed."""
+        gm_params, by_id = _weights.aliases(self.gm)
+        canonical = {i: names[0] for i, names in by_id.items()}
+        alias = {name: canonical[id(p)] for name, p in gm_params.items()}
+        master_by_name = all_masters(self.gm)
+        master_ids = {id(m) for m in master_by_name.values()}
+        groups = []
+        for g, group in enumerate(self.optimizer.param_groups):
+            pairs = []
+            for i, p in enumerate(group["params"]):
+                if id(p) in master_ids:
+                    pairs.append((p, p))
+                    continue
+                name = canonical.get(id(p)) or next(
+                    (n for n in info.source_params.get(id(p), ()) if n in alias), None)
+                if name is None and id(p) in info.source_params:
+                    continue  # the model's, but the graph never reads it: no gradient, as in the model itself
+                if name is None:
+                    raise StepError(
+                        f"the optimizer holds a tensor of shape {tuple(p.shape)} (param group {g}, entry {i}) that is "
+                        "neither a parameter of the converted module nor of the model it was converted from: build "
+                        "the optimizer over gm.parameters() or over the original model's parameters, after convert() "
+                        "(and after fully_shard() or autocastfx.shard(), which replace the module's parameters)")
+                name = alias.get(name, name)
+                pairs.append((p, master_by_name.get(name, gm_params.get(name))))
+            groups.append(pairs)
+        return groups
+
+    def _repoint_optimizer(self, groups: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Point the optimizer's groups at the float32 masters (and the module's float32 parameters)."""
+        for group, pairs in zip(self.optimizer.param_groups, groups):
+            new = []
+            for p, target in pairs:
+                if target is not p and p in self.optimizer.state:
+                    self.optimizer.state[target] = self.optimizer.state.pop(p)
+                if all(target is not q for q in new):
+                    new.append(target)
+            group["params"] = new
+
+    def _use_fused_skip(self) -> bool:
+        """Fused optimizers take ``found_inf`` and skip the update on the device; turn it on where it exists."""
+        opt = self.optimizer
+        if getattr(opt, "_step_supports_amp_scaling", False):
+            return True
+        if "fused" not in opt.defaults or not self.parallel.allows_fused(opt):
+            return False
+        for group in opt.param_groups:
+            group["fused"] = True
+            if "foreach" in group:
+                group["foreach"] = False
+            if group.get("differentiable"):
+                return False
+        opt.defaults["fused"] = True
+        opt._step_supports_amp_scaling = True
+        if isinstance(opt, torch.optim.SGD):
+            # a skipped first step would leave fused SGD's momentum buffers uninitialised: start them at zero
+            # (equal to PyTorch's first-step buffer when dampening == 0)
+            for group in opt.param_groups:
+                if group["momentum"] and not group["dampening"]:
+                    for p in group["params"]:
+                        opt.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+        return True
+
+    # ------------------------------------------------------------------------------------- the source
+    def _generate(self) -> str:
+        has_masters = bool(self.masters)
+        dyn = self.cfg.mode == "dynamic"
+        scaled = self.cfg.mode != "off"
+        accum = self.accum_steps
+        L: list[str] = []
+        add = L.append
+        init = "auto" if self.cfg.auto else f"{self.cfg.init_scale:g}"
+        doc = (f"loss scale {self.cfg.mode}" + (f" (init {init})" if scaled else "")
+               + (f", hysteresis {self.cfg.hysteresis}" if dyn and self.cfg.hysteresis > 1 else "")
+               + (f", {accum} micro-batches per update" if accum > 1 else "")
+               + (f", clip grad norm {self.clip:g}" if self.clip is not None else "")
+               + (", retry on overflow" if self.on_overflow == "retry" else "")
+               + ({"ddp": ", DistributedDataParallel", "fsdp": ", FSDP2 (sharded masters)"}.get(self.parallel.kind, "")))
+        dist = self.parallel.distributed
+        sharded = self.parallel.kind == "fsdp"
+        add("def train_step(inputs, *targets):")
+        add(f'    """One mixed-precision training step: {doc}."""')
+        if accum > 1:
+            add(f"    last = self.micro % {accum} == {accum - 1}  # host counter: no device read")
+            if dist:
+                add("    with P.sync(last):  # gradient all-reduce / reduce-scatter on the last micro-batch only")
+                ind = "        "
+            else:
+                ind = "    "
+        else:
+            ind = "    "
+        section = itertools.count(1)  # the comments number the parts the options emit
+        loop = self.on_overflow == "retry"
+        if loop:
+            add(f"    for attempt in range({self.max_retries + 1}):")
+            ind = "        "
+        add(f"{ind}# {next(section)}. forward with low-precision weights; the loss in float32")
+        add(f"{ind}out = _call(model, inputs)")
+        add(f"{ind}loss = check_loss(loss_fn(out, *targets)).float()  # one float number connected to the weights")
+        add(f"{ind}# {next(section)}. backward of loss * scale" + (f" / {accum}" if accum > 1 else ""))
+        factor = "S.scale" if scaled else None
+        if accum > 1:
+            factor = f"(S.scale / {accum})" if scaled else f"(1.0 / {accum})"
+        add(f"{ind}({'loss * ' + factor if factor else 'loss'}).backward()")
+        if accum > 1:
+            add("    self.micro += 1")
+            add("    if not last:")
+            add("        return loss.detach()")
+            ind = "    "
+        add(f"{ind}with torch.no_grad():")
+        ind2 = ind + "    "
+        add(f"{ind2}# {next(section)}. gradients into float32" + (" master .grad," if has_masters else ",")
+            + (" unscaled and" if scaled else "") + " checked for inf/NaN in one fused pass")
+        fp32_grads = "[p.grad for p in self.fp32_params if p.grad is not None]"
+        if sharded:
+            fp32_grads = f"P.locals({fp32_grads})"  # the shards' local tensors: the kernels below take plain ones
+        if has_masters:
+            add(f"{ind2}master_grads = self._grads_to_masters()  # one float32 buffer; low .grad freed at once")
+            add(f"{ind2}grads = master_grads + {fp32_grads}")
+        else:
+            add(f"{ind2}grads = {fp32_grads}")
+        add(f"{ind2}S.found_inf.zero_()")
+        add(f"{ind2}torch._amp_foreach_non_finite_check_and_unscale_(grads, S.found_inf, S.inv_scale)")
+        if dist:
+            add(f"{ind2}P.all_reduce_max(S.found_inf)  # one skip decision on every rank")
+        if loop:
+            add(f"{ind2}overflow = bool(S.found_inf)  # retry needs this one host read per attempt")
+            add(f"{ind}if not overflow or attempt == {self.max_retries}:")
+            add(f"{ind}    break")
+            add(f"{ind}with torch.no_grad():  # redo the batch at the lowered scale")
+            add(f"{ind}    S.record()")
+            add(f"{ind}    S.update_dynamic()")
+            add(f"{ind}    for p in self.all_params:")
+            add(f"{ind}        p.grad = None")
+            if has_masters:
+                add(f"{ind}    del master_grads, grads")
+            ind, ind2 = "    ", "        "
+            add(f"{ind}with torch.no_grad():")
+        if has_masters:
+            add(f"{ind2}for m, g in zip(self.masters, master_grads):")
+            add(f"{ind2}    m.grad = {'P.as_grad(m, g)' if sharded else 'g'}")
+        if self.clip is not None:
+            add(f"{ind2}# {next(section)}. clip by global norm, after unscaling (no host read)")
+            if sharded:
+                add(f"{ind2}self.grad_norm.copy_(P.grad_norm(grads))  # over every shard of every rank")
+                add(f"{ind2}torch._foreach_mul_(grads, torch.clamp({self.clip!r} / (self.grad_norm + 1e-6), max=1.0))")
+            else:
+                add(f"{ind2}self.grad_norm.copy_(torch.nn.utils.clip_grad_norm_(self.optimizer_params, {self.clip!r}, "
+                    "foreach=True))  # one tensor for the step's life: stats and a CUDA graph keep reading it")
+        add(f"{ind2}# {next(section)}. optimizer step on the {'masters' if has_masters else 'parameters'}, skipped on overflow")
+        if self.fused:
+            add(f"{ind2}optimizer.grad_scale, optimizer.found_inf = None, S.found_inf  # fused kernel skips on the device")
+            add(f"{ind2}optimizer.step()")
+        else:
+            add(f"{ind2}if not bool(S.found_inf):  # this optimizer has no fused kernel: one host read to skip")
+            add(f"{ind2}    optimizer.step()")
+        if has_masters:
+            if sharded:
+                add(f"{ind2}torch._foreach_copy_(P.locals(self.lows), P.locals(self.masters))  # master shards -> low shards")
+            else:
+                add(f"{ind2}torch._foreach_copy_(self.lows, self.masters)  # masters -> low-precision weights")
+        add(f"{ind2}for p in self.{'grad_holders' if has_masters else 'all_params'}:  # gradients freed: "
+            "the next backward writes, not adds")
+        add(f"{ind2}    p.grad = None")
+        add(f"{ind2}# {next(section)}. scale update on the device" + ("; the stuck-at-min_scale flag too, read later by the host "
+                                                       "without a sync" if dyn else ""))
+        add(f"{ind2}S.record()")
+        if dyn and self.cfg.auto:
+            add(f"{ind2}if S.auto_pending:  # first update: the largest safe power of two for these gradients")
+            add(f"{ind2}    S.update_auto(grads)")
+            add(f"{ind2}else:")
+            add(f"{ind2}    S.update_dynamic()")
+        elif dyn:
+            add(f"{ind2}S.update_dynamic()")
+        add(f"{ind}return loss.detach()")
+        return textwrap.dedent("\n".join(L)) + "\n"
+
+    def _grads_to_masters(self) -> list[torch.Tensor]:
+        """The low-precision gradients as float32, in views of one buffer allocated for this update (zero where
+        the loss did not reach a parameter). The copy goes bucket by bucket and frees each bucket's low ``.grad``
+        as soon as it is copied, so at most one bucket is held in both precisions."""
+        local = self.parallel.local
+        flat = torch.empty(self._master_numel, dtype=torch.float32, device=self.masters[0].device)
+        views = [flat.as_strided(*spec) if spec is not None else torch.empty_like(local(m))
+                 for spec, m in zip(self._grad_views, self.masters)]
+        for lo, hi in self._buckets:
+            have = [(v, local(p.grad)) for v, p in zip(views[lo:hi], self.lows[lo:hi]) if p.grad is not None]
+            if have:
+                torch._foreach_copy_([v for v, _ in have], [g for _, g in have])
+            if len(have) != hi - lo:
+                torch._foreach_zero_([v for v, p in zip(views[lo:hi], self.lows[lo:hi]) if p.grad is None])
+            for p in self.lows[lo:hi]:
+                p.grad = None
+        return views
+
+    @property
+    def optimizer_params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    # ---------------------------------------------------------------------------------------- public
+    def __call__(self, inputs, *targets):
+        """``inputs``: a tensor, a tuple of positional inputs or a dict of keyword inputs; ``targets`` go to
+        ``loss_fn(output, *targets)``. Returns the loss (a device tensor, not read)."""
+        check_grad_mode()
+        key = signature(inputs, targets)
+        if key in self.checker.seen:
+            loss = self._fn(inputs, *targets)
+        else:  # a new signature: checked, and its first run guarded
+            bound = self.checker.check(inputs, targets)
+            with self.checker.guard(inputs, bound):
+                loss = self._fn(inputs, *targets)
+            self.checker.seen.add(key)
+        self.state.poll()
+        return loss
+
+    def after_forward(self, output: Any, *targets) -> torch.Tensor:
+        """The step for a forward the caller ran itself: ``loss_fn(output, *targets)``, then backward, and on the
+        last micro-batch of an update the whole update, exactly as ``step(inputs, *targets)`` does after its
+        forward. For trainers whose own code calls the model (Lightning's ``training_step``); the output must come
+        from the converted module's forward in this grad-enabled region."""
+        check_grad_mode()
+        loss = self._fn(Forwarded(output), *targets)
+        self.state.poll()
+        return loss
+
+    @property
+    def stats(self) -> StepStats:
+        S = self.state
+        return StepStats(S.scale, S.steps, S.skipped, S.overflow_history, S.scale_history, self.grad_norm)
+
+    def check(self) -> None:
+        """Raise LossScaleError now if the scale is stuck at min_scale with gradients still overflowing (one host
+        read; every call already raises it within two steps without one)."""
+        self.state.check()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything to resume bit for bit: scale state, masters, the module, the optimizer, the RNG. This
+        process's view (under FSDP2, its shards): ``autocastfx.save_checkpoint`` writes one checkpoint for all
+        ranks that loads on any number of them."""
+        return {
+            "scaler": self.state.state_dict(),
+            "masters": {n: m.detach().clone() for n, m in zip(self.names, self.masters)},
+            "model": {k: v.clone() for k, v in self.gm.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "micro": self.micro,
+            "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        missing = {"scaler", "masters", "model", "optimizer"} - set(sd)
+        if missing:
+            raise KeyError(f"not a train_step state_dict: missing {sorted(missing)}")
+        if set(sd["masters"]) != set(self.names):
+            raise ValueError(f"the state_dict's masters {sorted(sd['masters'])[:5]} do not match this module's "
+                             f"{self.names[:5]}: was it saved from a step over the same converted model?")
+        self.gm.load_state_dict(sd["model"])
+        with torch.no_grad():
+            for n, m in zip(self.names, self.masters):
+                m.copy_(sd["masters"][n])
+            if self.masters:
+                torch._foreach_copy_(self.parallel.locals(self.lows), self.parallel.locals(self.masters))
+        # the optimizer keeps the checkpoint's tensors where no cast is needed: copy them, so that training on
+        # does not write into the caller's checkpoint; then the fused, on-device skip again (a checkpoint from
+        # a plain optimizer carries fused=False in its groups)
+        opt_sd = dict(sd["optimizer"])
+        opt_sd["state"] = {k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in st.items()}
+                           for k, st in sd["optimizer"]["state"].items()}
+        own = [{k: g[k] for k in ("capturable",) if k in g} for g in self.optimizer.param_groups]
+        self.optimizer.load_state_dict(opt_sd)
+        for group, keep in zip(self.optimizer.param_groups, own):  # a CUDA-graph step's checkpoint says
+            group.update(keep)                                     # capturable=True: this step's own flag stays
+            if not (group.get("capturable") or group.get("fused")):
+                for p in group["params"]:  # where torch keeps `step` for a plain loop: on the CPU
+                    st = self.optimizer.state.get(p, {})
+                    if torch.is_tensor(st.get("step")) and st["step"].device.type != "cpu":
+                        st["step"] = st["step"].to("cpu", torch.float32)
+        if self.fused and "fused" in self.optimizer.defaults:
+            for group in self.optimizer.param_groups:
+                group["fused"] = True
+                if "foreach" in group:
+                    group["foreach"] = False
+        self.state.load_state_dict(sd["scaler"])
+        self.micro = sd.get("micro", 0)
+        for p in self.grad_holders:  # gradients of this run's micro-batches are not the checkpoint's
+            p.grad = None
+        self.parallel.drop_unsynced_grads()
+        if sd.get("rng") is not None:
+            torch.set_rng_state(sd["rng"])
+        if sd.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(sd["cuda_rng"])
+
+
+BUCKET_ELEMENTS = 1 << 24  # 16M elements (32 MiB of float16 gradients): one fused copy per bucket
+
+
+def _view_specs(masters: list[torch.Tensor]) -> list[tuple | None]:
+    """(shape, stride, offset) of each master's gradient in one flat buffer: the master's own shape and strides,
+    because an optimizer's fused and foreach kernels walk a parameter and its gradient as flat memory, and a
+    gradient laid out unlike its parameter (an NCHW gradient for a channels_last weight) would pair the wrong
+    elements. None for a master that is not dense (never made by autocastfx, but possible after a user's own
+    surgery): its gradient gets a tensor of its own."""
+    specs, offset = [], 0
+    for m in masters:
+        specs.append((tuple(m.shape), m.stride(), offset) if _dense(m) else None)
+        offset += m.numel()
+    return specs
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers exactly ``t.numel()`` elements of memory with no overlap, in some order of its dims."""
+    expected = 1
+    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _buckets(sizes: list[int], limit: int) -> list[tuple[int, int]]:
+    """Consecutive index ranges whose sizes add up to at most ``limit`` (a larger tensor alone)."""
+    out, start, total = [], 0, 0
+    for i, n in enumerate(sizes):
+        if i > start and total + n > limit:
+            out.append((start, i))
+            start, total = i, 0
+        total += n
+    if sizes:
+        out.append((start, len(sizes)))
+    return out
+
+
+__all__ = ["TrainStep", "Local", "StepStats", "LossScaleError", "StepError", "DYNAMIC"]

@@ -1,0 +1,572 @@
+"""Blocks: a model converted block by block, its blocks kept as modules; piecewise conversion of a model that
+does not capture as a whole.
+
+``convert(model, x, blocks="auto")`` (the default) converts each block of the model (the repeated children of
+its ``nn.ModuleList``s: a transformer's decoder layers, a network's stages) as a converted module of its own,
+at the same qualified name, inside the same container, then the model around them with each block a
+``call_module`` node of its graph:
+
+- **One run decides every boundary.** The model runs once on the example inputs (eval mode, no gradients, the
+  random number generator untouched) with each block replaced by a stand-in that converts it, on first call,
+  with the inputs it receives there: the blocks before it are converted already, so those inputs have the
+  dtypes the converted model will give it. A block takes its inputs and gives its outputs in the dtypes its
+  plan prefers (``keep_io_types=False``): an activation that leaves one block low enters the next low, without
+  a round trip through float32.
+- **Blocks alike are planned once.** A block of the same class, attributes, parameter shapes and input
+  shapes as one converted before it is a copy of that one with its own weights: converting a deep stack
+  costs about one block.
+- **The model around the blocks** is captured with the blocks as leaves (``symbolic_trace``) and planned
+  like any model, a block's call taking its inputs in the dtypes that block was converted for.
+- **Piecewise.** Where the model around the blocks does not trace (its Python is not a graph: Hugging Face
+  models, a loss with a data-dependent branch), it runs as the model's own Python; its children that hold
+  matmuls and convolutions are converted each on its own (float32 at their boundaries, so the dtypes the blocks
+  were converted for stay the ones they get), recursing into those that do not capture; the report and one
+  warning say what stayed eager and why.
+
+Each converted unit (a block, the root) keeps its own plan, masters and report section; the training step,
+``shard()`` (FSDP2: each block a unit of its own) and checkpoints work over the tree.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from ..base.errors import CaptureError
+from ..base.meta import FIRST
+from ..base import keys as K
+from ..base.meta import ReadsThrough
+from ..base.meta import TensorInfo
+from ..capture.trace import _Tracer
+from ..capture.trace import _copy
+from ..base.errors import _one_line
+from .piecewise import _piecewise
+from ..base.meta import is_converted
+from ..core.propagate import placeholder_values
+from ..base.quiet import torch_internal_warnings_off
+from ..capture.watch import watch_reads
+from .parts import BLOCK_META, Conversions
+from ..base.options import ConvertOptions
+from ..capture.context import CaptureContext, free_sizes
+from .parts import _RootError
+from .parts import _data_dependent
+from .parts import _describe
+from .parts import _float32
+from .parts import _float_dtypes
+from .parts import _has_gemm
+from .parts import _inside
+from .parts import _keep_containers
+from .parts import _no_autocast
+from .parts import _put
+from .parts import _quiet_run
+from .parts import _set_modes
+from .parts import why_not_captured
+
+
+AUTO = "auto"
+
+
+# --------------------------------------------------------------------------------------------- choice
+
+def choose(model: nn.Module, blocks: Any, policy) -> list[str]:
+    """The qualified names of the blocks to convert on their own, in the model's order (outermost only)."""
+    if blocks is None or blocks is False:
+        return []
+    named = dict(model.named_modules())
+    if blocks == AUTO or blocks is True:
+        names: list[str] = []
+        for name, m in model.named_modules():
+            if not isinstance(m, nn.ModuleList) or _inside(name, set(names)):
+                continue
+            kinds = collections.Counter(type(c) for c in m.children())
+            for key, c in m.named_children():
+                if kinds[type(c)] >= 2 and not policy.is_leaf(c) and _has_gemm(c):
+                    names.append(f"{name}.{key}" if name else key)
+        return names
+    if callable(blocks):
+        picked = [n for n, m in model.named_modules() if n and blocks(n, m)]
+    elif isinstance(blocks, (list, tuple)) and all(isinstance(b, str) for b in blocks):
+        picked = list(blocks)
+        missing = [b for b in picked if b not in named or not b]
+        if missing:
+            lists = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+            raise ValueError(f"blocks={missing} are not submodules of {type(model).__name__}; blocks takes qualified "
+                             f"names such as 'layers.0' (its ModuleLists: {lists[:8]}), a function (name, module) "
+                             "-> bool, 'auto' or None")
+    else:
+        raise TypeError("blocks must be 'auto', None (one graph for the whole model), a list of submodule names "
+                        f"or a function (name, module) -> bool; got {blocks!r}")
+    order = {n: i for i, n in enumerate(named)}
+    out: list[str] = []
+    for n in sorted(set(picked), key=order.__getitem__):
+        if not _inside(n, out):
+            out.append(n)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ conversion
+
+
+class _Stand(ReadsThrough):
+    """Where a block was, during the one run: converts it on its first call, with that call's inputs."""
+
+    def __init__(self, name: str, block: nn.Module, make: Callable):
+        super().__init__()
+        self.name, self.block, self.make = name, block, make
+        self.unit: nn.Module | None = None
+        self.calls = 0
+        self.template: Any = None
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        if self.unit is None:
+            if _has_fake((args, kwargs)):  # the one run of a model on the meta device: converted from shapes
+                with unset_fake_temporarily():
+                    self.unit = self.make(self.name, self.block, *_as_meta((args, kwargs)))
+            else:
+                self.unit = self.make(self.name, self.block, args, kwargs)
+        elif self.calls > 1:
+            raise _CalledTwice(self.name)
+        if not is_converted(self.unit):  # not converted: it runs as the code around the blocks does
+            return self.unit(*args, **kwargs)
+        with _no_autocast(args):
+            out = _as_unit_gives(self.unit, self.block, args, kwargs)
+        self.template = _residual_template(self.unit, args, out)
+        return out
+
+
+def _residual_template(unit: nn.Module, args: tuple, out: Any) -> Any:
+    """Where every tensor the block gives has the shape of its first input, in the unit's own graph too (the
+    same symbolic sizes, for a unit torch.export captured): the structure of its result, each tensor marked
+    ``FIRST`` and other leaves as they were. torch.export then need not trace the block to export the model
+    around it (see ``around._Float32Results``). None otherwise."""
+    if not args or not isinstance(args[0], torch.Tensor):
+        return None
+    leaves, spec = torch.utils._pytree.tree_flatten(out)
+    if not args[0].is_floating_point() or not any(isinstance(t, torch.Tensor) for t in leaves) or any(
+            isinstance(t, torch.Tensor) and (t.shape != args[0].shape or not t.is_floating_point()) for t in leaves):
+        return None
+    places = [n for n in unit.graph.nodes if n.op == "placeholder"]
+    first = places[0].meta.get("val") if places else None
+    out_node = next(n for n in reversed(unit.graph.nodes) if n.op == "output")
+    if not isinstance(first, torch.Tensor):
+        return None
+    for a in torch.utils._pytree.tree_leaves(out_node.args[0]):
+        if not isinstance(a, fx.Node):
+            continue
+        while "val" not in a.meta and a.args and isinstance(a.args[0], fx.Node):  # a cast the plan put there
+            a = a.args[0]
+        val = a.meta.get("val")
+        if not isinstance(val, torch.Tensor) or tuple(map(str, val.shape)) != tuple(map(str, first.shape)):
+            return None
+    return torch.utils._pytree.tree_unflatten(
+        [FIRST if isinstance(t, torch.Tensor) else t for t in leaves], spec)
+
+
+def _as_unit_gives(unit: nn.Module, block: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """What the converted block gives, for the rest of the one run: the model's block run in float32 (low kernels
+    are slow where they are emulated, as on most CPUs, and only the dtypes and shapes matter here), its float
+    results in the dtypes the converted block returns them. The converted block itself where that cannot be
+    matched up."""
+    graph = unit.graph
+    out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
+    want = [getattr(a.meta.get(K.INFO), "dtype", None) if isinstance(a, fx.Node) else None
+            for a in torch.utils._pytree.tree_leaves(out_node.args[0])]
+    up = _float32((args, kwargs))
+    try:
+        out = block(*up[0], **up[1])
+    except Exception:  # noqa: BLE001 - the converted block then
+        return unit(*args, **kwargs)
+    leaves, spec = torch.utils._pytree.tree_flatten(out)
+    if len(leaves) != len(want):
+        return unit(*args, **kwargs)
+    leaves = [t.to(d) if isinstance(t, torch.Tensor) and t.is_floating_point() and d is not None else t
+              for t, d in zip(leaves, want)]
+    return torch.utils._pytree.tree_unflatten(leaves, spec)
+
+
+class _CalledTwice(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _fake_on(device: torch.device | None):
+    """The one run of a model on the meta device (``device`` None: an ordinary run): a FakeTensorMode in which
+    the model's meta tensors are fake tensors of the device the model is planned for, and its real inputs fake
+    tensors of theirs, so that the model's code runs as on that device without values (a Hugging Face model's
+    checks on values are skipped for fake tensors, as under torch.export)."""
+    if device is None:
+        yield
+        return
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    convert = mode.fake_tensor_converter
+    real = convert.from_real_tensor
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def from_real(fake_mode, t, *args, **kwargs):
+        if not t.is_meta:
+            return real(fake_mode, t, *args, **kwargs)
+        hit = made.get(id(t))
+        if hit is None or hit[0] is not t:
+            with unset_fake_temporarily():
+                fake = convert.from_meta_and_device(fake_mode, t, device)
+            hit = made[id(t)] = (t, fake)
+        return hit[1]
+
+    convert.from_real_tensor = from_real
+    with mode:
+        yield
+
+
+def _has_fake(tree: Any) -> bool:
+    return any(isinstance(t, FakeTensor) for t in torch.utils._pytree.tree_leaves(tree))
+
+
+def _as_meta(tree: Any) -> Any:
+    """Fake tensors as plain meta tensors of their shapes, strides and dtypes (a block converted from them)."""
+    def meta(t):
+        if not isinstance(t, FakeTensor):
+            return t
+        return torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype, device="meta")
+    return torch.utils._pytree.tree_map_only(torch.Tensor, meta, tree)
+
+
+def convert_tree(model: nn.Module, names: list[str], args: tuple, kwargs: dict, conv: Conversions,
+                 options: ConvertOptions, ctx: CaptureContext, explicit: bool) -> nn.Module:
+    """Convert ``model`` with the blocks ``names`` as modules of their own, each by ``conv.block``, the model
+    around them by ``conv.whole`` (the caller's per-graph conversions). Where the model around the blocks does not trace, ``blocks="auto"``
+    (``explicit=False``) converts the model as one graph as before, and only a model that does not capture
+    as one graph either is converted piecewise; blocks the caller named are kept as modules piecewise."""
+    # the model around the blocks as one graph: traced (symbolic_trace), or else exported (torch.export, the
+    # blocks' call signatures preserved: Hugging Face models)
+    traced = _traces_around(model, names, options.policy)
+    try:
+        return _tree(model, names, args, kwargs, conv, options, ctx, piecewise=False)
+    except _RootError as e:
+        why = why_not_captured(e.__cause__) if isinstance(e.__cause__, CaptureError) else \
+            f"{traced}; {e}" if traced is not None else str(e)
+        if traced is not None and _data_dependent(e):  # its Python branches on values: as one graph neither
+            return _tree(model, names, args, kwargs, conv, options, ctx, piecewise=True, why=why)
+    if not explicit:
+        try:
+            return conv.whole(model, args, kwargs, options, ctx)
+        except CaptureError as e:
+            why = why_not_captured(e)
+    return _tree(model, names, args, kwargs, conv, options, ctx, piecewise=True, why=why)
+
+
+def _tree(model, names, args, kwargs, conv, options, ctx, *, piecewise: bool, why: str | None = None) -> nn.Module:
+    modes = {id(m): m.training for m in model.modules()}
+    # the model's structure (its tensors until the end); the blocks themselves are not copied: each is replaced
+    # by its stand and then by its converted unit, or by a copy where it stays the model's module (a block the
+    # model also holds under another name is copied: that other place would keep the model's own module)
+    seen = collections.Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    keep = {id(m): m for m in (model.get_submodule(n) for n in names) if seen[id(m)] == 1}
+    tree = _copy(model, share_tensors=True, keep=keep.values())
+    plans: dict[Any, list[tuple[nn.Module, dict]]] = {}  # key -> [(converted block, the attributes it read)]
+    made: dict[str, dict] = {}
+    failed: dict[str, str] = {}
+    low_refused: dict[type, bool] = {}
+    codes: dict[int, tuple] = {}
+    block_options = options.replace(keep_io_types=piecewise)
+    # a block exported on its own leaves free the sizes free in the model's inputs (batch, sequence length)
+    block_ctx = ctx.replace(dynamic_sizes=free_sizes(args, kwargs))
+
+    def make(name: str, block: nn.Module, a: tuple, k: dict) -> nn.Module:
+        base = model.get_submodule(name)
+        originals = dict(base.named_modules())
+        for rel, m in block.named_modules():  # converted in the modes the model's modules have
+            o = originals.get(rel)
+            if o is not None:
+                m.training = modes.get(id(o), m.training)
+        given = a
+        if not piecewise and not low_refused.get(type(block)):
+            a = _hidden_low(a, options.dtype)
+        key = _signature(block, a, k)
+        ref = next((u for u, read in plans.get(key, ()) if _same_reads(block, read)), None) \
+            if key is not None else None
+        unit = _reuse(ref, block, codes) if ref is not None else None
+        if unit is not None:
+            how = f"the plan of {ref.meta[BLOCK_META]['name']}, reused (same structure and input shapes)"
+        else:
+            ref = None
+            try:
+                try:
+                    with _no_autocast(a), _watch_attributes(block) as read:
+                        unit = conv.block(block, a, k, block_options, block_ctx)
+                except Exception:  # noqa: BLE001 - the block's float32 code refuses a low input (a convolution's
+                    f32 = _float32(given)  # float32 bias): converted for a float32 input
+                    if _float_dtypes(a) == _float_dtypes(f32):
+                        raise
+                    low_refused[type(block)] = True
+                    a = f32
+                    key = _signature(block, a, k)
+                    with _no_autocast(a), _watch_attributes(block) as read:
+                        unit = conv.block(block, a, k, block_options, block_ctx)
+            except CaptureError as e:  # stays the model's module: traced with the model, or eager
+                failed[name] = f"does not capture on its own ({why_not_captured(e)})"
+                return block
+            how = f"converted ({unit.meta['autocastfx'].capture})"
+            if key is not None and read is not None:
+                plans.setdefault(key, []).append((unit, read))
+        family = ref.meta[BLOCK_META]["family"] if ref is not None else name
+        unit.meta[BLOCK_META] = {"name": name, "inputs": _planned_inputs(unit, a, k), "plan": how,
+                                 "family": family}
+        made[name] = unit.meta[BLOCK_META]
+        unit.eval()  # for the rest of the run: no batch-norm statistics updated, no dropout
+        return unit
+
+    stands = {}
+    for name in names:
+        stands[name] = _Stand(name, tree.get_submodule(name), make)
+        _put(tree, name, stands[name])
+    try:
+        with _quiet_run(tree, None if piecewise else options.dtype, (args, kwargs)), _fake_on(ctx.meta_device):
+            tree(*args, **kwargs)
+    except _CalledTwice as e:  # a block called twice (weights shared between calls) is no block: again without
+        rest = [n for n in names if n != str(e)]
+        if not rest:
+            return conv.whole(model, args, kwargs, options, ctx)
+        return _tree(model, rest, args, kwargs, conv, options, ctx, piecewise=piecewise, why=why)
+    finally:
+        for name, st in stands.items():
+            m = st.unit if st.unit is not None else st.block
+            _put(tree, name, _copy(m, share_tensors=True) if id(m) in keep else m)
+        _set_modes(tree, model, modes)
+    units = {n: st.unit for n, st in stands.items() if st.unit is not None and is_converted(st.unit)}
+    skipped = {n: failed.get(n, "not called by the model's forward on the example inputs") for n in stands
+               if n not in units}
+    if not units:
+        return conv.whole(model, args, kwargs, options, ctx)
+    if piecewise:
+        return _piecewise(model, tree, units, skipped, args, kwargs, conv, options, ctx, modes, why)
+    # what torch.export traces for the converted blocks: a copy of the input where that has the block's
+    # result's shape, else the model's own block
+    sources = {id(u): (model.get_submodule(n), stands[n].template) for n, u in units.items()}
+    return _root(model, tree, units, skipped, args, kwargs, conv, options, ctx.replace(sources=sources), modes)
+
+
+def _hidden_low(args: tuple, low: torch.dtype) -> tuple:
+    """A block's first input (the hidden state a stack passes from block to block) taken low, as the blocks
+    before it give it, where its values fit: the model around the blocks is planned to deliver it so (an
+    embedding stored low, no cast up before the first block), and every block of a stack is converted for the
+    same input. Other inputs (masks, rotary tables) keep the dtype the model gives them."""
+    if not args or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point() \
+            or args[0].dtype == low:
+        return args
+    x = args[0]
+    # on the meta device there are no values to look at: a hidden state is taken to fit, as it does in any model
+    # that trains
+    if x.numel() and not x.is_meta and not bool(torch.isfinite(x.to(low)).all()):
+        return args
+    return (x.to(low),) + tuple(args[1:])
+
+
+def _planned_inputs(unit: nn.Module, args: tuple, kwargs: dict) -> list:
+    """The dtype a converted block takes each float input in (``_float_dtypes``'s order): the example's, or the
+    one its plan chose for an input it was free to choose (see ``api._free_inputs``)."""
+    given = _float_dtypes((args, kwargs))
+    chosen = {}
+    for p, v in placeholder_values(unit, args, kwargs):
+        info = p.meta.get(K.INFO)
+        if isinstance(v, torch.Tensor) and isinstance(info, TensorInfo):
+            chosen.setdefault(id(v), info.dtype)
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    return [chosen.get(id(t), d) if d is not None else None for t, d in zip(leaves, given)]
+
+
+# --------------------------------------------------------------------------------------------- reuse
+
+_MODULE_STATE = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training"})
+_PLAIN = (int, float, str, bool, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _signature(block: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """What a block's conversion depends on, but for the values of its own classes' plain attributes:
+    classes, attribute names, torch.nn modules' attributes (a traced graph calls them as they are),
+    parameter and buffer metadata, modes, input metadata. None where something of another kind is met (then
+    the block is converted on its own). Which of its own attributes the conversion read, and their values, are
+    compared apart (:func:`_same_reads`): a decoder layer's ``layer_idx`` that no code reads does not keep two
+    layers from one plan."""
+    parts: list = []
+    for name, m in block.named_modules():
+        items = [name, type(m), m.training]
+        ours = not _is_torch_class(type(m))
+        for k, v in sorted(vars(m).items()):
+            if k in _MODULE_STATE:
+                continue
+            if "hook" in k:
+                if v:
+                    return None
+                continue
+            if isinstance(v, torch.Tensor):  # a tensor that is neither parameter nor buffer: its values would
+                return None                  # not be copied into a reused plan's copy
+            try:
+                items.append((k, _plain(v) if not ours else type(v)))
+            except TypeError:
+                return None
+        for store in (m._parameters, m._buffers):
+            items.append(tuple((k, None if t is None else (t.shape, t.dtype, t.requires_grad, t.stride()))
+                               for k, t in store.items()))
+        parts.append(tuple(items))
+    try:
+        parts.append(_plain((args, kwargs)))
+    except TypeError:
+        return None
+    return tuple(parts)
+
+
+def _is_torch_class(cls: type) -> bool:
+    return (getattr(cls, "__module__", "") or "").startswith("torch.")
+
+
+@contextlib.contextmanager
+def _watch_attributes(block: nn.Module):
+    """Yields a dict that, once the block is converted, holds (module name, attribute) -> value for every plain
+    attribute of the block's own classes that any instance of that class had read meanwhile (the capture reads
+    a copy of the block: what a class read is taken as read in every module of that class, which only makes
+    the comparison stricter); None where a value read cannot be compared."""
+    classes = {type(m) for m in block.modules() if not _is_torch_class(type(m))}
+    names: set[tuple[type, str]] = set()
+
+    def seen(module, name):
+        cls = type(module)
+        if cls in classes and (cls, name) not in names and name not in _MODULE_STATE:
+            if name in object.__getattribute__(module, "__dict__"):
+                names.add((cls, name))
+
+    out: dict = {}
+    with watch_reads(seen):
+        yield out
+    try:
+        for rel, m in block.named_modules():
+            for cls, name in names:
+                if type(m) is cls and name in vars(m):
+                    out[(rel, name)] = _plain(vars(m)[name])
+    except TypeError:
+        out.clear()
+        out[None] = None  # never the same: compared with anything, differs
+
+
+def _same_reads(block: nn.Module, read: dict) -> bool:
+    """Whether ``block`` has the values a converted block's conversion read (see :func:`_watch_attributes`)."""
+    if None in read:
+        return False
+    for (rel, name), value in read.items():
+        try:
+            m = block.get_submodule(rel)
+            if name not in vars(m) or _plain(vars(m)[name]) != value:
+                return False
+        except (AttributeError, TypeError):
+            return False
+    return True
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return ("t", v.shape, v.dtype, v.requires_grad, v.stride(), v.device)
+    if isinstance(v, _PLAIN):
+        return (type(v), v)
+    if isinstance(v, (tuple, list)):
+        return (type(v), tuple(_plain(x) for x in v))
+    if isinstance(v, dict):
+        return (dict, tuple((k, _plain(x)) for k, x in v.items()))
+    if callable(v) or hasattr(v, "__dict__"):  # a shared object (a config, a function): the same one
+        return ("id", id(v))
+    raise TypeError(type(v).__name__)
+
+
+def _fresh_containers(module: nn.Module, memo: dict) -> None:
+    """Enter in a ``copy.deepcopy`` memo a new, empty container for every empty hook dictionary and name set of
+    ``module``'s modules: what the copy would make of them, without the generic path ``deepcopy`` takes for an
+    ``OrderedDict`` (a dozen per module; most of the cost of copying a small block)."""
+    for m in module.modules():
+        for v in vars(m).values():
+            if type(v) is collections.OrderedDict and not v and not vars(v):
+                memo[id(v)] = collections.OrderedDict()
+            elif type(v) is set and not v:
+                memo[id(v)] = set()
+
+
+def _reuse(ref: nn.Module, block: nn.Module, codes: dict) -> nn.Module | None:
+    """A copy of the converted block ``ref`` holding ``block``'s weights (float32 masters, low copies, buffers);
+    None where the two do not correspond name for name."""
+    info = ref.meta["autocastfx"]
+    # what a conversion decided is read, never written, after it: the copies share it (the plan, the policy,
+    # the totals); graphs, modules and tensors are copied
+    memo = {id(x): x for x in (info.plan, info.policy, info.extra_totals, info.source_params, info.absorbed,
+                               info.options)}
+    _fresh_containers(ref, memo)
+    # the copy's graph is the same graph: its code is the one already written for ``ref`` (writing the Python of
+    # a graph is most of the cost of a GraphModule copy). The copy's own graph writes its code from then on.
+    code = codes.get(id(ref))  # ``codes``: one conversion's id(block) -> (its graph, that graph's code)
+    if code is None or code[0] is not ref._graph:
+        code = codes[id(ref)] = (ref._graph, ref._graph.python_code(root_module="self"))
+    with torch_internal_warnings_off():  # copying the specs of a block torch.export captured
+        graph = copy.deepcopy(ref._graph, memo)
+        graph.python_code = lambda *a, **k: code[1]
+        try:
+            unit = copy.deepcopy(ref, memo)
+        finally:
+            del graph.python_code
+    if unit.graph is not graph:  # the copy did not take the prepared graph: its code is its own, written again
+        unit.recompile()
+    uinfo = unit.meta["autocastfx"]
+    params = dict(unit.named_parameters(remove_duplicate=False))
+    buffers = dict(unit.named_buffers(remove_duplicate=False))
+    theirs = dict(block.named_parameters(remove_duplicate=False))
+    their_buffers = dict(block.named_buffers(remove_duplicate=False))
+    if set(theirs) != set(params) or set(their_buffers) != set(buffers):
+        return None
+    with torch.no_grad():
+        for n, p in theirs.items():
+            if n not in params:
+                return None
+            if n in uinfo.masters:
+                uinfo.masters[n].copy_(p)
+                params[n].copy_(p.to(params[n].dtype))
+            else:
+                params[n].copy_(p)
+        for n, b in their_buffers.items():
+            buffers[n].copy_(b)
+    return unit
+
+
+# ---------------------------------------------------------------------------------------------- root
+
+def _root(model, tree, units, skipped, args, kwargs, conv: Conversions, options: ConvertOptions,
+          ctx: CaptureContext, modes) -> nn.Module:
+    """The model around its converted blocks: one graph with the blocks as call_module nodes."""
+    from ..base.meta import names_by_id
+    try:
+        gm = conv.whole(tree, args, kwargs, options, ctx)
+    except (CaptureError, ValueError) as e:
+        raise _RootError(f"the model around its blocks does not convert ({_one_line(e).splitlines()[0]})") from e
+    _keep_containers(gm, tree, units)
+    _set_modes(gm, model, modes)
+    info = gm.meta["autocastfx"]
+    info.source_params = names_by_id(model)
+    info.extra_totals["blocks"] = _describe(units, skipped)
+    return gm
+
+
+def _traces_around(model: nn.Module, names: list[str], policy) -> str | None:
+    """None if ``model`` traces with the blocks as calls (``symbolic_trace``, nothing run), else why not."""
+    from ..core.policy import Policy
+    policy = policy if policy is not None else Policy.default()
+    leaves = set(names)
+
+    class Around(_Tracer):
+        def is_leaf_module(self, m, qualname):
+            return qualname in leaves or super().is_leaf_module(m, qualname)
+
+    try:
+        Around(policy).trace(model)
+    except Exception as e:  # noqa: BLE001 - any failure means: not as one graph around the blocks
+        return f"the model's forward does not trace around its blocks ({_one_line(e).splitlines()[0]})"
+    return None

@@ -1,0 +1,186 @@
+"""What the tree's two ways (blocks, piecewise) share: the conversions they are given, putting parts in place,
+modes, the quiet run of the model, the report's description of the parts."""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+import contextlib
+import copy
+import warnings
+from typing import Any
+import torch
+import torch.nn as nn
+from ..base import keys as K
+from ..base.errors import _one_line
+from ..base.meta import is_converted
+
+
+BLOCK_META = K.BLOCK  # gm.meta of a converted block: its name, its inputs' dtypes, whence its plan
+
+
+def _inside(name: str, outer) -> bool:
+    """Whether ``name`` is one of ``outer`` (qualified names) or inside one: its dotted prefixes looked up."""
+    outer = outer if isinstance(outer, (set, frozenset, dict)) else set(outer)
+    if name in outer:
+        return True
+    i = name.find(".")
+    while i >= 0:
+        if name[:i] in outer:
+            return True
+        i = name.find(".", i + 1)
+    return False
+
+
+_GEMM_TYPES: tuple[type, ...] = (nn.Linear, nn.modules.conv._ConvNd, nn.MultiheadAttention)
+
+
+def _has_gemm(m: nn.Module) -> bool:
+    """Whether a module holds a matmul or convolution with weights: what converting it is for."""
+    return any(isinstance(s, _GEMM_TYPES) or type(s).__name__ == "Conv1D" for s in m.modules())
+
+
+def _parent(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+    parent, _, key = name.rpartition(".")
+    return (root.get_submodule(parent) if parent else root), key
+
+
+def _put(root: nn.Module, name: str, m: nn.Module) -> None:
+    parent, key = _parent(root, name)
+    parent._modules[key] = m
+
+
+def _set_modes(tree: nn.Module, model: nn.Module, modes: dict) -> None:
+    """Every module of the tree in the mode its model's module has (a converted unit switched as one)."""
+    originals = dict(model.named_modules())
+    units: set[str] = set()
+    for name, m in tree.named_modules():
+        o = originals.get(name)
+        if o is None or _inside(name, units):
+            continue
+        if is_converted(m) and m is not tree:
+            units.add(name)
+            flags = {modes[id(s)] for s in o.modules()}
+            if len(flags) == 1:
+                m.train(flags.pop())
+        else:
+            m.training = modes[id(o)]
+    if is_converted(tree) and hasattr(tree, "graph"):
+        from ..core.modes import set_mode
+        flags = {modes[id(s)] for s in model.modules()}
+        programs = tree.meta.get(K.PROGRAMS)
+        if programs is not None and len(flags) == 1:  # the root's running program is its mode's
+            programs.current = None
+            set_mode(tree, model.training)
+            for name, m in tree.named_modules():
+                o = originals.get(name)
+                if o is not None and not _inside(name, units) and not is_converted(m):
+                    m.training = modes[id(o)]
+
+
+def _device_type(value: Any) -> str:
+    for t in torch.utils._pytree.tree_leaves(value):
+        if isinstance(t, torch.Tensor):
+            return t.device.type
+    return "cpu"
+
+
+def _no_autocast(value: Any):
+    kind = _device_type(value)
+    return torch.autocast(kind, enabled=False) if kind != "meta" else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _quiet_run(tree: nn.Module, low: torch.dtype | None = None, inputs: Any = None):
+    """The one run: eval mode, no gradients, the RNG as it was before. With ``low``, the model's own code
+    between the blocks runs under torch.autocast, so that a block's low output is taken by the float32 code
+    after it (the converted model's plan casts there instead); the blocks themselves run without it."""
+    auto = torch.autocast(_device_type(inputs), dtype=low) if low is not None else contextlib.nullcontext()
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), auto, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Mm]ismatch dtype.*")
+        flags = [(m, m.training) for m in tree.modules()]
+        for m, _ in flags:
+            if not is_converted(m):
+                m.training = False
+        try:
+            yield
+        finally:
+            for m, f in flags:
+                if not is_converted(m):
+                    m.training = f
+
+
+def _float32(value: Any) -> Any:
+    return torch.utils._pytree.tree_map(
+        lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t,
+        value)
+
+
+def _float_dtypes(value: Any) -> list:
+    return [t.dtype if isinstance(t, torch.Tensor) and t.is_floating_point() else None
+            for t in torch.utils._pytree.tree_leaves(value)]
+
+
+def _keep_containers(gm: nn.Module, tree: nn.Module, units: dict) -> None:
+    """The blocks' containers (``layers``, a ModuleList) in place of the bare modules fx made on their paths,
+    holding what ``gm`` holds at each index (a converted block, or fx's copy of a module the graph reads)."""
+    done = set()
+    for name in units:
+        parent = name.rpartition(".")[0]
+        if not parent or parent in done:
+            continue
+        done.add(parent)
+        container = tree.get_submodule(parent)
+        try:
+            made = gm.get_submodule(parent)
+        except AttributeError:
+            continue
+        kept = copy.copy(container)
+        kept._modules = {k: made._modules[k] if k in made._modules else
+                         (c if is_converted(c) else copy.deepcopy(c)) for k, c in container._modules.items()}
+        _put(gm, parent, kept)
+
+
+def _describe(units: dict, skipped: dict) -> dict:
+    out = {}
+    for name, unit in units.items():
+        b = unit.meta[BLOCK_META]
+        info = unit.meta["autocastfx"]
+        casts = sum(1 for n in unit.graph.nodes if getattr(n.meta.get("autocastfx"), "kind", None) == "cast")
+        out[name] = {"plan": b["plan"], "casts": casts, "low_parameters": len(info.masters),
+                     "inputs": [str(d).removeprefix("torch.") for d in b["inputs"] if d is not None]}
+    for name, why in skipped.items():
+        out[name] = {"plan": f"stays in the model's code ({why})"}
+    return out
+
+
+class _RootError(Exception):
+    pass
+
+
+def _data_dependent(e: BaseException) -> bool:
+    """Whether torch.export failed on a branch on a tensor's values (then no way of capturing takes the model
+    as one graph either)."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, GuardOnDataDependentSymNode):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def why_not_captured(e: BaseException) -> str:
+    """A capture error in one line: what each way of capturing said."""
+    lines = [ln.strip() for ln in str(e).splitlines() if "failed:" in ln]
+    return "; ".join(lines)[:400] if lines else _one_line(e).splitlines()[0][:400]
+
+
+class Conversions(NamedTuple):
+    """The per-graph conversions the tree is given by its caller (it never imports the entry point), each
+    called as ``(module, args, kwargs, options, ctx)``:
+
+    ``whole``: the module converted without blocks (one graph; a model that does not capture is piecewise);
+    ``block``: a block as a converted module of its own, its inputs cast on entry to the dtypes it was planned
+    for (``options.keep_io_types``: its outputs in the dtypes the model gave)."""
+    whole: Callable
+    block: Callable

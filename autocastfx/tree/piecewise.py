@@ -1,0 +1,132 @@
+"""Piecewise: a model that does not capture as one graph runs as its own Python around converted parts."""
+from __future__ import annotations
+import warnings
+import torch
+import torch.nn as nn
+from .parts import BLOCK_META
+from ..base.errors import CaptureError
+from ..capture.trace import _copy
+from .parts import _describe
+from .parts import _float_dtypes
+from .parts import _has_gemm
+from .parts import _keep_containers
+from .parts import _put
+from .parts import _quiet_run
+from .parts import _set_modes
+from .parts import why_not_captured
+from ..base.meta import ConvertInfo, names_by_id
+from ..base.options import ConvertOptions
+from ..capture.context import CaptureContext, free_sizes
+from ..core.plan import CastPlan
+from .parts import Conversions
+from ..base.meta import is_converted
+from ..capture.ownership import own_tensors
+from ..base.quiet import warn_user
+
+
+def convert_piecewise(model: nn.Module, args: tuple, kwargs: dict, conv: Conversions, options: ConvertOptions,
+                      ctx: CaptureContext, why: str) -> nn.Module | None:
+    """A model with no blocks that does not capture: its children that hold matmuls or convolutions converted,
+    the rest its own Python; None when no part of it converts."""
+    modes = {id(m): m.training for m in model.modules()}
+    tree = _copy(model, share_tensors=True)
+    return _piecewise(model, tree, {}, {}, args, kwargs, conv, options, ctx, modes, why, need_parts=True)
+
+
+def _piecewise(model, tree, units, skipped, args, kwargs, conv: Conversions, options: ConvertOptions,
+               ctx: CaptureContext, modes, reason, need_parts: bool = False) -> nn.Module | None:
+    """The model's own Python around converted parts: its children that hold matmuls or convolutions and
+    capture are converted (float32 at their boundaries), recursing into those that do not."""
+    eager: dict[str, str] = {"": reason or "the model's forward does not capture as one graph"}
+    parts: dict[str, nn.Module] = {}
+    candidates = _candidates(tree, "", units)
+    inputs: dict[str, tuple] = {}
+    hooks = []
+    for name in candidates:
+        hooks.append(tree.get_submodule(name).register_forward_pre_hook(
+            lambda m, a, k, name=name: inputs.setdefault(name, (a, k)) and None, with_kwargs=True))
+    try:
+        with _quiet_run(tree):
+            tree(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - the model does not run on its example: the capture's error says why
+        if need_parts:
+            return None
+        raise
+    finally:
+        for h in hooks:
+            h.remove()
+    todo = [n for n in candidates if n in inputs]
+    part_options = options.replace(keep_io_types=True)  # float32 at the boundaries: the Python around is the model's
+    part_ctx = ctx.replace(dynamic_sizes=free_sizes(args, kwargs))  # the model's free sizes
+    while todo:
+        name = todo.pop(0)
+        m = tree.get_submodule(name)
+        a, k = inputs[name]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                part = conv.whole(m, a, k, part_options, part_ctx)
+        except (CaptureError, ValueError) as e:
+            eager[name] = why_not_captured(e)
+            inner = _candidates(m, name, units)
+            if inner:  # its children, with their inputs from a run of this part
+                hooks = [tree.get_submodule(n).register_forward_pre_hook(
+                    lambda mm, aa, kk, n=n: inputs.setdefault(n, (aa, kk)) and None, with_kwargs=True)
+                    for n in inner]
+                try:
+                    with _quiet_run(m):
+                        m(*a, **k)
+                finally:
+                    for h in hooks:
+                        h.remove()
+                todo = [n for n in inner if n in inputs] + todo
+            continue
+        part.meta[BLOCK_META] = {"name": name, "inputs": _float_dtypes((a, k)),
+                                 "plan": f"converted ({part.meta['autocastfx'].capture}), float32 at its boundary"}
+        _keep_containers(part, m, {n[len(name) + 1:]: u for n, u in units.items() if n.startswith(name + ".")})
+        parts[name] = part
+        _put(tree, name, part)
+    for name in list(inputs):
+        if name not in parts and name not in eager:
+            eager[name] = "not reached"
+    if need_parts and not parts:
+        return None
+    _set_modes(tree, model, modes)
+    own = set()
+    for m in tree.modules():
+        if is_converted(m):
+            own |= {id(t) for t in list(m.parameters()) + list(m.buffers())}
+    own_tensors(tree, model, skip=own)
+    every = {**units, **parts}
+    tree.meta = {"autocastfx": ConvertInfo(
+        dtype=options.dtype, policy=options.policy,
+        capture="piecewise", plan=CastPlan(options.dtype, {}, {}, [], [], [], (0, 0), (0, 0), {}),
+        masters={}, absorbed=[], source_params=names_by_id(model), options=options,
+        extra_totals={"blocks": _describe(every, skipped), "eager": eager})}
+    if options.keep_io_types:
+        tree.register_forward_hook(_outputs_float32)
+    lines = [f"{n or type(model).__name__}: {why}" for n, why in eager.items()]
+    warn_user(f"autocastfx: {type(model).__name__} is converted piecewise: {len(every)} parts converted "
+                  f"({', '.join(list(every)[:4])}{' ...' if len(every) > 4 else ''}); the code around them runs "
+                  f"as the model's own Python ({'; '.join(lines[:3])}). report(model) lists every part")
+    return tree
+
+
+def _outputs_float32(module, args, out):
+    return torch.utils._pytree.tree_map(
+        lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t, out)
+
+
+def _candidates(root: nn.Module, prefix: str, units: dict) -> list[str]:
+    """The children of ``root`` worth converting on their own (they hold matmuls or convolutions and are not
+    converted yet), by qualified name in the tree."""
+    out = []
+    for key, c in root.named_children():
+        name = f"{prefix}.{key}" if prefix else key
+        if name in units or is_converted(c):
+            continue
+        if isinstance(c, (nn.ModuleList, nn.ModuleDict)):
+            out += _candidates(c, name, units)
+        elif _has_gemm(c):
+            out.append(name)
+    return out
