@@ -183,7 +183,7 @@ class DtypeRecorder(TorchDispatchMode):
         self.calls, self.violations = [], []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from autocastfx import kernels
+        from autocastfx.core import kernels
         name = func._opname
         dts = tuple(a.dtype if isinstance(a, torch.Tensor) and a.is_floating_point() else None for a in args)
         self.calls.append((name, dts))

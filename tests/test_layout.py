@@ -381,7 +381,7 @@ def test_auto_runs_convolutions_channels_last_on_cuda(name):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_timed_trial_on_cuda_decides_the_stem_with_measured_times():
-    from autocastfx import hardware, padding
+    from autocastfx.core import cost as hardware, padding
     gm, _ = capture(nn.Conv2d(3, 64, 7, stride=2, padding=3).cuda(), (torch.randn(32, 3, 112, 112).cuda(),), {},
                     autocastfx.Policy.default())
     cache = {}

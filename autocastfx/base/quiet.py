@@ -63,7 +63,7 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn`` pointing at the first frame outside autocastfx: the user's line that called it, however
     deep in the conversion the warning is found."""
-    level, frame = 1, sys._getframe(1)
+    level, frame = 2, sys._getframe(1)  # stacklevel 1 is this function, 2 its caller
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)

@@ -111,58 +111,15 @@ def merge(programs: dict[str, fx.GraphModule]) -> fx.GraphModule:
 
 
 def _merge_into(gm: fx.GraphModule, other: fx.GraphModule, key: str) -> None:
-    graph = gm.graph
-    order = {n: (i, 0) for i, n in enumerate(graph.nodes)}
-    exact: dict = collections.defaultdict(collections.deque)
-    loose: dict = collections.defaultdict(collections.deque)
-    placeholders, attrs = {}, {}
-    cursor = None
-    for n in graph.nodes:
-        if n.op == "placeholder":
-            placeholders[n.target] = n
-            cursor = n
-        elif n.op == "get_attr":
-            attrs.setdefault(n.target, n)
-        elif n.op in ("call_function", "call_method", "call_module"):
-            exact[_exact_key(n.op, n.target, n.args, n.kwargs)].append(n)
-            loose[_loose_key(n.op, n.target, n.args, n.kwargs)].append(n)
-    matched: set = set()
-    env: dict[fx.Node, fx.Node] = {}
-
-    def take(queue):
-        while queue:
-            u = queue.popleft()
-            if u not in matched:
-                return u
-        return None
-
-    def place(u):
-        nonlocal cursor
-        if cursor is None or order[u] > order[cursor]:
-            cursor = u
-
-    def add(op, target, args, kwargs, like: fx.Node):
-        nonlocal cursor
-        fx.node.map_arg((args, kwargs), place)  # after every input (the cursor only moves forward)
-        ctx = graph.inserting_after(cursor) if cursor is not None else graph.inserting_before(next(iter(graph.nodes)))
-        with ctx:
-            u = graph.create_node(op, target, args, kwargs, name=like.name)
-        u.meta = {k: v for k, v in like.meta.items() if k not in (MEMBERS, MODE_ARGS)}
-        u.meta[MEMBERS] = {key}
-        base = order[cursor] if cursor is not None else (-1, 0)
-        order[u] = (base[0], base[1] + 1)
-        cursor = u
-        return u
-
+    """Lay the program ``other`` (captured as ``key``) over ``gm``'s graph: each of its nodes is the union's node
+    it matches (the same call on the same inputs, else one that differs only by flags, see :func:`_loose_key`),
+    or a node of its own added after its inputs; the outputs are joined last (:func:`_merge_output`)."""
+    union = _Union(gm.graph, key)
+    env: dict[fx.Node, fx.Node] = {}  # the other program's nodes -> the union's
     out_other = None
     for m in other.graph.nodes:
         if m.op == "placeholder":
-            u = placeholders.get(m.target)
-            if u is None:
-                raise ProgramMismatch(f"input {m.target} appears in the {key} capture only")
-            u.meta[MEMBERS].add(key)
-            env[m] = u
-            place(u)
+            env[m] = union.placeholder(m)
             continue
         if m.op == "output":
             out_other = m
@@ -170,28 +127,98 @@ def _merge_into(gm: fx.GraphModule, other: fx.GraphModule, key: str) -> None:
         args = fx.node.map_arg(m.args, lambda a: env[a])
         kwargs = fx.node.map_arg(m.kwargs, lambda a: env[a])
         if m.op == "get_attr":
-            env[m] = _merge_attr(gm, other, m, key, attrs, add)
-            place(env[m])
+            env[m] = _merge_attr(gm, other, m, key, union.attrs, union.add)
+            union.place(env[m])
             continue
-        target = m.target
-        if m.op == "call_module":
-            theirs, mine = _fetch(other, target), _fetch(gm, target)
-            if mine is not theirs and not _same_program(mine, theirs):
-                target = _unique_attr(gm, str(target))
-                gm.add_submodule(target, theirs)
-        u = take(exact.get(_exact_key(m.op, target, args, kwargs), ()))
+        env[m] = union.call(m.op, _call_target(gm, other, m), args, kwargs, m)
+    _merge_output(gm.graph, out_other, env, key)
+
+
+class _Union:
+    """The graph the programs are laid over, while one more program is laid over it: its inputs, constants and
+    calls indexed by what they match by, and a cursor after which the next node of the other program goes (it
+    only moves forward, so every added node comes after its inputs)."""
+
+    def __init__(self, graph: fx.Graph, key: str):
+        self.graph, self.key = graph, key
+        self.order = {n: (i, 0) for i, n in enumerate(graph.nodes)}
+        self.exact: dict = collections.defaultdict(collections.deque)
+        self.loose: dict = collections.defaultdict(collections.deque)
+        self.placeholders: dict = {}
+        self.attrs: dict = {}
+        self.cursor: fx.Node | None = None
+        for n in graph.nodes:
+            if n.op == "placeholder":
+                self.placeholders[n.target] = n
+                self.cursor = n
+            elif n.op == "get_attr":
+                self.attrs.setdefault(n.target, n)
+            elif n.op in ("call_function", "call_method", "call_module"):
+                self.exact[_exact_key(n.op, n.target, n.args, n.kwargs)].append(n)
+                self.loose[_loose_key(n.op, n.target, n.args, n.kwargs)].append(n)
+        self.matched: set = set()
+
+    def placeholder(self, m: fx.Node) -> fx.Node:
+        """The union's input of the other program's input ``m``; there is one for every input of every program."""
+        u = self.placeholders.get(m.target)
         if u is None:
-            u = take(loose.get(_loose_key(m.op, target, args, kwargs), ()))
+            raise ProgramMismatch(f"input {m.target} appears in the {self.key} capture only")
+        u.meta[MEMBERS].add(self.key)
+        self.place(u)
+        return u
+
+    def call(self, op: str, target, args, kwargs, like: fx.Node) -> fx.Node:
+        """The union's node for the other program's call ``like`` (its arguments already the union's nodes): one
+        not matched yet that makes the same call, else one whose flags differ (noted per program), else a new
+        one."""
+        u = self.take(self.exact.get(_exact_key(op, target, args, kwargs), ()))
+        if u is None:
+            u = self.take(self.loose.get(_loose_key(op, target, args, kwargs), ()))
             if u is not None:
-                _note_mode_args(u, key, target, args, kwargs)
+                _note_mode_args(u, self.key, target, args, kwargs)
         if u is None:
-            u = add(m.op, target, args, kwargs, m)
-        else:
-            matched.add(u)
-            u.meta[MEMBERS].add(key)
-            place(u)
-        env[m] = u
-    _merge_output(graph, out_other, env, key)
+            return self.add(op, target, args, kwargs, like)
+        self.matched.add(u)
+        u.meta[MEMBERS].add(self.key)
+        self.place(u)
+        return u
+
+    def take(self, queue) -> fx.Node | None:
+        while queue:
+            u = queue.popleft()
+            if u not in self.matched:
+                return u
+        return None
+
+    def place(self, u: fx.Node) -> None:
+        if self.cursor is None or self.order[u] > self.order[self.cursor]:
+            self.cursor = u
+
+    def add(self, op, target, args, kwargs, like: fx.Node) -> fx.Node:
+        graph = self.graph
+        fx.node.map_arg((args, kwargs), self.place)  # after every input (the cursor only moves forward)
+        ctx = graph.inserting_after(self.cursor) if self.cursor is not None else \
+            graph.inserting_before(next(iter(graph.nodes)))
+        with ctx:
+            u = graph.create_node(op, target, args, kwargs, name=like.name)
+        u.meta = {k: v for k, v in like.meta.items() if k not in (MEMBERS, MODE_ARGS)}
+        u.meta[MEMBERS] = {self.key}
+        base = self.order[self.cursor] if self.cursor is not None else (-1, 0)
+        self.order[u] = (base[0], base[1] + 1)
+        self.cursor = u
+        return u
+
+
+def _call_target(gm: fx.GraphModule, other: fx.GraphModule, m: fx.Node):
+    """The target of the other program's call ``m`` in the union: a submodule of the other capture's own that
+    differs from the one ``gm`` holds under that name is added to ``gm`` under a name of its own."""
+    target = m.target
+    if m.op == "call_module":
+        theirs, mine = _fetch(other, target), _fetch(gm, target)
+        if mine is not theirs and not _same_program(mine, theirs):
+            target = _unique_attr(gm, str(target))
+            gm.add_submodule(target, theirs)
+    return target
 
 
 def _merge_attr(gm, other, m, key, attrs, add):
@@ -303,11 +330,29 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy, ctx: CaptureCon
     given = {name: m.training for name, m in work.named_modules()}
     mixed = len(set(given.values())) > 1
     current = GIVEN if mixed else (TRAIN if model.training else EVAL)
+    # a program per mode (or the one that captures, and why the others do not); where the code read no mode, one
+    # graph for both, finished there
+    programs, how, why, done = _capture_programs(model, work, given, mixed, current, args, kwargs, policy, ctx)
+    if done is not None:
+        return done
+    # each program's opaque calls opened up, then the programs laid over one another
+    decisions = _inline_programs(programs, args, kwargs, ctx)
+    return _merged(programs, why, current, model, args, kwargs, decisions, how, ctx)
 
-    def restore():
-        for name, m in work.named_modules():
-            m.training = given[name]
 
+def _restore(work: nn.Module, given: dict[str, bool]) -> None:
+    """The copy's modules back in the modes the model's modules have."""
+    for name, m in work.named_modules():
+        m.training = given[name]
+
+
+def _capture_programs(model: nn.Module, work: nn.Module, given: dict[str, bool], mixed: bool, current: str,
+                      args: tuple, kwargs: dict, policy,
+                      ctx: CaptureContext) -> tuple[dict, str, str | None, tuple | None]:
+    """The captures of ``work`` (the model's copy) in training mode, in eval mode and, with ``mixed`` modes, as
+    given: (programs by mode, how, why there is only one, None). Where the code read no mode, the one graph for
+    both, finished, comes last: (programs, how, None, (graph, how, inline decisions)). A model in eval mode that
+    does not capture in training mode: its capture as it is, and why."""
     programs: dict[str, fx.GraphModule] = {}
     why = None
     reads: list = []
@@ -315,21 +360,12 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy, ctx: CaptureCon
         gm, how = _capture(work.train(), args, kwargs, policy, ctx, compile_code=False, reads=reads)
         programs[TRAIN] = gm
         if not reads and not _switches_itself(work):  # nothing read the mode: one graph serves both
-            for n in gm.graph.nodes:
-                n.meta[MEMBERS] = frozenset((TRAIN, EVAL))
-            gm.meta[K.PROGRAM_KEYS] = (TRAIN, EVAL)
-            gm.meta[K.CURRENT_PROGRAM] = TRAIN
-            gm.meta[K.MODES_READ] = False
-            restore()
-            decisions = _inline.inline_opaque_calls(gm)
-            if any(d.inlined for d in decisions):
-                propagate(gm, args, kwargs, meta_device=ctx.meta_device)
-            return gm, how, decisions
+            return programs, how, why, _one_for_both(gm, how, work, given, args, kwargs, ctx)
         for key in (EVAL, GIVEN) if mixed else (EVAL,):
-            work.eval() if key == EVAL else restore()
+            work.eval() if key == EVAL else _restore(work, given)
             try:
                 programs[key] = _capture(work, args, kwargs, policy, ctx, compile_code=False, method=how,
-                                                  check=False)[0]  # the union is propagated below
+                                         check=False)[0]  # the union is propagated (_merged)
             except Exception as e:  # noqa: BLE001 - told below, and the one program still works
                 why = f"it cannot be captured in {key} mode ({_one_line(e)})"
                 break
@@ -337,11 +373,33 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy, ctx: CaptureCon
         if model.training:
             raise
         why = f"it cannot be captured in training mode ({_one_line(e).splitlines()[0]})"
-        restore()
+        _restore(work, given)
         gm, how = _capture(work, args, kwargs, policy, ctx, compile_code=False)
         programs = {current: gm}
     finally:
-        restore()
+        _restore(work, given)
+    return programs, how, why, None
+
+
+def _one_for_both(gm: fx.GraphModule, how: str, work: nn.Module, given: dict[str, bool], args: tuple,
+                  kwargs: dict, ctx: CaptureContext) -> tuple[fx.GraphModule, str, list]:
+    """The training capture of a model whose code read no mode, as the program of both modes, its opaque calls
+    opened up."""
+    for n in gm.graph.nodes:
+        n.meta[MEMBERS] = frozenset((TRAIN, EVAL))
+    gm.meta[K.PROGRAM_KEYS] = (TRAIN, EVAL)
+    gm.meta[K.CURRENT_PROGRAM] = TRAIN
+    gm.meta[K.MODES_READ] = False
+    _restore(work, given)
+    decisions = _inline.inline_opaque_calls(gm)
+    if any(d.inlined for d in decisions):
+        propagate(gm, args, kwargs, meta_device=ctx.meta_device)
+    return gm, how, decisions
+
+
+def _inline_programs(programs: dict[str, fx.GraphModule], args: tuple, kwargs: dict, ctx: CaptureContext) -> list:
+    """Open up the opaque calls of each program (sharing the traces of the calls they share); returns the
+    decisions of all of them."""
     decisions, traces = [], {}
     for key, p in programs.items():
         if key != TRAIN and any(_inline.is_opaque(n) for n in p.graph.nodes):
@@ -350,16 +408,21 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy, ctx: CaptureCon
         decisions += found
         if any(d.inlined for d in found):
             propagate(p, args, kwargs, meta_device=ctx.meta_device)
+    return decisions
+
+
+def _merged(programs: dict[str, fx.GraphModule], why: str | None, current: str, model: nn.Module, args: tuple,
+            kwargs: dict, decisions: list, how: str, ctx: CaptureContext) -> tuple[fx.GraphModule, str, list]:
+    """The programs laid over one another and propagated as the union; the first program alone (see
+    :func:`_single`) where there is only one (``why``), where they cannot be laid over one another, or where
+    the union does not run on the example inputs."""
     if why is None:
         before = list(programs[TRAIN].graph.nodes)
         try:
             gm = merge(programs)
         except ProgramMismatch as e:
             why = f"its {TRAIN} and {EVAL} captures cannot be laid over one another ({e})"
-            kept = set(before)
-            for n in reversed(list(programs[TRAIN].graph.nodes)):
-                if n not in kept:
-                    programs[TRAIN].graph.erase_node(n)
+            _erase_added(programs[TRAIN].graph, before)
     if why is not None:
         gm = programs[TRAIN] if TRAIN in programs else next(iter(programs.values()))
         return _single(gm, why, model, args, kwargs, decisions, how, ctx)
@@ -368,12 +431,17 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy, ctx: CaptureCon
         propagate(gm, args, kwargs, meta_device=ctx.meta_device)
     except Exception as e:  # noqa: BLE001 - the other capture does not run on the inputs: the first alone
         why = f"its {EVAL} capture does not run on the example inputs ({_one_line(e)})"
-        kept = set(before)
-        for n in reversed(list(gm.graph.nodes)):
-            if n not in kept:
-                gm.graph.erase_node(n)
+        _erase_added(gm.graph, before)
         return _single(gm, why, model, args, kwargs, decisions, how, ctx)
     return gm, how, list({str(d): d for d in decisions}.values())  # the programs share most calls
+
+
+def _erase_added(graph: fx.Graph, before: list[fx.Node]) -> None:
+    """Erase the nodes a merge added to ``graph`` (its nodes then were ``before``), last first."""
+    kept = set(before)
+    for n in reversed(list(graph.nodes)):
+        if n not in kept:
+            graph.erase_node(n)
 
 
 def _switches_itself(model: nn.Module) -> bool:

@@ -267,82 +267,106 @@ def _pad_bn_module(gm: fx.GraphModule, target: str, padded_to: int) -> None:
 def apply_padding(gm: fx.GraphModule, plan: PadPlan) -> None:
     """Rewrite the graph as the plan says (see the module docstring). Shapes are re-learnt by the caller."""
     graph = gm.graph
-    by_name = {n.name: n for n in graph.nodes}
     pads = {d.node: d for d in plan.decisions if d.action == "pad"}
-    padded_out: dict[fx.Node, tuple[str, int, int]] = {}  # node -> (kind, true, padded) for outputs left padded
-
-    def chain_source(value: fx.Node, kind: str):
-        """Follow single-user zero-preserving ops back to a padded producer of the same kind."""
-        path = []
-        v = value
-        slicers = {info[3]: k for k, info in padded_out.items()}
-        while v not in slicers:
-            if v.op != "call_function" and v.op != "call_method" and v.op != "call_module":
-                return None, []
-            if v.op == "call_module":
-                if not (_bn_can_pad(gm.get_submodule(str(v.target))) and len(v.users) == 1 and v.args
-                        and isinstance(v.args[0], fx.Node)):
-                    return None, []
-            elif op_name(v) not in _ZERO_PRESERVING or len(v.users) != 1 or not v.args:
-                return None, []
-            src = v.args[0]
-            if not isinstance(src, fx.Node):
-                return None, []
-            path.append(v)
-            v = src
-        producer = slicers[v]
-        return (producer if padded_out[producer][0] == kind else None), path
-
+    # node -> (kind, true, padded, the slice back to the true size) for each layer whose output is padded
+    padded_out: dict[fx.Node, tuple[str, int, int, fx.Node]] = {}
     for node in list(graph.nodes):
         d = pads.get(node.name)
         if d is None:
             continue
-        x = node.args[0]
-        w_node, winfo = _weight_param(gm, node)
-        b = _arg(node, 2, "bias")
-        ch = _channel_dim(d.kind)
-        (c_out, p_out), (c_in, p_in) = d.out, d.inp
-        with graph.inserting_before(node):
-            wpad = (0, 0) * (len(winfo.shape) - 2) + (0, p_in - c_in, 0, p_out - c_out)
-            w_new = graph.call_function(F.pad, (w_node, wpad))
-            w_new._rename(f"pad_{w_node.name}")
-            new_args = list(node.args)
-            new_args[1] = w_new
-            if isinstance(b, fx.Node) and p_out != c_out:
-                b_new = graph.call_function(F.pad, (b, (0, p_out - c_out)))
-                b_new._rename(f"pad_{b.name}")
-                if len(new_args) > 2:
-                    new_args[2] = b_new
-                else:
-                    node.kwargs = {**node.kwargs, "bias": b_new}
-            if p_in != c_in:
-                src, path = chain_source(x, d.kind) if isinstance(x, fx.Node) else (None, [])
-                if src is not None and padded_out[src][2] == p_in:
-                    # the padded channels arrive already (all zeros): the chain reads the padded producer
-                    slicer = padded_out[src][3]
-                    if path:
-                        path[-1].replace_input_with(slicer, src)
-                    else:
-                        new_args[0] = src
-                    for v in path:  # batch norms on the way now see padded channels
-                        if v.op == "call_module":
-                            _pad_bn_module(gm, str(v.target), p_in)
-                    plan.persistent.append((src.name, node.name))
-                else:
-                    ndim = len(x.meta[K.INFO].shape)
-                    x_new = graph.call_function(F.pad, (x, _pad_spec(ndim, ch, p_in - c_in)))
-                    x_new._rename(f"pad_{x.name}")
-                    new_args[0] = x_new
-            node.args = tuple(new_args)
+        # the weight, bias and input padded before the layer, its output sliced back after it; a later layer may
+        # read the padded output through a chain of zero-preserving ops instead of its slice
+        _pad_operands(gm, node, d, padded_out, plan)
+        c_out, p_out = d.out
         if p_out != c_out:
-            with graph.inserting_after(node):
-                sl = graph.call_method("narrow", (node, ch, 0, c_out))
-            sl._rename(f"unpad_{node.name}")
-            node.replace_all_uses_with(sl, delete_user_cb=lambda u: u is not sl)
-            padded_out[node] = (d.kind, c_out, p_out, sl)
+            padded_out[node] = (d.kind, c_out, p_out, _slice_back(graph, node, _channel_dim(d.kind), c_out))
     for _, _, _, slicer in padded_out.values():
         if not slicer.users:  # every reader takes the padded value now
             graph.erase_node(slicer)
-    del by_name
     graph.lint()
     gm.recompile()
+
+
+def _pad_operands(gm: fx.GraphModule, node: fx.Node, d: PadDecision,
+                  padded_out: dict[fx.Node, tuple[str, int, int, fx.Node]], plan: PadPlan) -> None:
+    """Pad the weight (both dims), the bias (output dim) and the input (channel dim) of one layer, in the graph
+    just before it, and point the layer at the padded values."""
+    graph = gm.graph
+    w_node, winfo = _weight_param(gm, node)
+    b = _arg(node, 2, "bias")
+    (c_out, p_out), (c_in, p_in) = d.out, d.inp
+    with graph.inserting_before(node):
+        wpad = (0, 0) * (len(winfo.shape) - 2) + (0, p_in - c_in, 0, p_out - c_out)
+        w_new = graph.call_function(F.pad, (w_node, wpad))
+        w_new._rename(f"pad_{w_node.name}")
+        new_args = list(node.args)
+        new_args[1] = w_new
+        if isinstance(b, fx.Node) and p_out != c_out:
+            b_new = graph.call_function(F.pad, (b, (0, p_out - c_out)))
+            b_new._rename(f"pad_{b.name}")
+            if len(new_args) > 2:
+                new_args[2] = b_new
+            else:
+                node.kwargs = {**node.kwargs, "bias": b_new}
+        if p_in != c_in:
+            new_args[0] = _padded_input(gm, node, d, padded_out, plan)
+        node.args = tuple(new_args)
+
+
+def _padded_input(gm: fx.GraphModule, node: fx.Node, d: PadDecision,
+                  padded_out: dict[fx.Node, tuple[str, int, int, fx.Node]], plan: PadPlan) -> fx.Node:
+    """The value the layer reads as its input, padded to ``d.inp[1]`` channels: an earlier layer's padded output
+    where a chain of zero-preserving ops leads back to one of that size (the padding persists), else an F.pad
+    of the input, inserted where the caller inserts (just before the layer)."""
+    x = node.args[0]
+    c_in, p_in = d.inp
+    src, path = _chain_source(gm, padded_out, x, d.kind) if isinstance(x, fx.Node) else (None, [])
+    if src is not None and padded_out[src][2] == p_in:
+        # the padded channels arrive already (all zeros): the chain reads the padded producer
+        slicer = padded_out[src][3]
+        if path:
+            path[-1].replace_input_with(slicer, src)
+        for v in path:  # batch norms on the way now see padded channels
+            if v.op == "call_module":
+                _pad_bn_module(gm, str(v.target), p_in)
+        plan.persistent.append((src.name, node.name))
+        return x if path else src
+    ndim = len(x.meta[K.INFO].shape)
+    x_new = gm.graph.call_function(F.pad, (x, _pad_spec(ndim, _channel_dim(d.kind), p_in - c_in)))
+    x_new._rename(f"pad_{x.name}")
+    return x_new
+
+
+def _chain_source(gm: fx.GraphModule, padded_out: dict[fx.Node, tuple[str, int, int, fx.Node]], value: fx.Node,
+                  kind: str) -> tuple[fx.Node | None, list[fx.Node]]:
+    """Follow single-user zero-preserving ops (and batch norms that can run padded) back from ``value`` to the
+    slice of a padded producer: (that producer if it is a layer of the same kind, else None; the ops on the way,
+    nearest the reader first). (None, []) where the chain breaks before it reaches one."""
+    path = []
+    v = value
+    slicers = {info[3]: k for k, info in padded_out.items()}
+    while v not in slicers:
+        if v.op != "call_function" and v.op != "call_method" and v.op != "call_module":
+            return None, []
+        if v.op == "call_module":
+            if not (_bn_can_pad(gm.get_submodule(str(v.target))) and len(v.users) == 1 and v.args
+                    and isinstance(v.args[0], fx.Node)):
+                return None, []
+        elif op_name(v) not in _ZERO_PRESERVING or len(v.users) != 1 or not v.args:
+            return None, []
+        src = v.args[0]
+        if not isinstance(src, fx.Node):
+            return None, []
+        path.append(v)
+        v = src
+    producer = slicers[v]
+    return (producer if padded_out[producer][0] == kind else None), path
+
+
+def _slice_back(graph: fx.Graph, node: fx.Node, ch: int, c_out: int) -> fx.Node:
+    """A narrow of the layer's padded output back to its ``c_out`` true channels, which every reader now reads."""
+    with graph.inserting_after(node):
+        sl = graph.call_method("narrow", (node, ch, 0, c_out))
+    sl._rename(f"unpad_{node.name}")
+    node.replace_all_uses_with(sl, delete_user_cb=lambda u: u is not sl)
+    return sl

@@ -261,215 +261,311 @@ def _narrows(node: fx.Node) -> bool:
             and info.shape[-1] < x.shape[-1])
 
 
+@dataclasses.dataclass
+class _Planning:
+    """The working state of ``build_plan``. The first fields are its arguments, read only; the rest is what the
+    walk over the graph learns, in the graph's order (the min-cut and the plan's lists keep that order)."""
+    gm: fx.GraphModule
+    policy: Policy
+    low: torch.dtype
+    master_weights: bool
+    keep_io_types: bool
+    free_inputs: frozenset[str]
+    params: dict[str, nn.Parameter]                 # the graph module's parameters, tied names included
+    routers: dict[str, str]                         # node -> reason, for the gates, their paths and choices
+    gates: set[str]                                 # the routers' gating matmuls
+    nodes: dict[str, NodePlan] = dataclasses.field(default_factory=dict)
+    fixed: dict[str, bool] = dataclasses.field(default_factory=dict)       # node -> its label, where fixed
+    free: list[str] = dataclasses.field(default_factory=list)              # nodes whose label the min-cut picks
+    weight: dict[str, int] = dataclasses.field(default_factory=dict)       # float value -> numel (its cast cost)
+    reqs: dict[str, list[Req]] = dataclasses.field(default_factory=dict)   # value -> what its consumers need
+    multi: set[str] = dataclasses.field(default_factory=set)               # tuples holding float tensors
+    unclassified: list[str] = dataclasses.field(default_factory=list)      # "node (op)" for ops on no list
+    promote: set[str] = dataclasses.field(default_factory=set)             # PROMOTE ops (for the naive rule)
+    inputs: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # call node -> its float inputs
+    param_nodes: dict[int, list[fx.Node]] = dataclasses.field(default_factory=dict)  # id(param) -> its get_attrs
+    # values an epsilon keeps from zero that the low dtype would round to zero
+    guarded: set[str] = dataclasses.field(default_factory=set)
+    io_label: bool = FP32            # the first float input's label: the outputs keep it with keep_io_types
+    seen_float_input: bool = False   # whether io_label is set yet
+
+    def req(self, u: fx.Node, r: Req) -> None:
+        self.reqs.setdefault(u.name, []).append(r)
+
+
 def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, master_weights: bool,
                keep_io_types: bool, free_inputs: frozenset[str] = frozenset()) -> CastPlan:
     """The cast plan of ``gm``: a label (low or float32) for every float value, by a min-cut over the casts.
     ``free_inputs``: placeholders whose dtype the plan chooses too (a block's inputs, which the model around it
     delivers in the dtype chosen, cast once there for every block that reads it)."""
-    nodes: dict[str, NodePlan] = {}
-    fixed: dict[str, bool] = {}
-    free: list[str] = []
-    weight: dict[str, int] = {}
-    reqs: dict[str, list[Req]] = {}
-    multi: set[str] = set()
-    unclassified: list[str] = []
-    promote: set[str] = set()
-    inputs: dict[str, list[str]] = {}
-    params = dict(gm.named_parameters(remove_duplicate=False))
-    param_nodes: dict[int, list[fx.Node]] = {}
-    io_label = FP32
-
-    def req(u: fx.Node, r: Req) -> None:
-        reqs.setdefault(u.name, []).append(r)
-
     routers, gates = find_routers(gm, policy)
-    first_float_input = True
-    guarded: set[str] = set()  # values an epsilon keeps from zero that the low dtype would round to zero
+    st = _Planning(gm, policy, low, master_weights, keep_io_types, free_inputs,
+                   dict(gm.named_parameters(remove_duplicate=False)), routers, gates)
+    # 1. every node, in the graph's order: its fixed label or its op class, and what it needs of its inputs
     for node in gm.graph.nodes:
-        info = node.meta.get(K.INFO)
-        if _is_float(info):
-            weight[node.name] = info.numel
-        elif _is_multi_float(info):
-            multi.add(node.name)
-        is_value = node.name in weight or node.name in multi
-        if node.op == "placeholder":
-            if is_value and node.name in free_inputs and _is_float(info):
-                free.append(node.name)
-                nodes[node.name] = NodePlan(None, None, f"input ({info.dtype} in the example): its dtype chosen "
-                                                        "by the plan, the model around the block delivers it so")
-                if first_float_input:
-                    io_label, first_float_input = (LOW if info.dtype == low else FP32), False
-            elif is_value:
-                lab = LOW if info.dtype == low else FP32
-                fixed[node.name] = lab
-                nodes[node.name] = NodePlan(None, lab, f"input ({info.dtype})")
-                if first_float_input:
-                    io_label, first_float_input = lab, False
-            continue
-        if node.op == "get_attr":
-            if is_value:
-                p = params.get(str(node.target))
-                if p is not None and master_weights:
-                    param_nodes.setdefault(id(p), []).append(node)
-                    free.append(node.name)
-                    nodes[node.name] = NodePlan(None, None, "parameter")
-                else:
-                    fixed[node.name] = FP32
-                    what = "parameter" if p is not None else "buffer or constant"
-                    nodes[node.name] = NodePlan(None, FP32, f"{what}, kept float32")
-            continue
-        if node.op == "output":
-            if keep_io_types:
-                for a in _float_inputs(node):
-                    req(a, Req(node.name, "fixed", io_label))
-            continue
-        if not is_value and not node.users:  # runs for its effect only (guards, asserts): nothing to decide
-            nodes[node.name] = NodePlan(None, None, "no tensor result")
-            continue
-        fins = _float_inputs(node)
-        inputs[node.name] = [a.name for a in fins]
-        module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
-        if module is not None and is_converted(module):  # a converted block: its inputs in the dtypes it was made for
-            lab = _unit_output_label(node, info, low)
-            fixed[node.name] = lab
-            for a, d in _unit_inputs(node, module):
-                req(a, Req(node.name, "fixed", LOW if d == low else FP32))
-            nodes[node.name] = NodePlan(None, lab, "converted block (a module of its own, planned apart): takes "
-                                                   "its inputs in the dtypes its plan chose")
-            continue
-        cls, reason = policy.classify(node, module, module_path(node))
-        if not fins:
-            if is_value:  # a source: creation op, or computed from integers only
-                lab = LOW if (isinstance(info, TensorInfo) and info.dtype == low) else FP32
-                fixed[node.name] = lab
-                nodes[node.name] = NodePlan(cls, lab, "no float inputs: keeps its own dtype")
-            else:
-                nodes[node.name] = NodePlan(cls, None, reason or "no float inputs")
-            continue
-        if cls is None and _builds_structure(node):
-            cls, reason = OpClass.FOLLOW, f"builds the output structure ({_target_name(node)}): not an op"
-        if cls is None:
-            unclassified.append(f"{node.name} ({op_name(node) if module is None else type(module).__name__})")
-            cls, reason = OpClass.FP32, "unclassified op: float32 (add it to the policy)"
-        if node.name in routers and cls in (OpClass.LOW, OpClass.FOLLOW, OpClass.PROMOTE):
-            cls, reason = OpClass.FP32, routers[node.name]
-        if op_name(node) in _COMPARISONS and len(fins) >= 2 and cls in (OpClass.FOLLOW, OpClass.PROMOTE):
-            cls, reason = OpClass.FP32, ("compares two float tensors: in float32 (autocast's widest type), where "
-                                         "widening a low operand is exact and rounding a float32 one would change "
-                                         "the answer")
-        eps = _vanishing_constant(node, low)
-        if eps is not None:
-            guarded.add(node.name)
-        elif _SHAPE_ONLY.get(op_name(node)) and fins and fins[0].name in guarded:
-            guarded.add(node.name)  # the guarded value, broadcast or viewed
-        elif any(a.name in guarded for a in fins) and cls in (OpClass.FOLLOW, OpClass.PROMOTE, OpClass.LOW):
-            cls, reason = OpClass.FP32, ("reads a value an epsilon keeps from zero (a normalisation's "
-                                         f"clamp_min), which {low} would round to zero: float32")
-        if eps is not None and cls in (OpClass.FOLLOW, OpClass.PROMOTE, OpClass.LOW):
-            cls, reason = OpClass.FP32, (f"takes the constant {eps!r}, which {low} rounds to zero (an epsilon "
-                                         "written for float32): float32")
-        big = _out_of_range_constant(node, low)
-        if big is not None and cls in (OpClass.FOLLOW, OpClass.PROMOTE, OpClass.LOW):
-            cls, reason = OpClass.FP32, (f"takes the constant {big!r}, which {low} cannot hold (a mask fill "
-                                         "written for float32): float32")
-        if cls is OpClass.FP32 and global_pool_dims(node, module) is not None:
-            cls, reason = OpClass.FP32_OUT, reason + ": global average pooling, as mean(dtype=float32)"
-        if cls is OpClass.FP32_OUT and not _accepts_dtype_kwarg(node) and global_pool_dims(node, module) is None:
-            cls, reason = OpClass.FP32, reason + " (no dtype= argument: cast instead)"
-        if cls in (OpClass.FOLLOW, OpClass.PROMOTE, OpClass.NORM, OpClass.LOW) and _on_cpu(fins):
-            gap = _kernels.cpu_gap(op_name(node) if module is None else None, module, low)
-            if gap is not None:
-                cls, reason = OpClass.FP32, (f"{reason}; float32 on the CPU, which has no {low} kernel for "
-                                             f"{gap.op} (kernels.CPU_GAPS)")
-        if cls is OpClass.NORM:
-            mixed_ok, why = _kernels.norm_form(op_name(node) if module is None else None, module)
-            reason = f"{reason}; {why}"
-            if not mixed_ok:
-                cls = OpClass.FP32
-        elif cls is OpClass.LOW and module is not None and not _kernels.norm_form(None, module)[0]:
-            # a leaf module's parameters are not graph values the plan can cast: low input, float32 weight
-            cls, reason = OpClass.FP32, (f"{reason}: asked for low, but its float32 parameters live inside the "
-                                         f"module and {_kernels.rule_for(None, module).op} on CUDA rejects the mix; "
-                                         "float32 form")
-        if cls is OpClass.LOW:
-            fixed[node.name] = LOW
-            for a in fins:
-                req(a, Req(node.name, "fixed", LOW))
-        elif cls is OpClass.FP32:
-            fixed[node.name] = FP32
-            for a in fins:
-                req(a, Req(node.name, "fixed", FP32))
-        elif cls is OpClass.FP32_OUT:
-            fixed[node.name] = FP32
-            for a in fins:
-                req(a, Req(node.name, "any"))
-        elif cls is OpClass.NORM:
-            free.append(node.name)
-            act = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else fins[0]
-            for a in fins:
-                req(a, Req(node.name, "same") if a is act else Req(node.name, "fixed", FP32))
-        else:
-            free.append(node.name)
-            if cls is OpClass.PROMOTE:
-                promote.add(node.name)
-            for a in fins:
-                req(a, Req(node.name, "same"))
-        nodes[node.name] = NodePlan(cls, None, reason)
+        _plan_node(st, node)
+    # 2. parameters read in float32 are fixed float32; the names of one tied parameter share a label
+    tied = _pin_parameters(st)
+    # 3. the free labels by a min-cut, and the cost of the naive rule to compare with
+    problem = Problem(st.fixed, st.free, st.weight, st.reqs, st.multi, tied)
+    order = [n.name for n in gm.graph.nodes]
+    before = cast_cost(problem, naive_labels(problem, order, st.inputs, st.promote))
+    labels = solve_min_cut(problem)
+    after = cast_cost(problem, labels)
+    # 4. the labels onto the nodes, the parameters stored low, and the casts the labels leave
+    low_params = _label_nodes(st, labels, set(problem.free))
+    casts = _casts(st, labels)
+    # 5. ops on no policy list, which ran in float32, told to the user
+    _warn_unclassified(st.unclassified)
+    return CastPlan(low, st.nodes, st.reqs, casts, low_params, st.unclassified, before, after, st.weight)
 
-    # parameters: free only when every reader takes them in its own label or as LOW
+
+def _plan_node(st: _Planning, node: fx.Node) -> None:
+    """Record one node: its float value's size, and its label or op class by what kind of node it is."""
+    info = node.meta.get(K.INFO)
+    if _is_float(info):
+        st.weight[node.name] = info.numel
+    elif _is_multi_float(info):
+        st.multi.add(node.name)
+    is_value = node.name in st.weight or node.name in st.multi
+    if node.op == "placeholder":
+        _plan_input(st, node, info, is_value)
+    elif node.op == "get_attr":
+        if is_value:
+            _plan_attr(st, node)
+    elif node.op == "output":
+        if st.keep_io_types:
+            for a in _float_inputs(node):
+                st.req(a, Req(node.name, "fixed", st.io_label))
+    elif not is_value and not node.users:  # runs for its effect only (guards, asserts): nothing to decide
+        st.nodes[node.name] = NodePlan(None, None, "no tensor result")
+    else:
+        _plan_call(st, node, info, is_value)
+
+
+def _plan_input(st: _Planning, node: fx.Node, info: Any, is_value: bool) -> None:
+    """A placeholder: fixed to the dtype it comes in, or chosen by the plan when it is one of ``free_inputs``.
+    The first float input's label is the one the outputs keep with ``keep_io_types``."""
+    if is_value and node.name in st.free_inputs and _is_float(info):
+        st.free.append(node.name)
+        st.nodes[node.name] = NodePlan(None, None, f"input ({info.dtype} in the example): its dtype chosen "
+                                                   "by the plan, the model around the block delivers it so")
+        lab = LOW if info.dtype == st.low else FP32
+    elif is_value:
+        lab = LOW if info.dtype == st.low else FP32
+        st.fixed[node.name] = lab
+        st.nodes[node.name] = NodePlan(None, lab, f"input ({info.dtype})")
+    else:
+        return
+    if not st.seen_float_input:
+        st.io_label, st.seen_float_input = lab, True
+
+
+def _plan_attr(st: _Planning, node: fx.Node) -> None:
+    """A float get_attr: a parameter is free with master weights (stored low if the min-cut says so), and a
+    parameter without them, a buffer or a constant stays float32."""
+    p = st.params.get(str(node.target))
+    if p is not None and st.master_weights:
+        st.param_nodes.setdefault(id(p), []).append(node)
+        st.free.append(node.name)
+        st.nodes[node.name] = NodePlan(None, None, "parameter")
+    else:
+        st.fixed[node.name] = FP32
+        what = "parameter" if p is not None else "buffer or constant"
+        st.nodes[node.name] = NodePlan(None, FP32, f"{what}, kept float32")
+
+
+def _plan_call(st: _Planning, node: fx.Node, info: Any, is_value: bool) -> None:
+    """A call: a converted block, a source of floats (no float inputs), or an op, whose class the policy gives
+    and the exceptions below narrow; then what the op needs of its float inputs."""
+    fins = _float_inputs(node)
+    st.inputs[node.name] = [a.name for a in fins]
+    module = st.gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+    if module is not None and is_converted(module):  # a converted block: its inputs in the dtypes it was made for
+        lab = _unit_output_label(node, info, st.low)
+        st.fixed[node.name] = lab
+        for a, d in _unit_inputs(node, module):
+            st.req(a, Req(node.name, "fixed", LOW if d == st.low else FP32))
+        st.nodes[node.name] = NodePlan(None, lab, "converted block (a module of its own, planned apart): takes "
+                                                  "its inputs in the dtypes its plan chose")
+        return
+    cls, reason = st.policy.classify(node, module, module_path(node))
+    if not fins:
+        if is_value:  # a source: creation op, or computed from integers only
+            lab = LOW if (isinstance(info, TensorInfo) and info.dtype == st.low) else FP32
+            st.fixed[node.name] = lab
+            st.nodes[node.name] = NodePlan(cls, lab, "no float inputs: keeps its own dtype")
+        else:
+            st.nodes[node.name] = NodePlan(cls, None, reason or "no float inputs")
+        return
+    # the policy's class, then the plan's own accuracy rules, then what the kernels can run: each may overrule
+    cls, reason = _policy_class(st, node, module, fins, cls, reason)
+    cls, reason = _numeric_class(st, node, fins, cls, reason)
+    cls, reason = _kernel_class(node, module, fins, st.low, cls, reason)
+    _require_inputs(st, node, fins, cls)
+    st.nodes[node.name] = NodePlan(cls, None, reason)
+
+
+def _policy_class(st: _Planning, node: fx.Node, module: nn.Module | None, fins: list[fx.Node],
+                  cls: OpClass | None, reason: str) -> tuple[OpClass, str]:
+    """The policy's class for an op with float inputs, completed: a structure built follows, an op on no list is
+    float32 (and remembered for the warning), and routers and comparisons of two float tensors are float32."""
+    if cls is None and _builds_structure(node):
+        cls, reason = OpClass.FOLLOW, f"builds the output structure ({_target_name(node)}): not an op"
+    if cls is None:
+        st.unclassified.append(f"{node.name} ({op_name(node) if module is None else type(module).__name__})")
+        cls, reason = OpClass.FP32, "unclassified op: float32 (add it to the policy)"
+    if node.name in st.routers and cls in (OpClass.LOW, OpClass.FOLLOW, OpClass.PROMOTE):
+        cls, reason = OpClass.FP32, st.routers[node.name]
+    if op_name(node) in _COMPARISONS and len(fins) >= 2 and cls in (OpClass.FOLLOW, OpClass.PROMOTE):
+        cls, reason = OpClass.FP32, ("compares two float tensors: in float32 (autocast's widest type), where "
+                                     "widening a low operand is exact and rounding a float32 one would change "
+                                     "the answer")
+    return cls, reason
+
+
+def _numeric_class(st: _Planning, node: fx.Node, fins: list[fx.Node], cls: OpClass,
+                   reason: str) -> tuple[OpClass, str]:
+    """Float32 for an op whose constants the low dtype cannot hold (an epsilon it rounds to zero, a mask fill
+    beyond its range) and for the ops that read a value such an epsilon guards; records the guarded values."""
+    low = st.low
+    eps = _vanishing_constant(node, low)
+    if eps is not None:
+        st.guarded.add(node.name)
+    elif _SHAPE_ONLY.get(op_name(node)) and fins and fins[0].name in st.guarded:
+        st.guarded.add(node.name)  # the guarded value, broadcast or viewed
+    elif any(a.name in st.guarded for a in fins) and cls in (OpClass.FOLLOW, OpClass.PROMOTE, OpClass.LOW):
+        cls, reason = OpClass.FP32, ("reads a value an epsilon keeps from zero (a normalisation's "
+                                     f"clamp_min), which {low} would round to zero: float32")
+    if eps is not None and cls in (OpClass.FOLLOW, OpClass.PROMOTE, OpClass.LOW):
+        cls, reason = OpClass.FP32, (f"takes the constant {eps!r}, which {low} rounds to zero (an epsilon "
+                                     "written for float32): float32")
+    big = _out_of_range_constant(node, low)
+    if big is not None and cls in (OpClass.FOLLOW, OpClass.PROMOTE, OpClass.LOW):
+        cls, reason = OpClass.FP32, (f"takes the constant {big!r}, which {low} cannot hold (a mask fill "
+                                     "written for float32): float32")
+    return cls, reason
+
+
+def _kernel_class(node: fx.Node, module: nn.Module | None, fins: list[fx.Node], low: torch.dtype,
+                  cls: OpClass, reason: str) -> tuple[OpClass, str]:
+    """The class as the kernels can run it: a global average pooling as mean(dtype=float32), an FP32_OUT op
+    with no dtype= argument cast instead, float32 where the CPU has no low kernel, a norm in its mixed or float32
+    form, and a leaf module asked for low whose float32 parameters its kernel would not mix with a low input."""
+    if cls is OpClass.FP32 and global_pool_dims(node, module) is not None:
+        cls, reason = OpClass.FP32_OUT, reason + ": global average pooling, as mean(dtype=float32)"
+    if cls is OpClass.FP32_OUT and not _accepts_dtype_kwarg(node) and global_pool_dims(node, module) is None:
+        cls, reason = OpClass.FP32, reason + " (no dtype= argument: cast instead)"
+    if cls in (OpClass.FOLLOW, OpClass.PROMOTE, OpClass.NORM, OpClass.LOW) and _on_cpu(fins):
+        gap = _kernels.cpu_gap(op_name(node) if module is None else None, module, low)
+        if gap is not None:
+            cls, reason = OpClass.FP32, (f"{reason}; float32 on the CPU, which has no {low} kernel for "
+                                         f"{gap.op} (kernels.CPU_GAPS)")
+    if cls is OpClass.NORM:
+        mixed_ok, why = _kernels.norm_form(op_name(node) if module is None else None, module)
+        reason = f"{reason}; {why}"
+        if not mixed_ok:
+            cls = OpClass.FP32
+    elif cls is OpClass.LOW and module is not None and not _kernels.norm_form(None, module)[0]:
+        # a leaf module's parameters are not graph values the plan can cast: low input, float32 weight
+        cls, reason = OpClass.FP32, (f"{reason}: asked for low, but its float32 parameters live inside the "
+                                     f"module and {_kernels.rule_for(None, module).op} on CUDA rejects the mix; "
+                                     "float32 form")
+    return cls, reason
+
+
+def _require_inputs(st: _Planning, node: fx.Node, fins: list[fx.Node], cls: OpClass) -> None:
+    """The op's label (fixed, or free for the min-cut) and what it needs of each float input, by its class."""
+    if cls is OpClass.LOW:
+        st.fixed[node.name] = LOW
+        for a in fins:
+            st.req(a, Req(node.name, "fixed", LOW))
+    elif cls is OpClass.FP32:
+        st.fixed[node.name] = FP32
+        for a in fins:
+            st.req(a, Req(node.name, "fixed", FP32))
+    elif cls is OpClass.FP32_OUT:  # float32 out of any input dtype (dtype=float32, or a cast of its input)
+        st.fixed[node.name] = FP32
+        for a in fins:
+            st.req(a, Req(node.name, "any"))
+    elif cls is OpClass.NORM:  # the activation in the norm's own label, the affine parameters in float32
+        st.free.append(node.name)
+        act = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else fins[0]
+        for a in fins:
+            st.req(a, Req(node.name, "same") if a is act else Req(node.name, "fixed", FP32))
+    else:  # FOLLOW and PROMOTE: every float input in the op's own label
+        st.free.append(node.name)
+        if cls is OpClass.PROMOTE:
+            st.promote.add(node.name)
+        for a in fins:
+            st.req(a, Req(node.name, "same"))
+
+
+def _pin_parameters(st: _Planning) -> list[list[str]]:
+    """Parameters stay free only when every reader takes them in its own label or as LOW: one that some reader
+    needs in float32 is fixed float32 under all its names (a router's weight says why). Returns the groups of
+    names of one parameter that stay free, each to share one label."""
     tied = []
     unfree: set[str] = set()
-    for group in param_nodes.values():
+    for group in st.param_nodes.values():
         names = [n.name for n in group]
-        pins = [r.consumer for n in names for r in reqs.get(n, []) if r.kind == "fixed" and r.label == FP32]
+        pins = [r.consumer for n in names for r in st.reqs.get(n, []) if r.kind == "fixed" and r.label == FP32]
         if pins:
-            gate = next((c for c in pins if c in gates), None)
+            gate = next((c for c in pins if c in st.gates), None)
             why = (f"weight of the router {gate}, read in float32: kept float32 as stored (not cast up each forward: "
                    "a low copy would round the gate's scores)" if gate else "parameter read in float32: kept float32")
             for n in names:
                 unfree.add(n)
-                fixed[n] = FP32
-                nodes[n] = NodePlan(None, FP32, why)
+                st.fixed[n] = FP32
+                st.nodes[n] = NodePlan(None, FP32, why)
         elif len(names) > 1:
             tied.append(names)
+    st.free = [n for n in st.free if n not in unfree]
+    return tied
 
-    free = [n for n in free if n not in unfree]
-    problem = Problem(fixed, free, weight, reqs, multi, tied)
-    order = [n.name for n in gm.graph.nodes]
-    before = cast_cost(problem, naive_labels(problem, order, inputs, promote))
-    labels = solve_min_cut(problem)
-    after = cast_cost(problem, labels)
 
-    low_params: list[str] = []
-    for name, np_ in nodes.items():
+def _label_nodes(st: _Planning, labels: dict[str, bool], free_set: set[str]) -> list[str]:
+    """The min-cut's labels onto the node plans (an FP32_OUT op on a low input takes dtype=float32), and the
+    reasons of the free parameters; returns the names of the parameters stored in low precision."""
+    for name, np_ in st.nodes.items():
         if name in labels:
             np_.label = labels[name]
         if np_.op_class is OpClass.FP32_OUT:
-            np_.fp32_out = any(labels.get(i) == LOW for i in inputs.get(name, []))
-    free_set = set(problem.free)
-    for group in param_nodes.values():
+            np_.fp32_out = any(labels.get(i) == LOW for i in st.inputs.get(name, []))
+    low_params: list[str] = []
+    for group in st.param_nodes.values():
         for n in group:
             if n.name in free_set:
                 lab = labels[n.name]
-                nodes[n.name].reason = ("parameter stored in low precision, float32 master kept" if lab == LOW
-                                        else "parameter, kept float32")
+                st.nodes[n.name].reason = ("parameter stored in low precision, float32 master kept" if lab == LOW
+                                           else "parameter, kept float32")
                 if lab == LOW:
                     low_params.append(str(n.target))
+    return low_params
+
+
+def _casts(st: _Planning, labels: dict[str, bool]) -> list[tuple[str, bool]]:
+    """(value, to_low) for each dtype some consumer needs a castable value in that the value is not in."""
     casts: list[tuple[str, bool]] = []
-    for u, rs in reqs.items():
-        if u in multi or u not in weight:
+    for u, rs in st.reqs.items():
+        if u in st.multi or u not in st.weight:
             continue
         need = {labels[r.consumer] if r.kind == "same" else r.label for r in rs if r.kind != "any"}
         for d in sorted(need):
             if d != labels[u]:
                 casts.append((u, d))
-    if unclassified:
-        per_op: dict[str, int] = {}
-        for u in unclassified:
-            op = u[u.rindex("(") + 1:-1]
-            per_op[op] = per_op.get(op, 0) + 1
-        names = [f"{op} ({n} nodes)" if n > 1 else op for op, n in per_op.items()]
-        warn_user("autocastfx: ops on no policy list run in float32: " + ", ".join(names[:20])
-                      + (" ..." if len(names) > 20 else "")
-                      + ". Classify them with Policy.default().override(ops={name: 'follow'|'low'|...}).")
-    return CastPlan(low, nodes, reqs, casts, low_params, unclassified, before, after, weight)
+    return casts
+
+
+def _warn_unclassified(unclassified: list[str]) -> None:
+    """One warning naming the ops on no policy list (counted per op), which the plan ran in float32."""
+    if not unclassified:
+        return
+    per_op: dict[str, int] = {}
+    for u in unclassified:
+        op = u[u.rindex("(") + 1:-1]
+        per_op[op] = per_op.get(op, 0) + 1
+    names = [f"{op} ({n} nodes)" if n > 1 else op for op, n in per_op.items()]
+    warn_user("autocastfx: ops on no policy list run in float32: " + ", ".join(names[:20])
+              + (" ..." if len(names) > 20 else "")
+              + ". Classify them with Policy.default().override(ops={name: 'follow'|'low'|...}).")

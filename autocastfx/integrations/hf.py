@@ -29,8 +29,10 @@ from typing import Any
 
 import torch
 import transformers
+from ..api import convert
+from ..training.factory import train_step
+from ..training.step import TrainStep
 
-import autocastfx
 
 STEP_FILE = "autocastfx_step.pt"
 
@@ -89,7 +91,7 @@ class Trainer(transformers.Trainer):
         self.dtype = dtype
         self.convert_kwargs = dict(convert_kwargs or {})
         self.step_kwargs = dict(step_kwargs or {})
-        self.step: autocastfx.TrainStep | None = None
+        self.step: TrainStep | None = None
         self.clip = None
 
     # ------------------------------------------------------------------------------------ conversion
@@ -109,13 +111,13 @@ class Trainer(transformers.Trainer):
             raise ValueError("the training batches have no 'labels': autocastfx.integrations.hf.Trainer trains "
                              "with the model's own loss (out.loss), which it computes from labels=")
         model.to(self.args.device)
-        return autocastfx.convert(model, example_kwargs=batch, dtype=self.dtype, **self.convert_kwargs)
+        return convert(model, example_kwargs=batch, dtype=self.dtype, **self.convert_kwargs)
 
     # ---------------------------------------------------------------------------------- optimisation
     def create_optimizer(self, model=None):
         if self.step is None:
             real = super().create_optimizer(model)
-            self.step = autocastfx.train_step(
+            self.step = train_step(
                 self.model, lambda out: out.loss, real, accum_steps=self.args.gradient_accumulation_steps,
                 clip_grad_norm=self.clip, **self.step_kwargs)
             self.real_optimizer = real

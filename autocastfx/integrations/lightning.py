@@ -42,9 +42,11 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-import autocastfx
 from ..core.weights import all_masters
 from ..base.meta import is_converted
+from ..api import convert
+from ..training.factory import train_step
+from ..training.step import TrainStep
 
 pl = None
 for _name in ("lightning.pytorch", "pytorch_lightning"):
@@ -82,7 +84,7 @@ class MixedPrecision(Precision):
         self.convert_kwargs = dict(convert_kwargs or {})
         self.step_kwargs = dict(step_kwargs or {})
         self.example_input = example_input
-        self.step: autocastfx.TrainStep | None = None
+        self.step: TrainStep | None = None
         self.module = None      # the LightningModule
         self.name = None        # its attribute that holds the network
         self._optimizer = None  # the real optimizer, while fitting
@@ -155,7 +157,7 @@ class MixedPrecision(Precision):
         with torch.inference_mode(False), torch.enable_grad(), isolate_rng():
             args, kwargs = tree_map(lambda t: t.clone() if torch.is_tensor(t) and t.is_inference() else t,
                                     (tuple(args), kwargs))
-            gm = autocastfx.convert(net, args or None, example_kwargs=kwargs or None, dtype=self.dtype,
+            gm = convert(net, args or None, example_kwargs=kwargs or None, dtype=self.dtype,
                                     **self.convert_kwargs)
             gm.train(net.training)
             setattr(self.module, self.name, gm)
@@ -176,7 +178,7 @@ class MixedPrecision(Precision):
         old = self.step
         # Lightning hands backward the training_step's loss divided by accumulate_grad_batches; the step divides
         # by accum_steps itself, so it takes the loss back as training_step returned it
-        self.step = autocastfx.train_step(gm, (lambda loss: loss * accum) if accum > 1 else (lambda loss: loss),
+        self.step = train_step(gm, (lambda loss: loss * accum) if accum > 1 else (lambda loss: loss),
                                           self._optimizer, accum_steps=accum,
                                           clip_grad_norm=trainer.gradient_clip_val or None, **self.step_kwargs)
         if self._pending is not None:

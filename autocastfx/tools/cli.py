@@ -16,6 +16,9 @@ import sys
 import warnings
 
 import torch
+from ..api import convert
+from ..base.errors import CaptureError
+from .report import report
 
 _DTYPES = {"fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
            "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "auto": "auto"}
@@ -80,24 +83,22 @@ def build(args) -> tuple[torch.nn.Module, tuple]:
 
 
 def convert_from_args(args):
-    import autocastfx
     model, inputs = build(args)
     if args.dtype not in _DTYPES:
         raise UsageError(f"bad --dtype {args.dtype!r}: use fp16, bf16 or auto")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            gm = autocastfx.convert(model, inputs, dtype=_DTYPES[args.dtype], pad_multiple=args.pad_multiple)
-        except autocastfx.CaptureError as e:
+            gm = convert(model, inputs, dtype=_DTYPES[args.dtype], pad_multiple=args.pad_multiple)
+        except CaptureError as e:
             raise UsageError("the model does not trace: " + str(e).splitlines()[0] +
                              " (see `python -c 'import autocastfx; help(autocastfx.convert)'`)") from None
     return gm, inputs
 
 
 def cmd_inspect(args) -> int:
-    import autocastfx
     gm, _ = convert_from_args(args)
-    rep = autocastfx.report(gm)
+    rep = report(gm)
     print(rep.to_json(indent=1) if args.json else rep)
     return 0
 

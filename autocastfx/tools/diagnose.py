@@ -7,6 +7,8 @@ activation gradients of a float32 step fall against the float16 range, and what 
 """
 from __future__ import annotations
 
+from ..base.options import SAVED
+
 import copy
 import dataclasses
 import math
@@ -111,7 +113,7 @@ def calibrate(gm: fx.GraphModule, batches: Iterable, *, margin: float = 4.0, max
         policy = info.policy.override(node_names={k: "fp32" for k in moved})
         ex_args, ex_kwargs = batches[0], {}
         current = convert(gm, ex_args, example_kwargs=ex_kwargs or None, dtype=info.dtype, policy=policy,
-                          **{k: v for k, v in info.options.items()})
+                          **{k: info.options[k] for k in SAVED})
     if current is gm:
         current = copy.deepcopy(gm)
     for node in current.graph.nodes:

@@ -10,6 +10,8 @@ against the expected schema, and the program is torch.export's own serialized gr
 """
 from __future__ import annotations
 
+from ..base.options import SAVED, ConvertOptions
+
 import io
 import json
 import os
@@ -269,7 +271,7 @@ def save(gm: fx.GraphModule, path: str | os.PathLike, example_inputs: tuple | No
     meta = {
         "format": FORMAT, "version": VERSION, "torch": torch.__version__,
         "dtype": str(info.dtype).removeprefix("torch."), "capture": info.capture,
-        "options": info.options, "policy": _policy_to_data(info.policy),
+        "options": {k: info.options[k] for k in SAVED}, "policy": _policy_to_data(info.policy),
         "masters": sorted(info.masters), "report": report(gm).to_dict(),
     }
     with zipfile.ZipFile(os.fspath(path), "w", compression=zipfile.ZIP_STORED) as z:
@@ -335,7 +337,7 @@ def load(path: str | os.PathLike) -> fx.GraphModule:
     report_rows = [Row(**r) for r in meta["report"].get("nodes", [])]
     info = ConvertInfo(dtype=low, policy=policy, capture=meta["capture"], plan=None,
                        masters={k: nn.Parameter(v, requires_grad=params[k].requires_grad) for k, v in masters.items()},
-                       absorbed=[], options=meta["options"],
+                       absorbed=[], options=ConvertOptions(dtype=low, policy=policy, **meta["options"]),
                        extra_totals={"saved_report": Report(report_rows, meta["report"].get("totals", {}))})
     gm.meta["autocastfx"] = info
     return gm

@@ -59,6 +59,8 @@ class Report:
                 lines.append(f"  {name}: {b['plan']}{extra}")
         if t.get("capture") == "piecewise":
             return "\n".join(lines)
+        if t.get("options"):
+            lines.append(f"options: {t['options']}")
         lines.append(f"captured by {t['capture']}; low dtype {t['dtype']}; nodes per dtype: "
                      + ", ".join(f"{k} {v}" for k, v in t["nodes_per_dtype"].items()))
         lines.append(f"casts per forward: {t['casts']} ({t['cast_bytes']:,} bytes); naive rule would use "
@@ -171,6 +173,7 @@ def report(gm: fx.GraphModule) -> Report:
         "low_flops": low_flops,
         "low_flop_share": (low_flops / flops) if flops else 0.0,
         "unclassified": list(plan.unclassified),
+        "options": str(info.options),
     }
     totals.update({k: v for k, v in info.extra_totals.items() if k != "saved_report"})
     if "modes" in totals:

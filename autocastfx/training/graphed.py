@@ -10,8 +10,8 @@ replayed:
 
 ``CudaGraphStep(step)`` runs the first calls eagerly on a side stream (real steps: they warm up cuBLAS, cuDNN
 and the optimizer's state), captures the step after the last of them, and from then on copies each batch into
-static input buffers and replays. What a graph cannot do is refused before anything is changed, with the reason and the way
-out. ``docs/cuda_graphs.md`` has the rules.
+static input buffers and replays. What a graph cannot do is refused before anything is changed, with the reason
+and the way out. ``docs/cuda_graphs.md`` has the rules.
 """
 from __future__ import annotations
 
@@ -211,6 +211,56 @@ def _eager_capturable():
         yield
 
 
+# ------------------------------------------------------------------------------------------ capture
+def _record_graphs(step, device: torch.device, static_inputs: Any,
+                   static_targets: tuple) -> tuple[dict[str, torch.cuda.CUDAGraph], dict[str, torch.Tensor]]:
+    """Record ``step`` called on the static buffers, one graph per kind of micro-batch (:func:`positions`), in one
+    memory pool; returns the graphs and their loss tensors, by kind.
+
+    Nothing runs: the step's host state (micro-batch counter, gradients) is put back as the eager
+    call left it. Gradients are None at the start of a cycle, so the first graph's backward allocates them
+    from the graph's pool and the update graph frees them there: every replay reuses the same memory.
+
+    The graphs share the pool and replay in capture order, so a later graph's tensors may lie in memory an
+    earlier one uses as scratch (PyTorch, "Sharing memory across captures"). The clipping norm is not one of
+    them: the step writes it into its own tensor, made with the step, outside the pool, which
+    ``stats.grad_norm`` reads whether the last update was replayed or eager."""
+    micro = step.micro
+    for p in step.grad_holders:
+        p.grad = None
+    pool = torch.cuda.graph_pool_handle()
+    graphs, outputs = {}, {}
+    current = torch.cuda.current_stream(device)
+    try:
+        with torch.cuda.device(device):
+            for kind, position in positions(step.accum_steps):
+                step.micro = micro + position
+                graph = torch.cuda.CUDAGraph()
+                # thread_local (as torch.compile's CUDA graphs): another thread's unrelated CUDA calls (a
+                # DataLoader's pin-memory thread) do not break the capture; a sync on the capturing stream
+                # (.item() in forward or backward) fails from any thread
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    outputs[kind] = step._fn(static_inputs, *static_targets)
+                graphs[kind] = graph
+    except Exception as e:
+        # torch.cuda.graph.__exit__ ends the capture before it restores the stream: when ending raises (it does
+        # after any error inside the capture), this thread would stay on the graph's capture stream
+        torch.cuda.set_stream(current)
+        first = e.__context__ if e.__context__ is not None else e   # what broke the capture, before capture_end
+        cause = f"{type(first).__name__}: {first}" + (
+            f"; ending the capture then raised {type(e).__name__}: {e}" if first is not e else "")
+        raise RuntimeError(
+            f"capturing the training step in a CUDA graph failed: {cause}\nInside a graph "
+            "nothing may read the device from the host or create CPU tensors: .item(), bool(tensor), a Python "
+            "branch on a tensor, torch.tensor(...) in forward, BatchNorm(momentum=None). Remove it from the model "
+            "or the loss, or train with the eager step (which has just run this batch).") from e
+    finally:
+        step.micro = micro
+        for p in step.grad_holders:
+            p.grad = None
+    return graphs, outputs
+
+
 # ------------------------------------------------------------------------------- state dicts
 def portable_state_dict(step) -> dict[str, Any]:
     """``step.state_dict()`` as a snapshot: optimizer state cloned, tensor hyperparameters (the device lr) as
@@ -401,53 +451,13 @@ class CudaGraphStep:
         return loss
 
     def _capture(self, sig: Signature, leaves: list[Any]) -> None:
-        """Record the step for these arguments' shapes, one graph per kind of micro-batch, in one memory pool.
-
-        Nothing runs: the step's host state (micro-batch counter, gradients) is put back as the eager
-        call left it. Gradients are None at the start of a cycle, so the first graph's backward allocates them
-        from the graph's pool and the update graph frees them there: every replay reuses the same memory.
-
-        The graphs share the pool and replay in capture order, so a later graph's tensors may lie in memory an
-        earlier one uses as scratch (PyTorch, "Sharing memory across captures"). The clipping norm is not one of
-        them: the step writes it into its own tensor, made with the step, outside the pool, which
-        ``stats.grad_norm`` reads whether the last update was replayed or eager."""
+        """Record the step for these arguments' shapes (:func:`_record_graphs`), into static input buffers made
+        for them, and note what the graphs bake in (optimizer settings, lr tensors, train()/eval() modes)."""
         step = self.step
         with torch.no_grad():
             statics = [x.detach().clone() if torch.is_tensor(x) else x for x in leaves]
         static_inputs, static_targets = tree_unflatten(statics, sig.spec)
-        micro = step.micro
-        for p in step.grad_holders:
-            p.grad = None
-        pool = torch.cuda.graph_pool_handle()
-        graphs, outputs = {}, {}
-        current = torch.cuda.current_stream(self.device)
-        try:
-            with torch.cuda.device(self.device):
-                for kind, position in positions(step.accum_steps):
-                    step.micro = micro + position
-                    graph = torch.cuda.CUDAGraph()
-                    # thread_local (as torch.compile's CUDA graphs): another thread's unrelated CUDA calls (a
-                    # DataLoader's pin-memory thread) do not break the capture; a sync on the capturing stream
-                    # (.item() in forward or backward) fails from any thread
-                    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                        outputs[kind] = step._fn(static_inputs, *static_targets)
-                    graphs[kind] = graph
-        except Exception as e:
-            # torch.cuda.graph.__exit__ ends the capture before it restores the stream: when ending raises (it does
-            # after any error inside the capture), this thread would stay on the graph's capture stream
-            torch.cuda.set_stream(current)
-            first = e.__context__ if e.__context__ is not None else e   # what broke the capture, before capture_end
-            cause = f"{type(first).__name__}: {first}" + (
-                f"; ending the capture then raised {type(e).__name__}: {e}" if first is not e else "")
-            raise RuntimeError(
-                f"capturing the training step in a CUDA graph failed: {cause}\nInside a graph "
-                "nothing may read the device from the host or create CPU tensors: .item(), bool(tensor), a Python "
-                "branch on a tensor, torch.tensor(...) in forward, BatchNorm(momentum=None). Remove it from the model "
-                "or the loss, or train with the eager step (which has just run this batch).") from e
-        finally:
-            step.micro = micro
-            for p in step.grad_holders:
-                p.grad = None
+        graphs, outputs = _record_graphs(step, self.device, static_inputs, static_targets)
         self._graphs, self._outputs, self._sig = graphs, outputs, sig
         self._statics = [s for s in statics if torch.is_tensor(s)]
         self.static_inputs, self.static_targets = static_inputs, static_targets

@@ -6,9 +6,11 @@
     optional clipping by global norm; the optimizer steps the masters, skipped on the device on overflow
     masters copied back into the low-precision weights in one fused copy; the scale updated on the device
 
-``print(step.code)`` shows exactly what runs: only the branches the options need are generated. Around it,
-``TrainStep.__call__`` does the host-side work: the first call with a new input signature is checked and
-guarded (autocastfx.checks), and after every call a host copy of the "stuck at min_scale" flag is read.
+``print(step.code)`` shows exactly what runs: only the branches the options need are generated. The source is
+written by autocastfx.training.source from the step's options alone; this module gathers what the step works on,
+compiles that source and runs it. Around it, ``TrainStep.__call__`` does the host-side work: the first call with a
+new input signature is checked and guarded (autocastfx.checks), and after every call a host copy of the "stuck at
+min_scale" flag is read.
 
 What depends on how the model is spread over processes, the step asks of a ``parallel`` object: :class:`Local`
 here (one process); autocastfx.distributed answers for DistributedDataParallel and FSDP2, and builds steps through
@@ -18,8 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
-import textwrap
 from typing import Any, Callable
 
 import torch
@@ -28,6 +28,7 @@ import torch.nn as nn
 from ..core import weights as _weights
 from .checks import InputChecker, StepError, check_grad_mode, check_loss, signature, unique_by_id
 from .scaling import HISTORY, LossScaleError, ScalerConfig, ScaleState
+from .source import SourceOptions, step_source
 
 
 class _DynamicDefault(str):
@@ -132,6 +133,59 @@ def _call(model: nn.Module, inputs: Any) -> Any:
     return model(inputs)
 
 
+def _parallel_and_info(model, parallel: Local | None):
+    """The ``parallel`` object (:class:`Local` around ``model`` when none is given) and the conversion info of the
+    module it holds; TypeError for a module autocastfx.convert() did not return."""
+    if parallel is None:
+        if isinstance(compiled_module(model), torch.nn.parallel.DistributedDataParallel):
+            raise TypeError("a step over DistributedDataParallel is built by autocastfx.train_step(), which "
+                            "knows how to reduce the overflow flag across processes")
+        parallel = Local(compiled_module(model))
+        parallel.model = model
+    gm = parallel.gm
+    info = getattr(gm, "meta", {}).get("autocastfx") if isinstance(getattr(gm, "meta", None), dict) else None
+    if info is None:
+        raise TypeError("train_step() needs the module autocastfx.convert() returned (or DistributedDataParallel "
+                        f"around it, or it sharded with FSDP2), got {type(gm).__name__}: convert the model first")
+    return parallel, info
+
+
+def _checked_options(info, loss_fn, optimizer, loss_scale, init_scale, on_overflow, max_retries, accum_steps,
+                     clip_grad_norm) -> tuple[str, Any]:
+    """The step's options checked before anything is changed; returns the loss-scale mode ("dynamic", "static"
+    or "off") and the initial scale (a static scale's own value)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not callable(loss_fn):
+        raise TypeError("loss_fn must be callable as loss_fn(output, *targets)")
+    if on_overflow not in ("skip", "retry"):
+        raise ValueError(f"on_overflow must be 'skip' or 'retry', got {on_overflow!r}")
+    if not (isinstance(accum_steps, int) and accum_steps >= 1):
+        raise ValueError(f"accum_steps must be a positive int, got {accum_steps!r}")
+    if not (isinstance(max_retries, int) and max_retries >= 0):
+        raise ValueError(f"max_retries must be an int >= 0, got {max_retries!r}")
+    if on_overflow == "retry" and accum_steps > 1:
+        raise ValueError("on_overflow='retry' re-runs one batch and cannot re-run earlier micro-batches: "
+                         "use on_overflow='skip' with accum_steps > 1")
+    if clip_grad_norm is not None and not clip_grad_norm > 0:
+        raise ValueError(f"clip_grad_norm must be > 0 or None, got {clip_grad_norm!r}")
+    if isinstance(loss_scale, _DynamicDefault):
+        mode = "off" if info.dtype == torch.bfloat16 else "dynamic"
+    elif loss_scale is None:
+        mode = "off"
+    elif loss_scale == "dynamic":
+        mode = "dynamic"
+    elif isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool) and loss_scale > 0:
+        mode, init_scale = "static", float(loss_scale)
+    else:
+        raise ValueError(f"loss_scale must be 'dynamic', a positive number (static scale) or None, got {loss_scale!r}")
+    if on_overflow == "retry" and mode != "dynamic":
+        raise ValueError("on_overflow='retry' needs loss_scale='dynamic' (a fixed scale would overflow again)")
+    if init_scale == "auto" and mode == "off":
+        init_scale = 2.0**16  # no scaling: the value is never used
+    return mode, init_scale
+
+
 class TrainStep:
     """``step(inputs, *targets) -> loss``; see :func:`train_step`.
 
@@ -145,56 +199,41 @@ class TrainStep:
     def __init__(self, model, loss_fn, optimizer, *, loss_scale=DYNAMIC, init_scale="auto", growth_factor=2.0,
                  backoff_factor=0.5, growth_interval=2000, min_scale=1.0, hysteresis=1, on_overflow="skip",
                  max_retries=8, accum_steps=1, clip_grad_norm=None, parallel: Local | None = None):
-        if parallel is None:
-            if isinstance(compiled_module(model), torch.nn.parallel.DistributedDataParallel):
-                raise TypeError("a step over DistributedDataParallel is built by autocastfx.train_step(), which "
-                                "knows how to reduce the overflow flag across processes")
-            parallel = Local(compiled_module(model))
-            parallel.model = model
-        gm = parallel.gm
-        info = getattr(gm, "meta", {}).get("autocastfx") if isinstance(getattr(gm, "meta", None), dict) else None
-        if info is None:
-            raise TypeError("train_step() needs the module autocastfx.convert() returned (or DistributedDataParallel "
-                            f"around it, or it sharded with FSDP2), got {type(gm).__name__}: convert the model first")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if not callable(loss_fn):
-            raise TypeError("loss_fn must be callable as loss_fn(output, *targets)")
-        if on_overflow not in ("skip", "retry"):
-            raise ValueError(f"on_overflow must be 'skip' or 'retry', got {on_overflow!r}")
-        if not (isinstance(accum_steps, int) and accum_steps >= 1):
-            raise ValueError(f"accum_steps must be a positive int, got {accum_steps!r}")
-        if not (isinstance(max_retries, int) and max_retries >= 0):
-            raise ValueError(f"max_retries must be an int >= 0, got {max_retries!r}")
-        if on_overflow == "retry" and accum_steps > 1:
-            raise ValueError("on_overflow='retry' re-runs one batch and cannot re-run earlier micro-batches: "
-                             "use on_overflow='skip' with accum_steps > 1")
-        if clip_grad_norm is not None and not clip_grad_norm > 0:
-            raise ValueError(f"clip_grad_norm must be > 0 or None, got {clip_grad_norm!r}")
-        if isinstance(loss_scale, _DynamicDefault):
-            mode = "off" if info.dtype == torch.bfloat16 else "dynamic"
-        elif loss_scale is None:
-            mode = "off"
-        elif loss_scale == "dynamic":
-            mode = "dynamic"
-        elif isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool) and loss_scale > 0:
-            mode, init_scale = "static", float(loss_scale)
-        else:
-            raise ValueError(f"loss_scale must be 'dynamic', a positive number (static scale) or None, got {loss_scale!r}")
-        if on_overflow == "retry" and mode != "dynamic":
-            raise ValueError("on_overflow='retry' needs loss_scale='dynamic' (a fixed scale would overflow again)")
-        if init_scale == "auto" and mode == "off":
-            init_scale = 2.0**16  # no scaling: the value is never used
-
-        self.model, self.gm, self.loss_fn, self.optimizer = model, gm, loss_fn, optimizer
+        parallel, info = _parallel_and_info(model, parallel)
+        mode, init_scale = _checked_options(info, loss_fn, optimizer, loss_scale, init_scale, on_overflow,
+                                            max_retries, accum_steps, clip_grad_norm)
+        self.model, self.gm, self.loss_fn, self.optimizer = model, parallel.gm, loss_fn, optimizer
         self.parallel = P = parallel
         self.ddp = P.kind == "ddp"
         self.accum_steps, self.on_overflow = accum_steps, on_overflow
         self.clip, self.max_retries = clip_grad_norm, max_retries
         self.cfg = ScalerConfig(mode, init_scale, growth_factor, backoff_factor, growth_interval, min_scale, hysteresis,
                                 low_max=torch.finfo(info.dtype).max)
+        repointed, device = self._take_weights(info)
+        self.state = ScaleState(self.cfg, device, reduce_max=P.all_reduce_max if P.distributed else None)
+        _repoint_optimizer(self.optimizer, repointed)
+        self.fused = _use_fused_skip(self.optimizer, P)
+        # float32 master gradients live only inside an update (one flat buffer, allocated per update): between
+        # steps the step holds no gradient at all, as autocast + GradScaler with zero_grad(set_to_none=True)
+        local_masters = P.locals(self.masters)  # under FSDP2: this rank's shards
+        self._master_numel = sum(m.numel() for m in local_masters)
+        self._grad_views = _view_specs(local_masters)  # each master's place and layout in that buffer, fixed
+        self._buckets = _buckets([m.numel() for m in local_masters], BUCKET_ELEMENTS)
+        self.all_params = self.lows + self.fp32_params
+        self.grad_holders = self.all_params + self.masters
+        self.grad_norm = torch.zeros((), device=device) if clip_grad_norm is not None else None
+        self.micro = 0
+        self.checker = InputChecker(self.gm, device)  # host-side checks of each new input signature
+        self.code = self._generate()
+        self._fn: Callable = self._compile(self.code)
 
-        repointed = self._repointed_groups(info)  # raises before anything is changed
+    # ------------------------------------------------------------------------------------------- set-up
+    def _take_weights(self, info) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], torch.device]:
+        """Find the weights the step works on: (name, low weight, float32 master) for the stored-low ones and the
+        float32 parameters that train as they are. Returns the optimizer's groups re-pointed at those (not yet
+        applied) and the device the step's own tensors go on; masters not on their weight's device move there."""
+        P, gm = self.parallel, self.gm
+        repointed = _repointed_groups(gm, self.optimizer, info)  # raises before anything is changed
         name_of_master = {id(m): n for n, m in all_masters(gm).items()}
         triples = P.master_pairs(gm)  # FSDP2: each master cut to its weight's shard here
         pairs = [(lo, m) for _, lo, m in triples]
@@ -210,205 +249,23 @@ class TrainStep:
         for lo, m in pairs:
             if m.device != lo.device:
                 m.data = m.data.to(lo.device)
-        self.state = ScaleState(self.cfg, device, reduce_max=P.all_reduce_max if P.distributed else None)
-        self._repoint_optimizer(repointed)
-        self.fused = self._use_fused_skip()
-        # float32 master gradients live only inside an update (one flat buffer, allocated per update): between
-        # steps the step holds no gradient at all, as autocast + GradScaler with zero_grad(set_to_none=True)
-        local_masters = P.locals(self.masters)  # under FSDP2: this rank's shards
-        self._master_numel = sum(m.numel() for m in local_masters)
-        self._grad_views = _view_specs(local_masters)  # each master's place and layout in that buffer, fixed
-        self._buckets = _buckets([m.numel() for m in local_masters], BUCKET_ELEMENTS)
-        self.all_params = self.lows + self.fp32_params
-        self.grad_holders = self.all_params + self.masters
-        self.grad_norm = torch.zeros((), device=device) if clip_grad_norm is not None else None
-        self.micro = 0
-        self.checker = InputChecker(gm, device)  # host-side checks of each new input signature
-        self.code = self._generate()
-        namespace = {"torch": torch, "contextlib": contextlib, "self": self, "model": model, "loss_fn": loss_fn,
-                     "optimizer": optimizer, "S": self.state, "P": P, "_call": _call, "check_loss": check_loss}
-        exec(compile(self.code, "<autocastfx train_step>", "exec"), namespace)  # noqa: S102 - our own source
-        self._fn: Callable = namespace["train_step"]
-
-    # ------------------------------------------------------------------------------------------- set-up
-    def _repointed_groups(self, info) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-        """For each optimizer group, (tensor it holds, float32 master or module parameter to hold instead).
-        Raises StepError for a tensor that belongs to neither model, before anything is changed."""
-        gm_params, by_id = _weights.aliases(self.gm)
-        canonical = {i: names[0] for i, names in by_id.items()}
-        alias = {name: canonical[id(p)] for name, p in gm_params.items()}
-        master_by_name = all_masters(self.gm)
-        master_ids = {id(m) for m in master_by_name.values()}
-        groups = []
-        for g, group in enumerate(self.optimizer.param_groups):
-            pairs = []
-            for i, p in enumerate(group["params"]):
-                if id(p) in master_ids:
-                    pairs.append((p, p))
-                    continue
-                name = canonical.get(id(p)) or next(
-                    (n for n in info.source_params.get(id(p), ()) if n in alias), None)
-                if name is None and id(p) in info.source_params:
-                    continue  # the model's, but the graph never reads it: no gradient, as in the model itself
-                if name is None:
-                    raise StepError(
-                        f"the optimizer holds a tensor of shape {tuple(p.shape)} (param group {g}, entry {i}) that is "
-                        "neither a parameter of the converted module nor of the model it was converted from: build "
-                        "the optimizer over gm.parameters() or over the original model's parameters, after convert() "
-                        "(and after fully_shard() or autocastfx.shard(), which replace the module's parameters)")
-                name = alias.get(name, name)
-                pairs.append((p, master_by_name.get(name, gm_params.get(name))))
-            groups.append(pairs)
-        return groups
-
-    def _repoint_optimizer(self, groups: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
-        """Point the optimizer's groups at the float32 masters (and the module's float32 parameters)."""
-        for group, pairs in zip(self.optimizer.param_groups, groups):
-            new = []
-            for p, target in pairs:
-                if target is not p and p in self.optimizer.state:
-                    self.optimizer.state[target] = self.optimizer.state.pop(p)
-                if all(target is not q for q in new):
-                    new.append(target)
-            group["params"] = new
-
-    def _use_fused_skip(self) -> bool:
-        """Fused optimizers take ``found_inf`` and skip the update on the device; turn it on where it exists."""
-        opt = self.optimizer
-        if getattr(opt, "_step_supports_amp_scaling", False):
-            return True
-        if "fused" not in opt.defaults or not self.parallel.allows_fused(opt):
-            return False
-        for group in opt.param_groups:
-            group["fused"] = True
-            if "foreach" in group:
-                group["foreach"] = False
-            if group.get("differentiable"):
-                return False
-        opt.defaults["fused"] = True
-        opt._step_supports_amp_scaling = True
-        if isinstance(opt, torch.optim.SGD):
-            # a skipped first step would leave fused SGD's momentum buffers uninitialised: start them at zero
-            # (equal to PyTorch's first-step buffer when dampening == 0)
-            for group in opt.param_groups:
-                if group["momentum"] and not group["dampening"]:
-                    for p in group["params"]:
-                        opt.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
-        return True
+        return repointed, device
 
     # ------------------------------------------------------------------------------------- the source
     def _generate(self) -> str:
-        has_masters = bool(self.masters)
-        dyn = self.cfg.mode == "dynamic"
-        scaled = self.cfg.mode != "off"
-        accum = self.accum_steps
-        L: list[str] = []
-        add = L.append
-        init = "auto" if self.cfg.auto else f"{self.cfg.init_scale:g}"
-        doc = (f"loss scale {self.cfg.mode}" + (f" (init {init})" if scaled else "")
-               + (f", hysteresis {self.cfg.hysteresis}" if dyn and self.cfg.hysteresis > 1 else "")
-               + (f", {accum} micro-batches per update" if accum > 1 else "")
-               + (f", clip grad norm {self.clip:g}" if self.clip is not None else "")
-               + (", retry on overflow" if self.on_overflow == "retry" else "")
-               + ({"ddp": ", DistributedDataParallel", "fsdp": ", FSDP2 (sharded masters)"}.get(self.parallel.kind, "")))
-        dist = self.parallel.distributed
-        sharded = self.parallel.kind == "fsdp"
-        add("def train_step(inputs, *targets):")
-        add(f'    """One mixed-precision training step: {doc}."""')
-        if accum > 1:
-            add(f"    last = self.micro % {accum} == {accum - 1}  # host counter: no device read")
-            if dist:
-                add("    with P.sync(last):  # gradient all-reduce / reduce-scatter on the last micro-batch only")
-                ind = "        "
-            else:
-                ind = "    "
-        else:
-            ind = "    "
-        section = itertools.count(1)  # the comments number the parts the options emit
-        loop = self.on_overflow == "retry"
-        if loop:
-            add(f"    for attempt in range({self.max_retries + 1}):")
-            ind = "        "
-        add(f"{ind}# {next(section)}. forward with low-precision weights; the loss in float32")
-        add(f"{ind}out = _call(model, inputs)")
-        add(f"{ind}loss = check_loss(loss_fn(out, *targets)).float()  # one float number connected to the weights")
-        add(f"{ind}# {next(section)}. backward of loss * scale" + (f" / {accum}" if accum > 1 else ""))
-        factor = "S.scale" if scaled else None
-        if accum > 1:
-            factor = f"(S.scale / {accum})" if scaled else f"(1.0 / {accum})"
-        add(f"{ind}({'loss * ' + factor if factor else 'loss'}).backward()")
-        if accum > 1:
-            add("    self.micro += 1")
-            add("    if not last:")
-            add("        return loss.detach()")
-            ind = "    "
-        add(f"{ind}with torch.no_grad():")
-        ind2 = ind + "    "
-        add(f"{ind2}# {next(section)}. gradients into float32" + (" master .grad," if has_masters else ",")
-            + (" unscaled and" if scaled else "") + " checked for inf/NaN in one fused pass")
-        fp32_grads = "[p.grad for p in self.fp32_params if p.grad is not None]"
-        if sharded:
-            fp32_grads = f"P.locals({fp32_grads})"  # the shards' local tensors: the kernels below take plain ones
-        if has_masters:
-            add(f"{ind2}master_grads = self._grads_to_masters()  # one float32 buffer; low .grad freed at once")
-            add(f"{ind2}grads = master_grads + {fp32_grads}")
-        else:
-            add(f"{ind2}grads = {fp32_grads}")
-        add(f"{ind2}S.found_inf.zero_()")
-        add(f"{ind2}torch._amp_foreach_non_finite_check_and_unscale_(grads, S.found_inf, S.inv_scale)")
-        if dist:
-            add(f"{ind2}P.all_reduce_max(S.found_inf)  # one skip decision on every rank")
-        if loop:
-            add(f"{ind2}overflow = bool(S.found_inf)  # retry needs this one host read per attempt")
-            add(f"{ind}if not overflow or attempt == {self.max_retries}:")
-            add(f"{ind}    break")
-            add(f"{ind}with torch.no_grad():  # redo the batch at the lowered scale")
-            add(f"{ind}    S.record()")
-            add(f"{ind}    S.update_dynamic()")
-            add(f"{ind}    for p in self.all_params:")
-            add(f"{ind}        p.grad = None")
-            if has_masters:
-                add(f"{ind}    del master_grads, grads")
-            ind, ind2 = "    ", "        "
-            add(f"{ind}with torch.no_grad():")
-        if has_masters:
-            add(f"{ind2}for m, g in zip(self.masters, master_grads):")
-            add(f"{ind2}    m.grad = {'P.as_grad(m, g)' if sharded else 'g'}")
-        if self.clip is not None:
-            add(f"{ind2}# {next(section)}. clip by global norm, after unscaling (no host read)")
-            if sharded:
-                add(f"{ind2}self.grad_norm.copy_(P.grad_norm(grads))  # over every shard of every rank")
-                add(f"{ind2}torch._foreach_mul_(grads, torch.clamp({self.clip!r} / (self.grad_norm + 1e-6), max=1.0))")
-            else:
-                add(f"{ind2}self.grad_norm.copy_(torch.nn.utils.clip_grad_norm_(self.optimizer_params, {self.clip!r}, "
-                    "foreach=True))  # one tensor for the step's life: stats and a CUDA graph keep reading it")
-        add(f"{ind2}# {next(section)}. optimizer step on the {'masters' if has_masters else 'parameters'}, skipped on overflow")
-        if self.fused:
-            add(f"{ind2}optimizer.grad_scale, optimizer.found_inf = None, S.found_inf  # fused kernel skips on the device")
-            add(f"{ind2}optimizer.step()")
-        else:
-            add(f"{ind2}if not bool(S.found_inf):  # this optimizer has no fused kernel: one host read to skip")
-            add(f"{ind2}    optimizer.step()")
-        if has_masters:
-            if sharded:
-                add(f"{ind2}torch._foreach_copy_(P.locals(self.lows), P.locals(self.masters))  # master shards -> low shards")
-            else:
-                add(f"{ind2}torch._foreach_copy_(self.lows, self.masters)  # masters -> low-precision weights")
-        add(f"{ind2}for p in self.{'grad_holders' if has_masters else 'all_params'}:  # gradients freed: "
-            "the next backward writes, not adds")
-        add(f"{ind2}    p.grad = None")
-        add(f"{ind2}# {next(section)}. scale update on the device" + ("; the stuck-at-min_scale flag too, read later by the host "
-                                                       "without a sync" if dyn else ""))
-        add(f"{ind2}S.record()")
-        if dyn and self.cfg.auto:
-            add(f"{ind2}if S.auto_pending:  # first update: the largest safe power of two for these gradients")
-            add(f"{ind2}    S.update_auto(grads)")
-            add(f"{ind2}else:")
-            add(f"{ind2}    S.update_dynamic()")
-        elif dyn:
-            add(f"{ind2}S.update_dynamic()")
-        add(f"{ind}return loss.detach()")
-        return textwrap.dedent("\n".join(L)) + "\n"
+        """The step's source (autocastfx.training.source), for the options it was built with."""
+        return step_source(SourceOptions(
+            scaler=self.cfg, accum_steps=self.accum_steps, clip=self.clip, on_overflow=self.on_overflow,
+            max_retries=self.max_retries, kind=self.parallel.kind, distributed=self.parallel.distributed,
+            has_masters=bool(self.masters), fused=self.fused))
+
+    def _compile(self, code: str) -> Callable:
+        """``train_step`` compiled from ``code``, in a namespace that holds what the source names."""
+        namespace = {"torch": torch, "contextlib": contextlib, "self": self, "model": self.model,
+                     "loss_fn": self.loss_fn, "optimizer": self.optimizer, "S": self.state, "P": self.parallel,
+                     "_call": _call, "check_loss": check_loss}
+        exec(compile(code, "<autocastfx train_step>", "exec"), namespace)  # noqa: S102 - our own source
+        return namespace["train_step"]
 
     def _grads_to_masters(self) -> list[torch.Tensor]:
         """The low-precision gradients as float32, in views of one buffer allocated for this update (zero where
@@ -495,26 +352,7 @@ class TrainStep:
                 m.copy_(sd["masters"][n])
             if self.masters:
                 torch._foreach_copy_(self.parallel.locals(self.lows), self.parallel.locals(self.masters))
-        # the optimizer keeps the checkpoint's tensors where no cast is needed: copy them, so that training on
-        # does not write into the caller's checkpoint; then the fused, on-device skip again (a checkpoint from
-        # a plain optimizer carries fused=False in its groups)
-        opt_sd = dict(sd["optimizer"])
-        opt_sd["state"] = {k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in st.items()}
-                           for k, st in sd["optimizer"]["state"].items()}
-        own = [{k: g[k] for k in ("capturable",) if k in g} for g in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(opt_sd)
-        for group, keep in zip(self.optimizer.param_groups, own):  # a CUDA-graph step's checkpoint says
-            group.update(keep)                                     # capturable=True: this step's own flag stays
-            if not (group.get("capturable") or group.get("fused")):
-                for p in group["params"]:  # where torch keeps `step` for a plain loop: on the CPU
-                    st = self.optimizer.state.get(p, {})
-                    if torch.is_tensor(st.get("step")) and st["step"].device.type != "cpu":
-                        st["step"] = st["step"].to("cpu", torch.float32)
-        if self.fused and "fused" in self.optimizer.defaults:
-            for group in self.optimizer.param_groups:
-                group["fused"] = True
-                if "foreach" in group:
-                    group["foreach"] = False
+        _load_optimizer(self.optimizer, sd["optimizer"], self.fused)
         self.state.load_state_dict(sd["scaler"])
         self.micro = sd.get("micro", 0)
         for p in self.grad_holders:  # gradients of this run's micro-batches are not the checkpoint's
@@ -524,6 +362,98 @@ class TrainStep:
             torch.set_rng_state(sd["rng"])
         if sd.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(sd["cuda_rng"])
+
+
+# ---------------------------------------------------------------------- the optimizer, pointed at the masters
+def _repointed_groups(gm, optimizer: torch.optim.Optimizer, info) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """For each optimizer group, (tensor it holds, float32 master or module parameter to hold instead).
+    Raises StepError for a tensor that belongs to neither model, before anything is changed."""
+    gm_params, by_id = _weights.aliases(gm)
+    canonical = {i: names[0] for i, names in by_id.items()}
+    alias = {name: canonical[id(p)] for name, p in gm_params.items()}
+    master_by_name = all_masters(gm)
+    master_ids = {id(m) for m in master_by_name.values()}
+    groups = []
+    for g, group in enumerate(optimizer.param_groups):
+        pairs = []
+        for i, p in enumerate(group["params"]):
+            if id(p) in master_ids:
+                pairs.append((p, p))
+                continue
+            name = canonical.get(id(p)) or next(
+                (n for n in info.source_params.get(id(p), ()) if n in alias), None)
+            if name is None and id(p) in info.source_params:
+                continue  # the model's, but the graph never reads it: no gradient, as in the model itself
+            if name is None:
+                raise StepError(
+                    f"the optimizer holds a tensor of shape {tuple(p.shape)} (param group {g}, entry {i}) that is "
+                    "neither a parameter of the converted module nor of the model it was converted from: build "
+                    "the optimizer over gm.parameters() or over the original model's parameters, after convert() "
+                    "(and after fully_shard() or autocastfx.shard(), which replace the module's parameters)")
+            name = alias.get(name, name)
+            pairs.append((p, master_by_name.get(name, gm_params.get(name))))
+        groups.append(pairs)
+    return groups
+
+
+def _repoint_optimizer(optimizer: torch.optim.Optimizer, groups: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+    """Point the optimizer's groups at the float32 masters (and the module's float32 parameters)."""
+    for group, pairs in zip(optimizer.param_groups, groups):
+        new = []
+        for p, target in pairs:
+            if target is not p and p in optimizer.state:
+                optimizer.state[target] = optimizer.state.pop(p)
+            if all(target is not q for q in new):
+                new.append(target)
+        group["params"] = new
+
+
+def _use_fused_skip(opt: torch.optim.Optimizer, parallel: Local) -> bool:
+    """Fused optimizers take ``found_inf`` and skip the update on the device; turn it on where it exists."""
+    if getattr(opt, "_step_supports_amp_scaling", False):
+        return True
+    if "fused" not in opt.defaults or not parallel.allows_fused(opt):
+        return False
+    for group in opt.param_groups:
+        group["fused"] = True
+        if "foreach" in group:
+            group["foreach"] = False
+        if group.get("differentiable"):
+            return False
+    opt.defaults["fused"] = True
+    opt._step_supports_amp_scaling = True
+    if isinstance(opt, torch.optim.SGD):
+        # a skipped first step would leave fused SGD's momentum buffers uninitialised: start them at zero
+        # (equal to PyTorch's first-step buffer when dampening == 0)
+        for group in opt.param_groups:
+            if group["momentum"] and not group["dampening"]:
+                for p in group["params"]:
+                    opt.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+    return True
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, sd: dict[str, Any], fused: bool) -> None:
+    """Load a checkpoint's optimizer state into the step's optimizer, keeping what the step set up on it.
+
+    The optimizer keeps the checkpoint's tensors where no cast is needed: they are copied, so that training on does
+    not write into the caller's checkpoint. Then the fused, on-device skip again where the step uses it (a
+    checkpoint from a plain optimizer carries fused=False in its groups)."""
+    opt_sd = dict(sd)
+    opt_sd["state"] = {k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in st.items()}
+                       for k, st in sd["state"].items()}
+    own = [{k: g[k] for k in ("capturable",) if k in g} for g in optimizer.param_groups]
+    optimizer.load_state_dict(opt_sd)
+    for group, keep in zip(optimizer.param_groups, own):  # a CUDA-graph step's checkpoint says
+        group.update(keep)                                # capturable=True: this step's own flag stays
+        if not (group.get("capturable") or group.get("fused")):
+            for p in group["params"]:  # where torch keeps `step` for a plain loop: on the CPU
+                st = optimizer.state.get(p, {})
+                if torch.is_tensor(st.get("step")) and st["step"].device.type != "cpu":
+                    st["step"] = st["step"].to("cpu", torch.float32)
+    if fused and "fused" in optimizer.defaults:
+        for group in optimizer.param_groups:
+            group["fused"] = True
+            if "foreach" in group:
+                group["foreach"] = False
 
 
 BUCKET_ELEMENTS = 1 << 24  # 16M elements (32 MiB of float16 gradients): one fused copy per bucket

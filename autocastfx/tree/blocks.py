@@ -261,66 +261,13 @@ def convert_tree(model: nn.Module, names: list[str], args: tuple, kwargs: dict, 
 
 
 def _tree(model, names, args, kwargs, conv, options, ctx, *, piecewise: bool, why: str | None = None) -> nn.Module:
+    """Convert the blocks ``names`` in one run of the model (each on its first call, by a :class:`_Maker`), then
+    the model around them: as one graph (:func:`_root`), or ``piecewise`` as the model's own Python."""
     modes = {id(m): m.training for m in model.modules()}
-    # the model's structure (its tensors until the end); the blocks themselves are not copied: each is replaced
-    # by its stand and then by its converted unit, or by a copy where it stays the model's module (a block the
-    # model also holds under another name is copied: that other place would keep the model's own module)
-    seen = collections.Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
-    keep = {id(m): m for m in (model.get_submodule(n) for n in names) if seen[id(m)] == 1}
-    tree = _copy(model, share_tensors=True, keep=keep.values())
-    plans: dict[Any, list[tuple[nn.Module, dict]]] = {}  # key -> [(converted block, the attributes it read)]
-    made: dict[str, dict] = {}
-    failed: dict[str, str] = {}
-    low_refused: dict[type, bool] = {}
-    codes: dict[int, tuple] = {}
-    block_options = options.replace(keep_io_types=piecewise)
-    # a block exported on its own leaves free the sizes free in the model's inputs (batch, sequence length)
-    block_ctx = ctx.replace(dynamic_sizes=free_sizes(args, kwargs))
-
-    def make(name: str, block: nn.Module, a: tuple, k: dict) -> nn.Module:
-        base = model.get_submodule(name)
-        originals = dict(base.named_modules())
-        for rel, m in block.named_modules():  # converted in the modes the model's modules have
-            o = originals.get(rel)
-            if o is not None:
-                m.training = modes.get(id(o), m.training)
-        given = a
-        if not piecewise and not low_refused.get(type(block)):
-            a = _hidden_low(a, options.dtype)
-        key = _signature(block, a, k)
-        ref = next((u for u, read in plans.get(key, ()) if _same_reads(block, read)), None) \
-            if key is not None else None
-        unit = _reuse(ref, block, codes) if ref is not None else None
-        if unit is not None:
-            how = f"the plan of {ref.meta[BLOCK_META]['name']}, reused (same structure and input shapes)"
-        else:
-            ref = None
-            try:
-                try:
-                    with _no_autocast(a), _watch_attributes(block) as read:
-                        unit = conv.block(block, a, k, block_options, block_ctx)
-                except Exception:  # noqa: BLE001 - the block's float32 code refuses a low input (a convolution's
-                    f32 = _float32(given)  # float32 bias): converted for a float32 input
-                    if _float_dtypes(a) == _float_dtypes(f32):
-                        raise
-                    low_refused[type(block)] = True
-                    a = f32
-                    key = _signature(block, a, k)
-                    with _no_autocast(a), _watch_attributes(block) as read:
-                        unit = conv.block(block, a, k, block_options, block_ctx)
-            except CaptureError as e:  # stays the model's module: traced with the model, or eager
-                failed[name] = f"does not capture on its own ({why_not_captured(e)})"
-                return block
-            how = f"converted ({unit.meta['autocastfx'].capture})"
-            if key is not None and read is not None:
-                plans.setdefault(key, []).append((unit, read))
-        family = ref.meta[BLOCK_META]["family"] if ref is not None else name
-        unit.meta[BLOCK_META] = {"name": name, "inputs": _planned_inputs(unit, a, k), "plan": how,
-                                 "family": family}
-        made[name] = unit.meta[BLOCK_META]
-        unit.eval()  # for the rest of the run: no batch-norm statistics updated, no dropout
-        return unit
-
+    tree, keep = _tree_copy(model, names)
+    make = _Maker(model, conv, options, ctx, args, kwargs, piecewise=piecewise, modes=modes)
+    # the one run: each block a stand that converts it on its first call, then its converted unit (or the model's
+    # module, copied where the model holds it elsewhere too) in its place
     stands = {}
     for name in names:
         stands[name] = _Stand(name, tree.get_submodule(name), make)
@@ -334,12 +281,10 @@ def _tree(model, names, args, kwargs, conv, options, ctx, *, piecewise: bool, wh
             return conv.whole(model, args, kwargs, options, ctx)
         return _tree(model, rest, args, kwargs, conv, options, ctx, piecewise=piecewise, why=why)
     finally:
-        for name, st in stands.items():
-            m = st.unit if st.unit is not None else st.block
-            _put(tree, name, _copy(m, share_tensors=True) if id(m) in keep else m)
+        _put_back(tree, stands, keep)
         _set_modes(tree, model, modes)
     units = {n: st.unit for n, st in stands.items() if st.unit is not None and is_converted(st.unit)}
-    skipped = {n: failed.get(n, "not called by the model's forward on the example inputs") for n in stands
+    skipped = {n: make.failed.get(n, "not called by the model's forward on the example inputs") for n in stands
                if n not in units}
     if not units:
         return conv.whole(model, args, kwargs, options, ctx)
@@ -349,6 +294,98 @@ def _tree(model, names, args, kwargs, conv, options, ctx, *, piecewise: bool, wh
     # result's shape, else the model's own block
     sources = {id(u): (model.get_submodule(n), stands[n].template) for n, u in units.items()}
     return _root(model, tree, units, skipped, args, kwargs, conv, options, ctx.replace(sources=sources), modes)
+
+
+def _tree_copy(model: nn.Module, names: list[str]) -> tuple[nn.Module, dict[int, nn.Module]]:
+    """The model's structure (its tensors until the end), and the blocks it holds at one name only, by id."""
+    # the blocks themselves are not copied: each is replaced by its stand and then by its converted unit, or by a
+    # copy where it stays the model's module (a block the model also holds under another name is copied: that
+    # other place would keep the model's own module)
+    seen = collections.Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    keep = {id(m): m for m in (model.get_submodule(n) for n in names) if seen[id(m)] == 1}
+    tree = _copy(model, share_tensors=True, keep=keep.values())
+    return tree, keep
+
+
+def _put_back(tree: nn.Module, stands: dict[str, _Stand], keep: dict[int, nn.Module]) -> None:
+    """Each stand replaced by its converted unit, or by the model's block where it has none (a copy of it where
+    that block is the model's own module, see :func:`_tree_copy`)."""
+    for name, st in stands.items():
+        m = st.unit if st.unit is not None else st.block
+        _put(tree, name, _copy(m, share_tensors=True) if id(m) in keep else m)
+
+
+class _Maker:
+    """What a :class:`_Stand` calls to convert its block, with the inputs of its first call: in the modes the
+    model's modules have, its first input low where the blocks before it give it so (see :func:`_hidden_low`),
+    by a copy of the plan of a block alike converted before it where there is one. A block that does not
+    capture on its own stays the model's module (and ``failed`` says why)."""
+
+    def __init__(self, model: nn.Module, conv: Conversions, options: ConvertOptions, ctx: CaptureContext,
+                 args: tuple, kwargs: dict, *, piecewise: bool, modes: dict[int, bool]):
+        self.model, self.conv, self.options, self.piecewise, self.modes = model, conv, options, piecewise, modes
+        self.plans: dict[Any, list[tuple[nn.Module, dict]]] = {}  # key -> [(converted block, the attributes it read)]
+        self.made: dict[str, dict] = {}
+        self.failed: dict[str, str] = {}
+        self.low_refused: dict[type, bool] = {}
+        self.codes: dict[int, tuple] = {}
+        self.block_options = options.replace(keep_io_types=piecewise)
+        # a block exported on its own leaves free the sizes free in the model's inputs (batch, sequence length)
+        self.block_ctx = ctx.replace(dynamic_sizes=free_sizes(args, kwargs))
+
+    def __call__(self, name: str, block: nn.Module, a: tuple, k: dict) -> nn.Module:
+        self._in_model_modes(name, block)
+        given = a
+        if not self.piecewise and not self.low_refused.get(type(block)):
+            a = _hidden_low(a, self.options.dtype)
+        key = _signature(block, a, k)
+        ref = next((u for u, read in self.plans.get(key, ()) if _same_reads(block, read)), None) \
+            if key is not None else None
+        unit = _reuse(ref, block, self.codes) if ref is not None else None
+        if unit is not None:
+            how = f"the plan of {ref.meta[BLOCK_META]['name']}, reused (same structure and input shapes)"
+        else:
+            ref = None
+            try:
+                unit, a, key, read = self._convert(block, a, k, given, key)
+            except CaptureError as e:  # stays the model's module: traced with the model, or eager
+                self.failed[name] = f"does not capture on its own ({why_not_captured(e)})"
+                return block
+            how = f"converted ({unit.meta['autocastfx'].capture})"
+            if key is not None and read is not None:
+                self.plans.setdefault(key, []).append((unit, read))
+        family = ref.meta[BLOCK_META]["family"] if ref is not None else name
+        unit.meta[BLOCK_META] = {"name": name, "inputs": _planned_inputs(unit, a, k), "plan": how,
+                                 "family": family}
+        self.made[name] = unit.meta[BLOCK_META]
+        unit.eval()  # for the rest of the run: no batch-norm statistics updated, no dropout
+        return unit
+
+    def _in_model_modes(self, name: str, block: nn.Module) -> None:
+        """The block's modules in the modes the model's modules at their names have (it is converted in those)."""
+        originals = dict(self.model.get_submodule(name).named_modules())
+        for rel, m in block.named_modules():
+            o = originals.get(rel)
+            if o is not None:
+                m.training = self.modes.get(id(o), m.training)
+
+    def _convert(self, block: nn.Module, a: tuple, k: dict, given: tuple, key: Any) -> tuple:
+        """The block converted for the inputs ``a``, or for ``given`` ones in float32 where its float32 code
+        refuses a low input; returns (unit, the inputs it was converted for, their signature, the attributes
+        its conversion read). Raises the :class:`CaptureError` of a block that does not capture."""
+        try:
+            with _no_autocast(a), _watch_attributes(block) as read:
+                unit = self.conv.block(block, a, k, self.block_options, self.block_ctx)
+        except Exception:  # noqa: BLE001 - the block's float32 code refuses a low input (a convolution's
+            f32 = _float32(given)  # float32 bias): converted for a float32 input
+            if _float_dtypes(a) == _float_dtypes(f32):
+                raise
+            self.low_refused[type(block)] = True
+            a = f32
+            key = _signature(block, a, k)
+            with _no_autocast(a), _watch_attributes(block) as read:
+                unit = self.conv.block(block, a, k, self.block_options, self.block_ctx)
+        return unit, a, key, read
 
 
 def _hidden_low(args: tuple, low: torch.dtype) -> tuple:
