@@ -529,3 +529,41 @@ def test_a_module_with_its_own_train_method_is_captured_in_both_modes():
     assert not torch.equal(gm(x), gm(x))
     gm.eval()
     assert _rel(gm(x), model(x)) < 2e-3
+
+
+class _Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 32)
+        self.bn = nn.BatchNorm1d(32)
+        self.drop = nn.Dropout(0.2)
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.out(self.drop(F.relu(self.bn(self.fc(x)))))
+
+
+class _EvalDoesNotRun(_Head):
+    """Captures in both modes; the eval program fails only when it runs (a shape error)."""
+    def forward(self, x):
+        y = super().forward(x)
+        if not self.training:
+            y = y.view(-1, 7)
+        return y
+
+
+def test_an_eval_program_that_does_not_run_leaves_the_training_program_whole():
+    """The merge joined the two programs' outputs; falling back to the training program alone gives its output
+    back before erasing what the merge added (this raised 'Tried to erase Node by_mode ... still had users')."""
+    torch.manual_seed(0)
+    model = _EvalDoesNotRun()
+    x = torch.randn(8, 16)
+    with pytest.warns(UserWarning, match="converted from one capture because"):
+        gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16, blocks=None)
+    gm.train()
+    torch.manual_seed(1)
+    got = gm(x)
+    torch.manual_seed(1)
+    want = model(x)
+    assert got.shape == want.shape == (8, 4)
+    assert torch.allclose(got.float(), want, atol=0.1, rtol=0.05)

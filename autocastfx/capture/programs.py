@@ -418,11 +418,12 @@ def _merged(programs: dict[str, fx.GraphModule], why: str | None, current: str, 
     the union does not run on the example inputs."""
     if why is None:
         before = list(programs[TRAIN].graph.nodes)
+        outputs = before[-1].args  # the merge joins outputs that differ by a by_mode node: put back on a fallback
         try:
             gm = merge(programs)
         except ProgramMismatch as e:
             why = f"its {TRAIN} and {EVAL} captures cannot be laid over one another ({e})"
-            _erase_added(programs[TRAIN].graph, before)
+            _erase_added(programs[TRAIN].graph, before, outputs)
     if why is not None:
         gm = programs[TRAIN] if TRAIN in programs else next(iter(programs.values()))
         return _single(gm, why, model, args, kwargs, decisions, how, ctx)
@@ -431,13 +432,15 @@ def _merged(programs: dict[str, fx.GraphModule], why: str | None, current: str, 
         propagate(gm, args, kwargs, meta_device=ctx.meta_device)
     except Exception as e:  # noqa: BLE001 - the other capture does not run on the inputs: the first alone
         why = f"its {EVAL} capture does not run on the example inputs ({_one_line(e)})"
-        _erase_added(gm.graph, before)
+        _erase_added(gm.graph, before, outputs)
         return _single(gm, why, model, args, kwargs, decisions, how, ctx)
     return gm, how, list({str(d): d for d in decisions}.values())  # the programs share most calls
 
 
-def _erase_added(graph: fx.Graph, before: list[fx.Node]) -> None:
-    """Erase the nodes a merge added to ``graph`` (its nodes then were ``before``), last first."""
+def _erase_added(graph: fx.Graph, before: list[fx.Node], outputs: tuple) -> None:
+    """Erase the nodes a merge added to ``graph`` (its nodes then were ``before``, its output's arguments
+    ``outputs``), last first, after giving the output back the first program's values."""
+    before[-1].args = outputs
     kept = set(before)
     for n in reversed(list(graph.nodes)):
         if n not in kept:
