@@ -237,3 +237,18 @@ def test_gpu_reference_row_runs_channels_last():
     loss = built.step((torch.randn(2, 3, 8, 8),), torch.tensor([0, 3]))
     assert torch.isfinite(loss) and seen == [True]
     assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
+
+
+# ------------------------------------------------------------------------------------------- bench/cpu_bf16.py
+def test_cpu_bf16_quick_board_runs():
+    """The CPU bfloat16 scoreboard's smoke run (tiny models, eager rows): every recipe measured and checked, no row
+    failed, both tables and their targets printed."""
+    import subprocess
+    root = os.path.join(os.path.dirname(__file__), "..")
+    proc = subprocess.run([sys.executable, os.path.join("bench", "cpu_bf16.py"), "--quick", "--no-compile"],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.count("| model | recipe | ms/step | x float32 | x autocast |") == 2  # training and inference
+    assert "#### training" in out and "#### inference" in out and "failed" not in out.lower()
+    assert "avx512_bf16" in out and "autocastfx bf16 >= 1.3x torch.autocast bf16" in out
