@@ -68,6 +68,7 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
                              keep_io_types=keep_io_types, memory_format=_layout.check_memory_format(memory_format),
                              blocks=blocks)
     out = _convert_any(model, args, kwargs, options, CaptureContext())
+    _keep_checks(out, model)
     if note:
         for _, unit in _weights.converted_units(out):
             unit.meta[K.CONVERTED].extra_totals["dtype_choice"] = note
@@ -131,15 +132,10 @@ def _convert_low_model(model: nn.Module, low: dict, args: tuple, kwargs: dict, o
     if any(is_converted(m) for name, m in model.named_modules() if name):
         raise ValueError("convert() takes a low-precision model without converted blocks inside; convert its "
                          "blocks after, or convert model.float()")
-    memo = {}
-    for t in _tensors(model):
-        if id(t) not in memo:
-            shell = torch.empty_like(t, device="meta", dtype=torch.float32 if t.is_floating_point() else t.dtype)
-            memo[id(t)] = nn.Parameter(shell, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else shell
-    twin = copy.deepcopy(model, memo)
+    twin = _meta_twin(model)
     device = _device_of(model, args, kwargs)
     gm = _convert_any(twin, args, kwargs, options, ctx)
-    del twin, memo
+    del twin
     # the model's own tensors, not float32 copies of them: loading upcasts each into its master, one at a time
     values = {n: t.detach() for n, t in itertools.chain(model.named_parameters(remove_duplicate=False),
                                                          model.named_buffers(remove_duplicate=False))}
@@ -152,6 +148,28 @@ def _convert_low_model(model: nn.Module, low: dict, args: tuple, kwargs: dict, o
             f"the model's {' and '.join(kinds)} values ({len(low)} tensors), upcast exactly into the float32 "
             "masters and float32 values")
     return gm
+
+
+def _meta_twin(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are float32 (floating ones) tensors on the meta device:
+    its structure and code without its memory."""
+    memo = {}
+    for t in _tensors(model):
+        if id(t) not in memo:
+            shell = torch.empty_like(t, device="meta", dtype=torch.float32 if t.is_floating_point() else t.dtype)
+            memo[id(t)] = nn.Parameter(shell, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else shell
+    return copy.deepcopy(model, memo)
+
+
+def _keep_checks(out: nn.Module, model: nn.Module) -> None:
+    """The model's own checks on its inputs, kept on the converted module as the model on meta (calls.model_check)."""
+    info = out.meta.get(K.CONVERTED) if isinstance(getattr(out, "meta", None), dict) else None
+    if info is None or isinstance(model, fx.GraphModule) or not hasattr(out, "graph"):
+        return
+    try:
+        info.checks = _meta_twin(model).eval()
+    except Exception:  # noqa: BLE001 - a model that does not deep-copy keeps torch's errors only
+        info.checks = None
 
 
 def _tensors(model: nn.Module):

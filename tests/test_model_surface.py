@@ -153,3 +153,38 @@ def test_hugging_face_generate_and_save_pretrained_through_the_converted_module(
     loaded = tf.LlamaForCausalLM.from_pretrained(tmp_path)
     for k, v in model.state_dict().items():
         assert loaded.state_dict()[k].dtype == torch.float32 and torch.equal(loaded.state_dict()[k], v), k
+
+
+class Checked(nn.Module):
+    """A model that checks its inputs as nanoGPT does (an assert with a message) and with torch._check."""
+
+    def __init__(self, block_size=16):
+        super().__init__()
+        self.block_size = block_size
+        self.wte = nn.Embedding(50, 32)
+        self.wpe = nn.Embedding(block_size, 32)
+        self.head = nn.Linear(32, 50)
+
+    def forward(self, idx):
+        B, T = idx.shape
+        assert T <= self.block_size, f"cannot forward a sequence of {T} tokens, block size is {self.block_size}"
+        torch._check(B % 2 == 0, lambda: f"the batch must be even, got {B}")
+        return self.head(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
+
+
+@pytest.mark.parametrize("blocks", ["auto", None])
+def test_the_models_own_checks_raise_their_own_messages(blocks):
+    x = torch.randint(0, 50, (2, 8))
+    gm = autocastfx.convert(Checked(), (x,), dtype=torch.bfloat16, blocks=blocks)
+    assert gm(torch.randint(0, 50, (4, 12))).shape == (4, 12, 50)  # other sizes the model allows still run
+    with pytest.raises(AssertionError, match="cannot forward a sequence of 17 tokens, block size is 16") as e:
+        gm(torch.randint(0, 50, (2, 17)))
+    assert e.value.__cause__ is not None  # the converted module's own error, chained
+    with pytest.raises(RuntimeError, match="the batch must be even, got 3"):
+        gm(torch.randint(0, 50, (3, 8)))
+    # an error that is no check of the model's stays the converted module's: out-of-range token ids
+    with pytest.raises(IndexError):
+        gm(torch.full((2, 8), 99))
+    # what the meta twin holds costs no memory, and a deep copy or a save keeps working
+    assert all(t.is_meta for t in gm.meta["autocastfx"].checks.parameters())
+    copy.deepcopy(gm)

@@ -110,6 +110,9 @@ class ConvertInfo:
     # the inputs of the call the graph was captured for (calls.describe): a call of another shape is refused
     # with both named
     call_signature: tuple = ()
+    # the model on the meta device (no memory): a call that fails is run on it with meta copies of its inputs,
+    # so that the model's own checks (an assert on the sequence length) raise their own message (calls.py)
+    checks: nn.Module | None = dataclasses.field(default=None, repr=False)
 
 
 def names_by_id(model: nn.Module) -> dict[int, tuple[str, ...]]:

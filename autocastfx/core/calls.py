@@ -8,9 +8,11 @@ convert for that call.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
+import torch.nn as nn
 
 
 def _kind(v: Any) -> str:
@@ -50,3 +52,40 @@ def check(captured: tuple, args: tuple, kwargs: dict, error: BaseException) -> N
         "call passes (a model that takes targets and returns its loss: pass the targets in the example), and "
         f"keep one converted module per call ({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''})"
     ) from error
+
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def model_check(checks: nn.Module | None, args: tuple, kwargs: dict, error: BaseException) -> None:
+    """Raise the model's own error where its code refuses this call: ``checks`` (the model on the meta device) runs
+    on meta copies of the inputs, and an ``assert`` of the model's code or a ``torch._check`` it calls is raised
+    as the model wrote it, ``error`` (the converted module's) chained. Return where the model's code takes the
+    call or fails some other way: the converted module's error is then the one to see."""
+    if checks is None:
+        return
+    meta = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"),
+                                             (args, kwargs))
+    try:
+        with torch.no_grad():
+            checks(*meta[0], **meta[1])
+    except Exception as own:  # noqa: BLE001 - only the model's own checks are raised, below
+        if _is_model_check(own):
+            raise own from error
+    return
+
+
+def _is_model_check(e: BaseException) -> bool:
+    """An ``assert`` in code outside torch, or a ``torch._check*`` called by such code."""
+    frames = []
+    tb = e.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code)
+        tb = tb.tb_next
+    if not frames:
+        return False
+    last = frames[-1]
+    if isinstance(e, AssertionError):
+        return not os.path.abspath(last.co_filename).startswith(_TORCH_DIR)
+    return any(c.co_name.startswith("_check") and os.path.abspath(c.co_filename).startswith(_TORCH_DIR)
+               and os.path.basename(c.co_filename) == "__init__.py" for c in frames)

@@ -32,6 +32,9 @@ class Problem:
     reqs: dict[str, list[Req]]                # value -> its consumers' requirements
     multi: set[str] = dataclasses.field(default_factory=set)   # tuple-valued nodes: cannot be cast
     tied: list[list[str]] = dataclasses.field(default_factory=list)  # groups that must share a label
+    # (value, reader) pairs where the reader never rounds the value: value FP32 => reader FP32 (autocast's
+    # widest-type rule, Policy.widest); the reader may still be FP32 with a LOW value where that casts less
+    widen: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
 
 def cast_cost(p: Problem, labels: dict[str, bool]) -> tuple[int, int]:
@@ -136,6 +139,8 @@ def _cast_network(p: Problem) -> dict:
         for a, b in zip(group, group[1:]):
             add(x(a), x(b), big)
             add(x(b), x(a), big)
+    for u, reader in p.widen:  # no cut may put u on the FP32 side and its reader on the LOW side
+        add(x(reader), x(u), _INF)
     for n in p.free:
         net.setdefault(n, {})
     return net

@@ -243,10 +243,12 @@ class _Switchable:
     def __call__(self, *args, **kwargs):
         try:
             return super().__call__(*args, **kwargs)
-        except (TypeError, RuntimeError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - re-raised below unless a clearer error says what went wrong
             info = self.__dict__.get("meta", {}).get("autocastfx")
-            if info is not None:
+            if info is not None and isinstance(e, (TypeError, RuntimeError, ValueError)):
                 _calls.check(info.call_signature, args, kwargs, e)  # a call of another shape: said so
+            if info is not None:
+                _calls.model_check(info.checks, args, kwargs, e)  # the model's own assert on its inputs
             raise
 
     # the float32 model's state dict: masters under the model's own names (see weights.py)

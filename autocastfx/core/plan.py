@@ -282,6 +282,7 @@ class _Planning:
     multi: set[str] = dataclasses.field(default_factory=set)               # tuples holding float tensors
     unclassified: list[str] = dataclasses.field(default_factory=list)      # "node (op)" for ops on no list
     promote: set[str] = dataclasses.field(default_factory=set)             # PROMOTE ops (for the naive rule)
+    widen: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (value, reader): never rounded there
     inputs: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # call node -> its float inputs
     param_nodes: dict[int, list[fx.Node]] = dataclasses.field(default_factory=dict)  # id(param) -> its get_attrs
     # values an epsilon keeps from zero that the low dtype would round to zero
@@ -307,7 +308,7 @@ def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, master_w
     # 2. parameters read in float32 are fixed float32; the names of one tied parameter share a label
     tied = _pin_parameters(st)
     # 3. the free labels by a min-cut, and the cost of the naive rule to compare with
-    problem = Problem(st.fixed, st.free, st.weight, st.reqs, st.multi, tied)
+    problem = Problem(st.fixed, st.free, st.weight, st.reqs, st.multi, tied, widen=st.widen)
     order = [n.name for n in gm.graph.nodes]
     before = cast_cost(problem, naive_labels(problem, order, st.inputs, st.promote))
     labels = solve_min_cut(problem)
@@ -493,12 +494,16 @@ def _require_inputs(st: _Planning, node: fx.Node, fins: list[fx.Node], cls: OpCl
         act = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else fins[0]
         for a in fins:
             st.req(a, Req(node.name, "same") if a is act else Req(node.name, "fixed", FP32))
+        if st.policy.widest:
+            st.widen.append((act.name, node.name))
     else:  # FOLLOW and PROMOTE: every float input in the op's own label
         st.free.append(node.name)
         if cls is OpClass.PROMOTE:
             st.promote.add(node.name)
         for a in fins:
             st.req(a, Req(node.name, "same"))
+            if st.policy.widest:  # a float32 input is never rounded here: the op runs in float32 (autocast's rule)
+                st.widen.append((a.name, node.name))
 
 
 def _pin_parameters(st: _Planning) -> list[list[str]]:
@@ -510,10 +515,13 @@ def _pin_parameters(st: _Planning) -> list[list[str]]:
     for group in st.param_nodes.values():
         names = [n.name for n in group]
         pins = [r.consumer for n in names for r in st.reqs.get(n, []) if r.kind == "fixed" and r.label == FP32]
-        if pins:
+        widened = [c for u, c in st.widen if u in names]  # read by an op that never rounds it (Policy.widest)
+        if pins or widened:
             gate = next((c for c in pins if c in st.gates), None)
             why = (f"weight of the router {gate}, read in float32: kept float32 as stored (not cast up each forward: "
-                   "a low copy would round the gate's scores)" if gate else "parameter read in float32: kept float32")
+                   "a low copy would round the gate's scores)" if gate else "parameter read in float32: kept float32"
+                   if pins else f"parameter read by {widened[0]}, which does not round a float32 value "
+                   "(Policy.widest, as autocast): kept float32")
             for n in names:
                 unfree.add(n)
                 st.fixed[n] = FP32

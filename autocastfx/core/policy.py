@@ -183,6 +183,11 @@ class Policy:
     ``fp32_routers``: a gating network (a linear or matmul whose result reaches a topk, argmax or sort) runs in
     float32 with the ops between it and its routing decision (plan.py finds it); a class given by module name
     or node name still wins.
+    ``widest``: no op but a low one rounds a float32 value: an op that follows or promotes its inputs runs in
+    float32 where one of them is float32, and a parameter such an op reads stays float32 (autocast's widest-type
+    rule). The residual stream of a transformer (float32 embeddings, float32 adds) then stays float32 as it does
+    under torch.autocast; False lets the min-cut put any value where the fewest bytes are cast (docs/policy.md
+    has what each costs and gives).
     """
 
     op_table: Mapping[str, OpClass] = dataclasses.field(default_factory=lambda: dict(DEFAULT_OP_TABLE))
@@ -193,6 +198,7 @@ class Policy:
     pad_max_growth: float = 4.0   # padding a GEMM/conv may grow its FLOPs at most this much (cost gate)
     pad_gate: str | None = None   # who decides each pad: "model" (cost model; None), "trial" (timed), "always"
     fp32_routers: bool = True     # a mixture-of-experts router computes its logits and choice in float32
+    widest: bool = False          # an op that is not a low op never rounds a float32 input (autocast's rule)
 
     def __post_init__(self):
         if self.pad_gate is not None and self.pad_gate not in PAD_GATES:
@@ -202,6 +208,9 @@ class Policy:
         if not self.pad_max_growth >= 1:
             raise ValueError(f"pad_max_growth must be a number >= 1 (how many times an op's FLOPs may grow "
                              f"when padded), got {self.pad_max_growth!r}")
+        if not isinstance(self.widest, bool):
+            raise ValueError(f"widest must be True (float32 values stay float32 until a low op reads them) or False "
+                             f"(the min-cut chooses), got {self.widest!r}")
         if not isinstance(self.fp32_routers, bool):
             raise ValueError(f"fp32_routers must be True (routers in float32) or False (routers low like any "
                              f"linear), got {self.fp32_routers!r}")
@@ -213,7 +222,8 @@ class Policy:
     def override(self, *, ops: Mapping[str, Any] | None = None, module_types: Mapping[type, Any] | None = None,
                  module_names: Mapping[str, Any] | None = None, node_names: Mapping[str, Any] | None = None,
                  leaf_modules: tuple[type, ...] = (), pad_max_growth: float | None = None,
-                 pad_gate: str | None = None, fp32_routers: bool | None = None) -> "Policy":
+                 pad_gate: str | None = None, fp32_routers: bool | None = None,
+                 widest: bool | None = None) -> "Policy":
         """A new Policy with these entries added (classes given as OpClass or its value, e.g. ``"fp32"``)."""
         def conv(d):
             return {k: _as_class(v) for k, v in (d or {}).items()}
@@ -227,6 +237,7 @@ class Policy:
             pad_max_growth=self.pad_max_growth if pad_max_growth is None else float(pad_max_growth),
             pad_gate=self.pad_gate if pad_gate is None else pad_gate,
             fp32_routers=self.fp32_routers if fp32_routers is None else fp32_routers,
+            widest=self.widest if widest is None else widest,
         )
 
     def is_leaf(self, module: nn.Module) -> bool:

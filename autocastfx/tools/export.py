@@ -244,6 +244,7 @@ def _policy_to_data(p: Policy) -> dict:
         "module_types": {f"{t.__module__}.{t.__qualname__}": v.value for t, v in p.module_types.items()},
         "module_names": [[g, c.value] for g, c in p.module_names],
         "node_names": {k: v.value for k, v in p.node_names.items()},
+        "fp32_routers": p.fp32_routers, "widest": p.widest,
     }
 
 
@@ -255,7 +256,8 @@ def _policy_from_data(d: dict) -> Policy:
             types[getattr(nn, name)] = OpClass(c)
     return Policy(op_table={k: OpClass(v) for k, v in d["op_table"].items()}, module_types=types,
                   module_names=tuple((g, OpClass(c)) for g, c in d["module_names"]),
-                  node_names={k: OpClass(v) for k, v in d["node_names"].items()})
+                  node_names={k: OpClass(v) for k, v in d["node_names"].items()},
+                  fp32_routers=bool(d.get("fp32_routers", True)), widest=bool(d.get("widest", False)))
 
 
 def save(gm: fx.GraphModule, path: str | os.PathLike, example_inputs: tuple | None = None, *,
