@@ -86,7 +86,7 @@ def train(recipe: str, model: nn.Module, batches: list, lr: float = 1e-3) -> tup
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, 1e3 * statistics.median(times), model
 
 

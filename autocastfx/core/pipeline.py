@@ -54,7 +54,9 @@ def run_passes(gm: fx.GraphModule, model: nn.Module, args: tuple, kwargs: dict, 
             _padding.apply_padding(gm, pad_plan)
             propagate(gm, args, kwargs, meta_device=meta_device)  # the padded values' shapes
     _layout.apply_layout(gm, layout, args, kwargs)
-    free = _free_inputs(gm, args, kwargs, dtype) if entry_casts and not options.keep_io_types else frozenset()
+    # a block's float32 inputs the plan may take low (not under Policy.widest: a float32 input stays float32)
+    free = _free_inputs(gm, args, kwargs, dtype) if entry_casts and not options.keep_io_types \
+        and not policy.widest else frozenset()
     plan = _plan.build_plan(gm, policy, dtype, master_weights=options.master_weights,
                             keep_io_types=options.keep_io_types, free_inputs=free)
     _inputs_as_planned(gm, plan, free)

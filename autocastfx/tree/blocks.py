@@ -336,8 +336,8 @@ class _Maker:
     def __call__(self, name: str, block: nn.Module, a: tuple, k: dict) -> nn.Module:
         self._in_model_modes(name, block)
         given = a
-        if not self.piecewise and not self.low_refused.get(type(block)):
-            a = _hidden_low(a, self.options.dtype)
+        if not self.piecewise and not self.low_refused.get(type(block)) and not self.options.policy.widest:
+            a = _hidden_low(a, self.options.dtype)  # (under Policy.widest a float32 stream stays float32)
         key = _signature(block, a, k)
         ref = next((u for u, read in self.plans.get(key, ()) if _same_reads(block, read)), None) \
             if key is not None else None
