@@ -188,3 +188,45 @@ def test_the_models_own_checks_raise_their_own_messages(blocks):
     # what the meta twin holds costs no memory, and a deep copy or a save keeps working
     assert all(t.is_meta for t in gm.meta["autocastfx"].checks.parameters())
     copy.deepcopy(gm)
+
+
+@pytest.mark.parametrize("how", ["torch.compile(gm)", "gm.compile()"])
+def test_a_compiled_module_runs_the_program_of_its_mode_and_compiles_each_mode_once(how):
+    """torch.compile guards on what the traced code reads; the programs hold the mode as constants, so a compiled
+    module kept running its first mode's program after gm.eval() (dropout on in eval: a silent wrong answer).
+    The converted module reads its mode where the compiler traces, and each mode keeps the forward written for
+    it: one compile per mode, whatever the number of switches."""
+    from torch._dynamo.testing import CompileCounter
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 4)
+
+        def forward(self, x):  # functional dropout: written into the graph, one program per mode
+            return self.fc2(F.dropout(F.relu(self.fc1(x)), 0.5, self.training))
+
+    torch._dynamo.reset()
+    x = torch.randn(8, 16)
+    gm = autocastfx.convert(Net(), (x,), dtype=torch.bfloat16)
+    assert "autocastfx_programs" in gm.meta  # one program per mode
+    eager = {}
+    for mode in (True, False):
+        gm.train(mode)
+        torch.manual_seed(0)
+        eager[mode] = gm(x)
+    assert not torch.equal(eager[True], eager[False])
+    counter = CompileCounter()
+    if how == "gm.compile()":
+        gm.compile(backend=counter)
+        compiled = gm
+    else:
+        compiled = torch.compile(gm, backend=counter)
+    for mode in (True, False, True, False, True, False):
+        gm.train(mode)
+        torch.manual_seed(0)
+        assert torch.equal(compiled(x), eager[mode]), (how, mode)
+    assert counter.frame_count == 2, counter.frame_count
+    # an edit of the graph drops the kept code: the next switch writes it again
+    gm.recompile()
+    assert not gm.meta["autocastfx_programs"].code

@@ -50,3 +50,12 @@ def test_onnx_deployment_of_real_models():
     pytest.importorskip("torchvision")
     pytest.importorskip("onnxruntime")
     _run("check_onnx.py")
+
+
+def test_the_converted_module_is_still_the_model():
+    """Hugging Face GPT-2 and examples/train_nanogpt.py's GPT, bfloat16, blocks "auto" and None, train and eval:
+    outputs within 3x autocast's error (or 1e-2), state dicts bit-equal to the float32 model's after conversion,
+    resume from a checkpoint bit for bit, the model's own methods (generate, get_num_params, configure_optimizers,
+    config, save_pretrained -> from_pretrained) through the converted module, and nanoGPT's own assert."""
+    pytest.importorskip("transformers")
+    _run("check_surface.py")

@@ -174,7 +174,7 @@ def set_mode(gm: fx.GraphModule, mode: bool) -> fx.GraphModule:
         if programs.current != key:
             _keep_wrapped_call(type(gm))
             programs.current = key
-            gm.graph = programs.graphs[key]  # the setter recompiles
+            _switch_graph(gm, programs, key)
         nn.Module.train(gm, mode)
         return gm
     changed = False
@@ -187,6 +187,40 @@ def set_mode(gm: fx.GraphModule, mode: bool) -> fx.GraphModule:
         gm.recompile()
     nn.Module.train(gm, mode)  # leaf modules (call_module nodes) and every .training flag
     return gm
+
+
+_CODE_FIELDS = ("_code", "_lineno_map", "_prologue_start", "_in_spec", "_out_spec")
+
+
+def _switch_graph(gm: fx.GraphModule, programs: Programs, key: str) -> None:
+    """Run the program ``key``: its graph, and the ``forward`` written for it the first time it ran, kept per
+    program. The same function object each time means torch.compile's cache (kept per code object) finds the
+    code it compiled for that mode: switching ``gm.train()``/``gm.eval()`` under ``torch.compile(gm)`` compiles
+    each mode once, not on every switch. Any other recompile (an edit of the graph) drops what was kept."""
+    for k, g in programs.graphs.items():  # the program running now, kept as it is before it is left
+        if g is gm._graph and k not in programs.code:
+            programs.code[k] = _running_code(gm)
+    graph = programs.graphs[key]
+    kept = programs.code.get(key)
+    if kept is not None and kept["graph"] is graph:
+        gm._graph = graph
+        graph.owning_module = gm
+        for name in _CODE_FIELDS:
+            if name in kept:
+                setattr(gm, name, kept[name])
+        type(gm).forward = kept["forward"]
+        return
+    programs.switching = True
+    try:
+        gm.graph = graph  # the setter recompiles
+    finally:
+        programs.switching = False
+    programs.code[key] = _running_code(gm)
+
+
+def _running_code(gm: fx.GraphModule) -> dict:
+    return {"graph": gm._graph, "forward": type(gm).forward,
+            **{n: getattr(gm, n) for n in _CODE_FIELDS if hasattr(gm, n)}}
 
 
 def _keep_wrapped_call(cls: type) -> None:
@@ -237,10 +271,30 @@ class _Switchable:
     def train(self, mode: bool = True):
         return set_mode(self, mode)
 
+    def compile(self, *args, **kwargs):
+        """``nn.Module.compile`` over a call that reads the mode first: torch.compile then guards on it and
+        compiles each mode's program once (see ``__call__``)."""
+        self._compiled_call_impl = torch.compile(self._call_in_mode, *args, **kwargs)
+
+    def _call_in_mode(self, *args, **kwargs):
+        if self.training:  # read inside the compiled region: a guard on the mode
+            pass
+        return self._call_impl(*args, **kwargs)
+
+    def recompile(self):
+        programs = self.__dict__.get("meta", {}).get(K.PROGRAMS)
+        if programs is not None and not programs.switching:  # the graph was edited: the kept code is stale
+            programs.code.clear()
+        return super().recompile()
+
     def eval(self):
         return set_mode(self, False)
 
     def __call__(self, *args, **kwargs):
+        # the mode, read where torch.compile traces: it guards on it, so that a compiled module runs the program
+        # of the mode it is in (the programs' code holds the mode as constants, which nothing else guards on)
+        if self.training:
+            pass
         try:
             return super().__call__(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - re-raised below unless a clearer error says what went wrong
@@ -389,6 +443,10 @@ class Programs:
     union: fx.Graph
     graphs: dict[str, fx.Graph]
     current: str
+    # each program's forward as written the first time it ran (see _switch_graph), and whether a switch is
+    # recompiling (a recompile of anyone else drops them)
+    code: dict[str, dict] = dataclasses.field(default_factory=dict, repr=False)
+    switching: bool = False
 
 
 def split(graph: fx.Graph, key: str) -> fx.Graph:
