@@ -268,14 +268,16 @@ def step_memory(run, holders=dict, ignore=frozenset()) -> MemoryAccount:
 class Runner:
     """One training-step recipe over one model: ``fp32``, ``autocast`` (+GradScaler), ``autocastfx``, ``floor``."""
 
-    def __init__(self, recipe, model, inputs, target, loss_fn=F.cross_entropy, lr=1e-3, fused=None, **convert_kw):
+    def __init__(self, recipe, model, inputs, target, loss_fn=F.cross_entropy, lr=1e-3, fused=None,
+                 dtype=torch.float16, **convert_kw):
         self.recipe, self.inputs, self.target, self.loss_fn = recipe, inputs, target, loss_fn
+        self.dtype = dtype  # the low dtype of autocast and of autocastfx
         self._before = AliveBefore()  # what was alive before this recipe existed (the source model, the inputs)
         self._baseline = self._before.bytes
         model = copy.deepcopy(model)
         self.masters = []
         if recipe == "autocastfx":
-            self.model = autocastfx.convert(model, inputs, **convert_kw)
+            self.model = autocastfx.convert(model, inputs, dtype=dtype, **convert_kw)
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)  # the step turns fused on itself
             self.step = autocastfx.train_step(self.model, loss_fn, self.opt, init_scale=INIT_SCALE)
             self.masters = autocastfx.master_parameters(self.model)
@@ -305,7 +307,7 @@ class Runner:
 
     def _autocast_step(self, inputs, target):
         self.opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast("cpu", dtype=self.dtype):
             out = self.model(*inputs)
         loss = self.loss_fn(out.float(), target)
         self.scaler.scale(loss).backward()

@@ -263,6 +263,12 @@ def _set_node(node: fx.Node, mark: ModeArg, mode: bool) -> bool:
     return True
 
 
+def _read_mode(module: nn.Module, args: tuple) -> None:
+    """A forward pre-hook of a compiled converted module: its mode, read where the compiler traces."""
+    if module.training:
+        pass
+
+
 class _Switchable:
     """Mixed into the converted module's class, so that copies keep working modes: ``copy.deepcopy`` of a
     GraphModule builds a fresh class over the first base whose qualified name does not end in
@@ -272,14 +278,12 @@ class _Switchable:
         return set_mode(self, mode)
 
     def compile(self, *args, **kwargs):
-        """``nn.Module.compile`` over a call that reads the mode first: torch.compile then guards on it and
-        compiles each mode's program once (see ``__call__``)."""
-        self._compiled_call_impl = torch.compile(self._call_in_mode, *args, **kwargs)
-
-    def _call_in_mode(self, *args, **kwargs):
-        if self.training:  # read inside the compiled region: a guard on the mode
-            pass
-        return self._call_impl(*args, **kwargs)
+        """``nn.Module.compile``, with a forward pre-hook that reads the mode first: torch.compile traces hooks
+        with the call it compiles, so it guards on the mode and runs each mode's program (see ``__call__``)."""
+        if not getattr(self, "_autocastfx_mode_hook", False):
+            self.register_forward_pre_hook(_read_mode)
+            self._autocastfx_mode_hook = True
+        return super().compile(*args, **kwargs)
 
     def recompile(self):
         programs = self.__dict__.get("meta", {}).get(K.PROGRAMS)

@@ -20,7 +20,6 @@ the default, and ``blocks=None``), checked in ``.train()`` and ``.eval()`` where
     python tests/realmodels/check_surface.py          # needs transformers; about a minute on 2 CPU cores
 Exit status 0 only when every check passes.
 """
-import io
 import math
 import sys
 import tempfile
