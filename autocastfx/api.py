@@ -68,7 +68,7 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
                              keep_io_types=keep_io_types, memory_format=_layout.check_memory_format(memory_format),
                              blocks=blocks)
     out = _convert_any(model, args, kwargs, options, CaptureContext())
-    _keep_checks(out, model)
+    _keep_checks(out, model, args, kwargs)
     if note:
         for _, unit in _weights.converted_units(out):
             unit.meta[K.CONVERTED].extra_totals["dtype_choice"] = note
@@ -150,26 +150,36 @@ def _convert_low_model(model: nn.Module, low: dict, args: tuple, kwargs: dict, o
     return gm
 
 
-def _meta_twin(model: nn.Module) -> nn.Module:
+def _meta_twin(model: nn.Module, everything: bool = False) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are float32 (floating ones) tensors on the meta device:
-    its structure and code without its memory."""
+    its structure and code without its memory; ``everything``: its plain tensor attributes too."""
     memo = {}
-    for t in _tensors(model):
+    extra = [v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)] if everything else []
+    for t in itertools.chain(_tensors(model), extra):
         if id(t) not in memo:
             shell = torch.empty_like(t, device="meta", dtype=torch.float32 if t.is_floating_point() else t.dtype)
             memo[id(t)] = nn.Parameter(shell, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else shell
     return copy.deepcopy(model, memo)
 
 
-def _keep_checks(out: nn.Module, model: nn.Module) -> None:
-    """The model's own checks on its inputs, kept on the converted module as the model on meta (calls.model_check)."""
+def _keep_checks(out: nn.Module, model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """The model's own checks on its inputs, kept on the converted module as the model on meta
+    (calls.model_check), where that model runs the example's call (one that needs values or a real device
+    cannot judge calls, and is not kept)."""
     info = out.meta.get(K.CONVERTED) if isinstance(getattr(out, "meta", None), dict) else None
     if info is None or isinstance(model, fx.GraphModule) or not hasattr(out, "graph"):
         return
     try:
-        info.checks = _meta_twin(model).eval()
+        twin = _meta_twin(model, everything=True)
     except Exception:  # noqa: BLE001 - a model that does not deep-copy keeps torch's errors only
-        info.checks = None
+        return
+    for m in twin.modules():  # the user's hooks are not run on meta (they may count, log or move tensors)
+        for hooks in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                      "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
+            if isinstance(getattr(m, hooks, None), dict):
+                getattr(m, hooks).clear()
+    checks = _calls.ModelChecks(twin)
+    info.checks = checks if _calls.accepts(checks, args, kwargs) else None
 
 
 def _tensors(model: nn.Module):

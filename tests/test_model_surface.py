@@ -186,7 +186,7 @@ def test_the_models_own_checks_raise_their_own_messages(blocks):
     with pytest.raises(IndexError):
         gm(torch.full((2, 8), 99))
     # what the meta twin holds costs no memory, and a deep copy or a save keeps working
-    assert all(t.is_meta for t in gm.meta["autocastfx"].checks.parameters())
+    assert all(t.is_meta for t in gm.meta["autocastfx"].checks.model.parameters())
     copy.deepcopy(gm)
 
 
@@ -230,3 +230,40 @@ def test_a_compiled_module_runs_the_program_of_its_mode_and_compiles_each_mode_o
     # an edit of the graph drops the kept code: the next switch writes it again
     gm.recompile()
     assert not gm.meta["autocastfx_programs"].code
+
+
+def test_the_model_checks_do_not_mistake_other_errors_and_do_not_stop_a_save():
+    """A model whose code needs a real device cannot judge calls on meta (its twin is not kept); torch's own
+    kernel checks are no model check; a converted module with a lambda hook inside saves whole."""
+    class DeviceAssert(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x):
+            assert x.device.type == "cpu", "model wants cpu"
+            return self.fc(x)
+
+    gm = autocastfx.convert(DeviceAssert(), (torch.randn(2, 8),), dtype=torch.bfloat16)
+    assert gm.meta["autocastfx"].checks is None
+    with pytest.raises(Exception) as e:  # the wrong width: the converted module's error, not "model wants cpu"
+        gm(torch.randn(2, 9))
+    assert "model wants cpu" not in str(e.value)
+
+    class Hooked(Checked):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+            self.head.register_forward_hook(lambda m, a, o: self.calls.append(1))
+
+    model = Hooked()
+    gm = autocastfx.convert(model, (torch.randint(0, 50, (2, 8)),), dtype=torch.bfloat16, blocks=None)
+    twin = gm.meta["autocastfx"].checks.model
+    assert twin is not None and not any(m._forward_hooks for m in twin.modules())  # the user's hooks not kept
+    with pytest.raises(AssertionError, match="sequence of 17 tokens"):
+        gm(torch.randint(0, 50, (2, 17)))
+    assert copy.deepcopy(gm).meta["autocastfx"].checks is gm.meta["autocastfx"].checks  # shared by copies
+    # what the twin holds never goes into a pickle (a model's lambdas may not pickle): dropped, not an error
+    import pickle
+    assert pickle.loads(pickle.dumps(gm.meta["autocastfx"].checks)).model is None
+    assert "blocks=" in str(autocastfx.report(gm))

@@ -112,7 +112,7 @@ class ConvertInfo:
     call_signature: tuple = ()
     # the model on the meta device (no memory): a call that fails is run on it with meta copies of its inputs,
     # so that the model's own checks (an assert on the sequence length) raise their own message (calls.py)
-    checks: nn.Module | None = dataclasses.field(default=None, repr=False)
+    checks: Any = dataclasses.field(default=None, repr=False)  # core.calls.ModelChecks
 
 
 def names_by_id(model: nn.Module) -> dict[int, tuple[str, ...]]:

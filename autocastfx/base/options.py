@@ -43,7 +43,8 @@ class ConvertOptions(collections.abc.Mapping):
         return {k: getattr(self, k) for k in SAVED}
 
     def __str__(self) -> str:
-        blocks = self.blocks if isinstance(self.blocks, (str, type(None), bool)) else list(self.blocks)
+        blocks = (self.blocks if isinstance(self.blocks, (str, type(None), bool, list, tuple))
+                  else getattr(self.blocks, "__name__", type(self.blocks).__name__))
         return (f"dtype={str(self.dtype).removeprefix('torch.')}, pad_multiple={self.pad_multiple}, "
                 f"master_weights={self.master_weights}, keep_io_types={self.keep_io_types}, "
                 f"memory_format={self.memory_format}, blocks={blocks}")

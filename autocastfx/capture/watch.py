@@ -24,24 +24,28 @@ def watch_training(reads: list | None):
 
 @contextlib.contextmanager
 def watch_reads(callback):
-    """Meanwhile ``callback(module, name)`` is called for every attribute read of every module. Watchers nest:
-    each one's ``__getattribute__`` calls its callback, then the one it was put in front of; the last one
-    out gives ``nn.Module`` back its own attribute lookup."""
-    before = nn.Module.__dict__.get("__getattribute__")
-    read = before if before is not None else object.__getattribute__
+    """Meanwhile ``callback(module, name)`` is called for every attribute read of every module. The first watcher
+    puts a ``__getattribute__`` on ``nn.Module`` that calls the callbacks it holds (on the function itself, no
+    module state); each watcher adds its callback there and takes it out when it ends, in any order (watchers in
+    two threads may end in either order), and the last one out gives ``nn.Module`` its own lookup back."""
+    installed = nn.Module.__dict__.get("__getattribute__")
+    if installed is None or not hasattr(installed, "watchers"):
+        watchers: list = []
 
-    def getattribute(self, name):
-        callback(self, name)
-        return read(self, name)
+        def getattribute(self, name):
+            for w in watchers:
+                w(self, name)
+            return object.__getattribute__(self, name)
 
-    nn.Module.__getattribute__ = getattribute
+        getattribute.watchers = watchers
+        nn.Module.__getattribute__ = installed = getattribute
+    installed.watchers.append(callback)
     try:
         yield
     finally:
-        if before is None:
+        installed.watchers.remove(callback)
+        if not installed.watchers and nn.Module.__dict__.get("__getattribute__") is installed:
             del nn.Module.__getattribute__
-        else:
-            nn.Module.__getattribute__ = before
 
 
 def _outer_units(model: nn.Module) -> dict[str, nn.Module]:

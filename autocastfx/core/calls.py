@@ -57,26 +57,63 @@ def check(captured: tuple, args: tuple, kwargs: dict, error: BaseException) -> N
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
-def model_check(checks: nn.Module | None, args: tuple, kwargs: dict, error: BaseException) -> None:
-    """Raise the model's own error where its code refuses this call: ``checks`` (the model on the meta device) runs
-    on meta copies of the inputs, and an ``assert`` of the model's code or a ``torch._check`` it calls is raised
-    as the model wrote it, ``error`` (the converted module's) chained. Return where the model's code takes the
-    call or fails some other way: the converted module's error is then the one to see."""
-    if checks is None:
-        return
+class ModelChecks:
+    """The model on the meta device (its structure and code, no memory), kept to tell a failing call's own
+    errors: see :func:`model_check`. Shared by copies of the converted module, and dropped when it is pickled
+    (``torch.save(gm)``): the model may hold what does not pickle (a lambda hook), and nothing else needs it."""
+
+    def __init__(self, model: nn.Module | None):
+        self.model = model
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return (ModelChecks, (None,))
+
+
+def accepts(checks: ModelChecks, args: tuple, kwargs: dict) -> bool:
+    """Whether the model on meta runs a call of these inputs' shapes (the example's, at conversion): a model whose
+    code needs what meta tensors lack (``assert x.device.type == "cpu"``, values) cannot judge calls."""
+    try:
+        _run_on_meta(checks.model, args, kwargs, training=False)
+    except Exception:  # noqa: BLE001 - any failure: the twin cannot tell the model's checks from its limits
+        return False
+    return True
+
+
+def _run_on_meta(model: nn.Module, args: tuple, kwargs: dict, training: bool) -> None:
     meta = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"),
                                              (args, kwargs))
+    model.train(training)
+    with torch.no_grad():
+        model(*meta[0], **meta[1])
+
+
+def model_check(checks: ModelChecks | None, args: tuple, kwargs: dict, error: BaseException,
+                training: bool = False) -> None:
+    """Raise the model's own error where its code refuses this call: the model on meta (``checks``, which ran
+    the example's call at conversion) runs on meta copies of the inputs, in the converted module's mode, and an
+    ``assert`` of the model's code or a ``torch._check`` the model's code calls is raised as the model wrote it,
+    ``error`` (the converted module's) chained. Return where the model's code takes the call or fails some
+    other way: the converted module's error is then the one to see."""
+    if checks is None or checks.model is None:
+        return
     try:
-        with torch.no_grad():
-            checks(*meta[0], **meta[1])
+        _run_on_meta(checks.model, args, kwargs, training)
     except Exception as own:  # noqa: BLE001 - only the model's own checks are raised, below
         if _is_model_check(own):
             raise own from error
     return
 
 
+def _in_torch(code) -> bool:
+    return os.path.abspath(code.co_filename).startswith(_TORCH_DIR + os.sep)
+
+
 def _is_model_check(e: BaseException) -> bool:
-    """An ``assert`` in code outside torch, or a ``torch._check*`` called by such code."""
+    """An ``assert`` in code outside torch, or a ``torch._check*`` called directly by code outside torch (not the
+    checks of torch's own meta kernels)."""
     frames = []
     tb = e.__traceback__
     while tb is not None:
@@ -84,8 +121,10 @@ def _is_model_check(e: BaseException) -> bool:
         tb = tb.tb_next
     if not frames:
         return False
-    last = frames[-1]
     if isinstance(e, AssertionError):
-        return not os.path.abspath(last.co_filename).startswith(_TORCH_DIR)
-    return any(c.co_name.startswith("_check") and os.path.abspath(c.co_filename).startswith(_TORCH_DIR)
-               and os.path.basename(c.co_filename) == "__init__.py" for c in frames)
+        return not _in_torch(frames[-1])
+    for caller, callee in zip(frames, frames[1:]):
+        if callee.co_name.startswith("_check") and _in_torch(callee) \
+                and os.path.basename(callee.co_filename) == "__init__.py" and not _in_torch(caller):
+            return True
+    return False

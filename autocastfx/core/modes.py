@@ -306,7 +306,7 @@ class _Switchable:
             if info is not None and isinstance(e, (TypeError, RuntimeError, ValueError)):
                 _calls.check(info.call_signature, args, kwargs, e)  # a call of another shape: said so
             if info is not None:
-                _calls.model_check(info.checks, args, kwargs, e)  # the model's own assert on its inputs
+                _calls.model_check(info.checks, args, kwargs, e, self.training)  # the model's own checks
             raise
 
     # the float32 model's state dict: masters under the model's own names (see weights.py)

@@ -336,6 +336,8 @@ def load(path: str | os.PathLike) -> fx.GraphModule:
     for name, m in masters.items():
         _check(name in params and params[name].shape == m.shape and params[name].dtype == low,
                f"master {name!r} does not match a {meta['dtype']} parameter of the program", path)
+    _check(set(meta["options"]) <= set(SAVED), f"options {sorted(set(meta['options']) - set(SAVED))} are not "
+           "options a save records", path)
     report_rows = [Row(**r) for r in meta["report"].get("nodes", [])]
     info = ConvertInfo(dtype=low, policy=policy, capture=meta["capture"], plan=None,
                        masters={k: nn.Parameter(v, requires_grad=params[k].requires_grad) for k, v in masters.items()},
