@@ -164,8 +164,8 @@ def _meta_twin(model: nn.Module, everything: bool = False) -> nn.Module:
 
 def _keep_checks(out: nn.Module, model: nn.Module, args: tuple, kwargs: dict) -> None:
     """The model's own checks on its inputs, kept on the converted module as the model on meta
-    (calls.model_check), where that model runs the example's call (one that needs values or a real device
-    cannot judge calls, and is not kept)."""
+    (calls.model_check): used where that model runs the example's call (one that needs values or a real device
+    cannot judge calls), which is tried once, when a call first fails."""
     info = out.meta.get(K.CONVERTED) if isinstance(getattr(out, "meta", None), dict) else None
     if info is None or isinstance(model, fx.GraphModule) or not hasattr(out, "graph"):
         return
@@ -178,8 +178,7 @@ def _keep_checks(out: nn.Module, model: nn.Module, args: tuple, kwargs: dict) ->
                       "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
             if isinstance(getattr(m, hooks, None), dict):
                 getattr(m, hooks).clear()
-    checks = _calls.ModelChecks(twin)
-    info.checks = checks if _calls.accepts(checks, args, kwargs) else None
+    info.checks = _calls.checks_for(twin, args, kwargs)
 
 
 def _tensors(model: nn.Module):

@@ -245,10 +245,10 @@ def test_the_model_checks_do_not_mistake_other_errors_and_do_not_stop_a_save():
             return self.fc(x)
 
     gm = autocastfx.convert(DeviceAssert(), (torch.randn(2, 8),), dtype=torch.bfloat16)
-    assert gm.meta["autocastfx"].checks is None
     with pytest.raises(Exception) as e:  # the wrong width: the converted module's error, not "model wants cpu"
         gm(torch.randn(2, 9))
     assert "model wants cpu" not in str(e.value)
+    assert gm.meta["autocastfx"].checks.usable is False  # its model on meta fails the example's call too
 
     class Hooked(Checked):
         def __init__(self):

@@ -62,8 +62,10 @@ class ModelChecks:
     errors: see :func:`model_check`. Shared by copies of the converted module, and dropped when it is pickled
     (``torch.save(gm)``): the model may hold what does not pickle (a lambda hook), and nothing else needs it."""
 
-    def __init__(self, model: nn.Module | None):
+    def __init__(self, model: nn.Module | None, example: tuple = ((), {})):
         self.model = model
+        self.example = example    # meta tensors shaped like the example's inputs: (args, kwargs)
+        self.usable: bool | None = None  # whether the model on meta runs the example's call (found on first use)
 
     def __deepcopy__(self, memo):
         return self
@@ -72,19 +74,29 @@ class ModelChecks:
         return (ModelChecks, (None,))
 
 
-def accepts(checks: ModelChecks, args: tuple, kwargs: dict) -> bool:
-    """Whether the model on meta runs a call of these inputs' shapes (the example's, at conversion): a model whose
-    code needs what meta tensors lack (``assert x.device.type == "cpu"``, values) cannot judge calls."""
-    try:
-        _run_on_meta(checks.model, args, kwargs, training=False)
-    except Exception:  # noqa: BLE001 - any failure: the twin cannot tell the model's checks from its limits
-        return False
-    return True
+def checks_for(model: nn.Module, args: tuple, kwargs: dict) -> ModelChecks:
+    """The model on meta and the example's input shapes: nothing runs until a call fails."""
+    return ModelChecks(model, _on_meta((args, kwargs)))
+
+
+def _on_meta(tree):
+    return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), tree)
+
+
+def accepts(checks: ModelChecks) -> bool:
+    """Whether the model on meta runs the example's call (asked once): a model whose code needs what meta tensors
+    lack (``assert x.device.type == "cpu"``, values) cannot judge calls."""
+    if checks.usable is None:
+        try:
+            _run_on_meta(checks.model, *checks.example, training=False)
+            checks.usable = True
+        except Exception:  # noqa: BLE001 - any failure: the twin cannot tell the model's checks from its limits
+            checks.usable = False
+    return checks.usable
 
 
 def _run_on_meta(model: nn.Module, args: tuple, kwargs: dict, training: bool) -> None:
-    meta = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"),
-                                             (args, kwargs))
+    meta = _on_meta((args, kwargs))
     model.train(training)
     with torch.no_grad():
         model(*meta[0], **meta[1])
@@ -97,7 +109,7 @@ def model_check(checks: ModelChecks | None, args: tuple, kwargs: dict, error: Ba
     ``assert`` of the model's code or a ``torch._check`` the model's code calls is raised as the model wrote it,
     ``error`` (the converted module's) chained. Return where the model's code takes the call or fails some
     other way: the converted module's error is then the one to see."""
-    if checks is None or checks.model is None:
+    if checks is None or checks.model is None or not accepts(checks):
         return
     try:
         _run_on_meta(checks.model, args, kwargs, training)
