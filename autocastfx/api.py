@@ -154,7 +154,9 @@ def _meta_twin(model: nn.Module, everything: bool = False) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are float32 (floating ones) tensors on the meta device:
     its structure and code without its memory; ``everything``: its plain tensor attributes too."""
     memo = {}
-    extra = [v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)] if everything else []
+    extra = [t for m in model.modules() for t in torch.utils._pytree.tree_leaves(
+        [v for v in vars(m).values() if isinstance(v, (torch.Tensor, list, tuple, dict))])
+        if isinstance(t, torch.Tensor)] if everything else []  # its tensors in lists and dicts too: no real copies
     for t in itertools.chain(_tensors(model), extra):
         if id(t) not in memo:
             shell = torch.empty_like(t, device="meta", dtype=torch.float32 if t.is_floating_point() else t.dtype)

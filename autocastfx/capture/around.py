@@ -17,7 +17,7 @@ plan of the root then decides where the blocks' low results are cast.
 """
 from __future__ import annotations
 
-from ..base.meta import FIRST
+from ..base.meta import FIRST, ReadsThrough
 
 import contextlib
 import operator
@@ -31,7 +31,6 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..base.meta import ReadsThrough
 from ..base.quiet import torch_internal_warnings_off
 
 _CALL_INDEX = re.compile(r"@\d+$")

@@ -25,8 +25,7 @@ import torch.nn as nn
 from torch.export.graph_signature import InputKind
 
 from ..base.meta import TensorInfo
-from ..core.policy import LOW_OPS
-from ..core.policy import op_name
+from ..core.policy import LOW_OPS, op_name
 from ..base import keys as K
 
 

@@ -9,16 +9,10 @@ import collections
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from ..base.errors import CaptureError
-from ..core.modes import BY_MODE, MEMBERS, MODE_ARGS, EVAL
-from ..core.modes import GIVEN
+from ..base.errors import _one_line, CaptureError
+from ..core.modes import _SWAPS, BY_MODE, by_mode, EVAL, GIVEN, MEMBERS, MODE_ARGS, TRAIN
 from ..base import keys as K
-from ..core.modes import TRAIN
-from ..core.modes import _SWAPS
-from .trace import _capture
-from .trace import _copy
-from ..base.errors import _one_line
-from ..core.modes import by_mode
+from .trace import _capture, _copy
 from ..core.propagate import propagate
 from ..base.quiet import warn_user
 

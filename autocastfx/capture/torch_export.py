@@ -4,17 +4,13 @@ import contextlib
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from ..base.errors import CaptureError
+from ..base.errors import _one_line, CaptureError
 import functools
 from .around import block_modules, export_around
 from .context import CaptureContext
-from ..core.propagate import _check_example_values
-from ..base.errors import _one_line
-from .watch import _outer_units
-from ..base.quiet import _quiet
-from ..core.propagate import propagate
-from ..base.quiet import torch_internal_warnings_off
-from .watch import watch_training
+from ..core.propagate import _check_example_values, propagate
+from .watch import _outer_units, watch_training
+from ..base.quiet import _quiet, torch_internal_warnings_off
 
 
 def capture_export(model: nn.Module, args: tuple, kwargs: dict, ctx: CaptureContext = CaptureContext(),

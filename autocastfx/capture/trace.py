@@ -10,7 +10,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..core.policy import Policy
-from ..base.errors import CaptureError
+from ..base.errors import _one_line, CaptureError
 from ..base import keys as K
 from .torch_export import capture_export
 from ..base.meta import is_converted
@@ -18,7 +18,6 @@ from ..base.runtime import no_recompile
 from ..core.propagate import propagate
 from .watch import watch_training
 from .context import CaptureContext
-from ..base.errors import _one_line
 
 
 class _Tracer(fx.Tracer):

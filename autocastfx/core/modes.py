@@ -27,8 +27,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import calls as _calls
-from . import weights as _weights
+from . import calls as _calls, weights as _weights
 from ..base import keys as K
 
 _aten = torch.ops.aten

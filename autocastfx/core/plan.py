@@ -16,19 +16,11 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..base.meta import TensorInfo
+from ..base.meta import is_converted, module_path, TensorInfo
 from . import kernels as _kernels
 from .policy import FP32_OUT_OPS, OpClass, Policy, op_name
 from ..base import keys as K
-from .mincut import Problem
-from .mincut import Req
-from .mincut import cast_cost
-from ..base.meta import is_converted
-from ..base.meta import module_path
-from .mincut import naive_labels
-from .mincut import solve_min_cut
-from .mincut import FP32
-from .mincut import LOW
+from .mincut import cast_cost, FP32, LOW, naive_labels, Problem, Req, solve_min_cut
 from ..base.quiet import warn_user
 
 

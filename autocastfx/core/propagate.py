@@ -14,13 +14,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily  # noqa: E402
-from ..base.errors import CaptureError
+from ..base.errors import _one_line, CaptureError
 from ..base import keys as K
-from ..base.meta import TensorInfo
-from ..base.errors import _one_line
+from ..base.meta import is_converted, tensor_info, TensorInfo
 from ..base.quiet import _quiet_logger
-from ..base.meta import is_converted
-from ..base.meta import tensor_info
 
 
 class _Recorder(fx.Interpreter):

@@ -12,7 +12,7 @@ import contextlib
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from ..base.meta import is_converted
+from ..base.meta import info_of, is_converted, require_info
 
 
 def aliases(gm: nn.Module) -> tuple[dict[str, nn.Parameter], dict[int, list[str]]]:
@@ -66,7 +66,7 @@ def master_parameters(gm: nn.Module) -> list[nn.Parameter]:
 def master_pairs(gm: nn.Module) -> list[tuple[nn.Parameter, nn.Parameter]]:
     """(low-precision parameter in the module, float32 master) for every stored-low parameter of ``gm`` and of
     the converted units inside it."""
-    _info(gm)
+    _require(gm)
     return [(low, master) for _, low, master in named_master_pairs(gm)]
 
 
@@ -98,7 +98,7 @@ def float32_state_dict(gm: nn.Module) -> dict[str, torch.Tensor]:
     blocks) as its master, unrounded; buffers and float32 parameters as they are. Loads into the unconverted model
     (``load_state_dict``, a Hugging Face model's ``from_pretrained`` state) and into a converted one. Tensors are
     shared with ``gm``, not copied: clone them to keep a snapshot while training goes on."""
-    _info(gm)
+    _require(gm)
     return dict(gm.state_dict())
 
 
@@ -111,7 +111,7 @@ def float32_state_dict(gm: nn.Module) -> dict[str, torch.Tensor]:
 
 def masters_into_state_dict(unit: nn.Module, out: dict, prefix: str, keep_vars: bool) -> None:
     """Put ``unit``'s masters in ``out`` in place of their low copies, under every name of each weight."""
-    info = _unit_info(unit)
+    info = info_of(unit)
     if info is None or not info.masters:
         return
     params, by_id = aliases(unit)
@@ -125,7 +125,7 @@ def masters_into_state_dict(unit: nn.Module, out: dict, prefix: str, keep_vars: 
 def model_names_into_state_dict(unit: nn.Module, out: dict, prefix: str) -> None:
     """Every name the model had for a tied weight, where the converted module keeps fewer (a traced graph reads
     a tied weight under one name): the state dict has the model's own keys."""
-    info = _unit_info(unit)
+    info = info_of(unit)
     if info is None:
         return
     for names in info.source_params.values():
@@ -141,7 +141,7 @@ def model_names_from_state_dict(unit: nn.Module, state_dict: dict, prefix: str) 
     """The other side of :func:`model_names_into_state_dict`: a tied weight's names the converted module does not
     have are dropped (their value taken where the name it keeps is missing, as in a checkpoint that stores a tied
     weight once)."""
-    info = _unit_info(unit)
+    info = info_of(unit)
     if info is None:
         return
     own = None
@@ -168,7 +168,7 @@ def masters_from_state_dict(unit: nn.Module, state_dict: dict, prefix: str, assi
     tensor at a time). With ``assign=True`` the float32 values become the masters and the entries are replaced by
     their low copies, which loading then takes as they are. A master on the meta device (a module converted on
     meta, not yet materialised) takes the value only with ``assign=True``, as torch's own loading does."""
-    info = _unit_info(unit)
+    info = info_of(unit)
     if info is None or not info.masters:
         return
     params, by_id = aliases(unit)
@@ -218,7 +218,7 @@ def apply_to_masters(unit: nn.Module, fn) -> None:
     """``nn.Module._apply``'s ``fn`` (``.to(device)``, ``.cuda()``, ``to_empty``) over ``unit``'s masters too, which
     are not module parameters: they follow the module to its device. A dtype change (``.half()``, ``.float()``) is
     the module's alone: masters stay float32."""
-    info = _unit_info(unit)
+    info = info_of(unit)
     if info is None:
         return
     for master in info.masters.values():
@@ -242,7 +242,7 @@ def float32_weights(gm: nn.Module):
     initialisation by module type does not apply) writes the masters, unrounded; on leaving, the low copies are
     made again from them. This is how a module converted on the meta device is initialised after ``gm.to_empty(...)`` when
     no checkpoint is loaded."""
-    _info(gm)
+    _require(gm)
     swapped = []
     for _, unit in converted_units(gm):
         params, by_id = aliases(unit)
@@ -264,7 +264,7 @@ def float32_weights(gm: nn.Module):
 
 def restore_masters(gm: fx.GraphModule) -> None:
     """Put the float32 masters back into the module in place of their low-precision copies (in place)."""
-    info = _info(gm)
+    info = _require(gm)
     params, by_id = aliases(gm)
     for name, master in info.masters.items():
         restored = nn.Parameter(master.detach().clone(), requires_grad=master.requires_grad)
@@ -272,18 +272,8 @@ def restore_masters(gm: fx.GraphModule) -> None:
             _set(gm, alias, restored)
 
 
-def _unit_info(m: nn.Module):
-    """``m.meta["autocastfx"]``, or None for a module autocastfx did not convert."""
-    meta = getattr(m, "meta", None)
-    return meta.get("autocastfx") if isinstance(meta, dict) else None
-
-
-def _info(gm: nn.Module):
-    meta = getattr(gm, "meta", None)
-    info = meta.get("autocastfx") if isinstance(meta, dict) else None
-    if info is None:
-        raise ValueError(f"{type(gm).__name__} is not a module made by autocastfx.convert(); convert it first")
-    return info
+def _require(gm: nn.Module):
+    return require_info(gm, ValueError)
 
 
 def materialize(gm: nn.Module, device, state_dict: dict | None = None, *, buffers=None, strict: bool = True
@@ -297,7 +287,7 @@ def materialize(gm: nn.Module, device, state_dict: dict | None = None, *, buffer
     or low-precision values, upcast) and makes the low copies. Raises ValueError naming every buffer left without
     a value (a non-persistent buffer that neither was real nor is in ``buffers``): running with it would compute
     garbage. Without ``state_dict``, initialise the weights inside :func:`float32_weights`."""
-    _info(gm)
+    _require(gm)
     kept = {n: b.detach().clone() for n, b in gm.named_buffers(remove_duplicate=False) if not b.is_meta}
     gm.to_empty(device=device)
     given = dict(buffers.named_buffers(remove_duplicate=False)) if isinstance(buffers, nn.Module) \

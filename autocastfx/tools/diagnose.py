@@ -7,7 +7,6 @@ activation gradients of a float32 step fall against the float16 range, and what 
 """
 from __future__ import annotations
 
-from ..base.options import SAVED
 
 import copy
 import dataclasses
@@ -20,13 +19,13 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..core import rewrite as _rewrite
-from ..core import weights as _weights
+from ..core import rewrite as _rewrite, weights as _weights
 from ..api import convert
+from ..base.meta import info_of
 
 
 def _info(gm):
-    info = getattr(gm, "meta", {}).get("autocastfx") if isinstance(getattr(gm, "meta", None), dict) else None
+    info = info_of(gm)
     if info is None or info.plan is None:
         raise TypeError("calibrate() needs a module returned by autocastfx.convert()")
     return info
@@ -113,7 +112,7 @@ def calibrate(gm: fx.GraphModule, batches: Iterable, *, margin: float = 4.0, max
         policy = info.policy.override(node_names={k: "fp32" for k in moved})
         ex_args, ex_kwargs = batches[0], {}
         current = convert(gm, ex_args, example_kwargs=ex_kwargs or None, dtype=info.dtype, policy=policy,
-                          **{k: info.options[k] for k in SAVED})
+                          **info.options.saved())
     if current is gm:
         current = copy.deepcopy(gm)
     for node in current.graph.nodes:

@@ -22,11 +22,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..base.meta import ConvertInfo
-from ..core.policy import OpClass
-from ..core.policy import Policy
+from ..base.meta import ConvertInfo, example_inputs_of, require_info
+from ..core.policy import OpClass, Policy
 from .report import Report, Row
-from ..base.meta import example_inputs_of
 
 FORMAT = "autocastfx.save"
 VERSION = 1
@@ -38,11 +36,7 @@ class FormatError(ValueError):
 
 
 def _info(gm) -> ConvertInfo:
-    meta = getattr(gm, "meta", None)
-    info = meta.get("autocastfx") if isinstance(meta, dict) else None
-    if info is None:
-        raise TypeError(f"expected a module made by autocastfx.convert(), got {type(gm).__name__}")
-    return info
+    return require_info(gm, TypeError)
 
 
 def export_program(gm: fx.GraphModule, example_inputs: tuple | None = None, example_kwargs: dict | None = None,
@@ -273,7 +267,7 @@ def save(gm: fx.GraphModule, path: str | os.PathLike, example_inputs: tuple | No
     meta = {
         "format": FORMAT, "version": VERSION, "torch": torch.__version__,
         "dtype": str(info.dtype).removeprefix("torch."), "capture": info.capture,
-        "options": {k: info.options[k] for k in SAVED}, "policy": _policy_to_data(info.policy),
+        "options": info.options.saved(), "policy": _policy_to_data(info.policy),
         "masters": sorted(info.masters), "report": report(gm).to_dict(),
     }
     with zipfile.ZipFile(os.fspath(path), "w", compression=zipfile.ZIP_STORED) as z:

@@ -26,10 +26,9 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..core import modes as _modes
-from ..core import rewrite as _rewrite
-from ..core import weights as _weights
+from ..core import modes as _modes, rewrite as _rewrite, weights as _weights
 from ..base import keys as K
+from ..base.meta import require_info
 
 _aten = torch.ops.aten
 _CONVS = {F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d, _aten.conv1d.default,
@@ -43,7 +42,7 @@ def for_inference(gm: fx.GraphModule, example_inputs: tuple | None = None, *,
     from ..api import convert
     from ..base.meta import example_inputs_of
 
-    info = _weights._info(gm)
+    info = require_info(gm, ValueError)
     if example_inputs is None and example_kwargs is None:
         example_inputs, example_kwargs = example_inputs_of(gm)
     f32 = float32_eval_program(gm)

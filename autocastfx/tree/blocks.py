@@ -37,16 +37,11 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
-from ..base.errors import CaptureError
-from ..base.meta import FIRST
+from ..base.errors import _one_line, CaptureError
+from ..base.meta import FIRST, is_converted, ReadsThrough, TensorInfo
 from ..base import keys as K
-from ..base.meta import ReadsThrough
-from ..base.meta import TensorInfo
-from ..capture.trace import _Tracer
-from ..capture.trace import _copy
-from ..base.errors import _one_line
+from ..capture.trace import _copy, _Tracer
 from .piecewise import _piecewise
-from ..base.meta import is_converted
 from ..core.propagate import placeholder_values
 from ..base.quiet import torch_internal_warnings_off
 from ..capture.watch import watch_reads

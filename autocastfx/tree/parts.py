@@ -2,11 +2,10 @@
 modes, the quiet run of the model, the report's description of the parts."""
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 import contextlib
 import copy
 import warnings
-from typing import Any
 import torch
 import torch.nn as nn
 from ..base import keys as K

@@ -14,12 +14,11 @@ from .parts import _put
 from .parts import _quiet_run
 from .parts import _set_modes
 from .parts import why_not_captured
-from ..base.meta import ConvertInfo, names_by_id
+from ..base.meta import ConvertInfo, is_converted, names_by_id
 from ..base.options import ConvertOptions
 from ..capture.context import CaptureContext, free_sizes
 from ..core.plan import CastPlan
 from .parts import Conversions
-from ..base.meta import is_converted
 from ..capture.ownership import own_tensors
 from ..base.quiet import warn_user
 
