@@ -72,7 +72,12 @@ def test_blocks_stay_modules_when_only_torch_export_captures_the_model():
     model, x = ExportOnly(), ids()
     with pytest.raises(Exception):
         torch.fx.symbolic_trace(model)
-    gm = autocastfx.convert(model, (x,))
+    # the default policy keeps the residual stream float32 (autocast's widest-type rule): the hidden state and
+    # the table cross every boundary float32
+    default = autocastfx.convert(model, (x,))
+    assert all(layer.meta["autocastfx_block"]["inputs"] == [torch.float32, torch.float32] for layer in default.layers)
+    # the min-cut policy: what follows checks that it hands both on low, the table cast once in the root
+    gm = autocastfx.convert(model, (x,), policy=autocastfx.Policy.default().override(widest=False))
     assert gm.meta["autocastfx"].capture == "torch.export"
     assert isinstance(gm.layers, nn.ModuleList) and len(gm.layers) == 4 and _units(gm) == {f"layers.{i}" for i in range(4)}
     calls = [n.target for n in gm.graph.nodes if n.op == "call_module"]
@@ -82,7 +87,7 @@ def test_blocks_stay_modules_when_only_torch_export_captures_the_model():
     assert all("reused" in p for p in plans[1:]), plans
     # the hidden state and the table cross every boundary low: the table is cast once in the root
     assert all(layer.meta["autocastfx_block"]["inputs"] == [torch.float16, torch.float16] for layer in gm.layers)
-    flat = autocastfx.convert(model, (x,), blocks=None)
+    flat = autocastfx.convert(model, (x,), blocks=None, policy=autocastfx.Policy.default().override(widest=False))
     ref = model(x)
     with torch.autocast("cpu", dtype=torch.float16):
         err_ac = rel(model(x).float(), ref)

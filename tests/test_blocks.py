@@ -146,17 +146,21 @@ def test_tree_computes_what_the_one_graph_conversion_computes_with_no_more_casts
     assert casts[0] <= casts[1] + len(gm.layers) + 1  # at most one more per boundary; no round trip per block
 
 
-def test_each_block_runs_its_matmuls_low_and_takes_the_previous_blocks_low_output_without_a_copy():
+@pytest.mark.parametrize("widest,hand_off", [(True, torch.float32), (False, torch.float16)],
+                         ids=["widest", "mincut"])
+def test_each_block_runs_its_matmuls_low_and_takes_the_previous_blocks_output_without_a_copy(widest, hand_off):
+    # the default (widest): the residual stream stays float32 from block to block, as under torch.autocast;
+    # the min-cut policy hands the previous block's low output on as it is
     torch.manual_seed(0)
     model, x = Stack(layers=3), ids()
-    gm = converted(model, x)
+    gm = converted(model, x, policy=autocastfx.Policy.default().override(widest=widest))
     seen = []
     hooks = [layer.register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype)) for layer in gm.layers]
     with AtenRecorder() as rec:
         gm(x)
     for h in hooks:
         h.remove()
-    assert seen[1:] == [torch.float16] * 2  # block to block in float16
+    assert seen[1:] == [hand_off] * 2  # block to block, no round trip
     mm = rec.ops("addmm", "mm", "bmm", "_scaled_dot_product_flash_attention_for_cpu", "linear")
     assert mm and all(all(d == torch.float16 for d in c.in_dtypes) for c in mm if c.name in ("addmm", "mm")), \
         [(c.name, c.in_dtypes) for c in mm]

@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autocastfx
+from autocastfx import Policy
 from autocastfx.core.mincut import FP32, LOW, Problem, Req, cast_cost, solve_min_cut
 from helpers import AtenRecorder
 from small_models import ALL, TinyResNet, example
@@ -100,11 +101,12 @@ def test_aten_policy_forward_and_backward(name, dtype):
         assert c.in_dtypes[0] == torch.float32
 
 
-def test_cast_bytes_forward_backward_below_autocast():
+@pytest.mark.parametrize("widest", [True, False], ids=["widest", "mincut"])
+def test_cast_bytes_forward_backward_below_autocast(widest):
     ratios = {}
     for name in ALL:
         model, inputs = example(name)
-        gm = convert(model, inputs)
+        gm = convert(model, inputs, policy=Policy.default().override(widest=widest))
         ours, _ = _train_ops(gm, inputs, _ce)
         ref = copy.deepcopy(model)
         theirs = AtenRecorder()
@@ -120,8 +122,10 @@ def test_cast_bytes_forward_backward_below_autocast():
     assert all(r < 1.0 for k, r in ratios.items() if k != "mobilenet"), ratios
     assert ratios["mobilenet"] < 1.25, ratios
     # LayerNorm runs in float32 (CUDA rejects a float16 input with float32 parameters, autocastfx/kernels.py):
-    # the transformers pay a cast on each side of every norm, as autocast does, and still move under half its bytes
-    assert ratios["vit"] < 0.5 and ratios["gpt"] < 0.5, ratios
+    # the transformers pay a cast on each side of every norm, as autocast does, and still move about half its
+    # bytes; the default (widest) keeps their residual stream and embeddings float32 as autocast does, for a
+    # few more casts than the min-cut (measured: vit 0.43, gpt 0.51 of autocast's bytes; the min-cut 0.43, 0.44)
+    assert ratios["vit"] < 0.5 and ratios["gpt"] < (0.6 if widest else 0.5), ratios
     assert sum(ratios.values()) / len(ratios) < 0.6, ratios
 
 
@@ -515,10 +519,14 @@ def test_report_table_and_json():
     gm.graph.lint()
 
 
-def test_tied_weights_stay_tied_through_conversion_and_reconversion():
+@pytest.mark.parametrize("widest", [True, False], ids=["widest", "mincut"])
+def test_tied_weights_stay_tied_through_conversion_and_reconversion(widest):
+    # the default (widest) keeps the tied table float32: the embedding reads it, and its output starts the
+    # float32 residual stream, as under autocast; the LM head casts it once per forward. The min-cut stores it low.
     model, inputs = example("gpt")
-    gm = convert(model, inputs)
-    assert gm.wte.weight is gm.lm_head.weight and gm.wte.weight.dtype == torch.float16
+    gm = convert(model, inputs, policy=Policy.default().override(widest=widest))
+    assert gm.wte.weight is gm.lm_head.weight
+    assert gm.wte.weight.dtype == (torch.float32 if widest else torch.float16)
     assert len(gm.meta["autocastfx"].masters) == len({id(p) for p in gm.parameters() if p.dtype == torch.float16})
     gm2 = convert(gm, inputs)
     assert gm2.wte.weight is gm2.lm_head.weight

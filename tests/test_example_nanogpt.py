@@ -49,7 +49,12 @@ def test_the_optimizer_of_configure_optimizers_steps_the_float32_masters(run):
     low = [p for p in gm.parameters() if p.dtype == torch.bfloat16]
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
-    assert len(decay["params"]) == len(low) and all(id(p) in masters for p in decay["params"])  # every matrix
+    # every matrix: the low ones' float32 masters, and the embedding tables, which the plan keeps float32 (the
+    # embedding's output starts the float32 residual stream, as under autocast) and the optimizer steps as they are
+    own_fp32 = {id(p) for p in gm.parameters() if p.dtype == torch.float32 and p.dim() >= 2}
+    assert all(id(p) in masters or id(p) in own_fp32 for p in decay["params"])
+    assert sum(id(p) in masters for p in decay["params"]) == len(low) and len(own_fp32) == 2  # wte (tied), wpe
+    assert all(p.dtype == torch.float32 for p in decay["params"])
     assert all(p.dtype == torch.float32 and id(p) not in masters for p in no_decay["params"])  # layer-norm gains
     assert decay["fused"] and no_decay["fused"]
     assert all(p.grad is None for p in [*gm.parameters(), *all_masters(gm).values()])  # freed after each update

@@ -198,7 +198,7 @@ class Policy:
     pad_max_growth: float = 4.0   # padding a GEMM/conv may grow its FLOPs at most this much (cost gate)
     pad_gate: str | None = None   # who decides each pad: "model" (cost model; None), "trial" (timed), "always"
     fp32_routers: bool = True     # a mixture-of-experts router computes its logits and choice in float32
-    widest: bool = False          # an op that is not a low op never rounds a float32 input (autocast's rule)
+    widest: bool = True           # an op that is not a low op never rounds a float32 input (autocast's rule)
 
     def __post_init__(self):
         if self.pad_gate is not None and self.pad_gate not in PAD_GATES:

@@ -1,5 +1,6 @@
-"""TODO"""
+"""shard(): FSDP2 over a converted module, each float32 shard its own master; loading full tensors into shards."""
 from __future__ import annotations
+from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -73,41 +74,64 @@ def shard(gm: nn.Module, mesh=None, reshard_after_forward: bool = True) -> nn.Mo
                              "stays float32. With master_weights=False every weight is float32 in the module and "
                              "cast inside the graph, so FSDP2 would gather float32 (twice the bytes); convert again "
                              "without master_weights=False")
-        plans.append(_float32_owners(unit, units))
-    for unit, fp32_owners in zip(units, plans):
-        info = unit.meta["autocastfx"]
-        low = info.dtype
-        read = []  # groups whose modules' forward never runs (a graph reads their weights): gathered by hand
-        if fp32_owners:
-            # FSDP2 runs a group's hooks when its modules run; a group whose modules are partly called and partly
-            # read through get_attr takes FSDP2's partial-forward path and loses the read weights' gradients, so
-            # the two kinds are two groups
-            names = {id(m): n for n, m in unit.named_modules()}
-            if hasattr(unit, "graph"):
-                called = {str(n.target) for g in _graphs(unit) for n in g.nodes if n.op == "call_module"}
-            else:  # converted piecewise: the model's own Python calls its modules
-                called = set(names.values())
-            calls = [m for m in fp32_owners if names.get(id(m)) in called]
-            reads = [m for m in fp32_owners if names.get(id(m)) not in called]
-            for group in (calls, reads):
-                if group:
-                    made = fully_shard(group, mesh=mesh, reshard_after_forward=False,
-                                       mp_policy=MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32))
-                    if group is reads:
-                        read.append(made[0] if isinstance(made, list) else made)
-        _weights.restore_masters(unit)  # the float32 masters are the module's parameters again: FSDP2 shards them
-        info.masters.clear()
+        plans.append(_owners(unit, units))
+    for unit, owners in zip(units, plans):
+        _shard_unit(unit, owners, mesh, reshard_after_forward if unit is not gm else None)
+    return gm
+
+
+def _shard_unit(unit: nn.Module, owners: "_Owners", mesh, reshard_after_forward) -> None:
+    """FSDP2 groups of one converted unit (see :func:`shard`). The root group is the unit itself: it holds the
+    low weights, or, where the unit holds float32 parameters of its own (a position table, a class token kept
+    float32 by the plan), those, the low weights' owners then being groups of their own."""
+    info = unit.meta["autocastfx"]
+    low = info.dtype
+    fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
+    low_mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+    # float32 groups are kept gathered through backward (they are small)
+    read = _groups(unit, owners.float32, mesh, False, fp32)
+    _weights.restore_masters(unit)  # the float32 masters are the module's parameters again: FSDP2 shards them
+    info.masters.clear()
+    if owners.own_float32:
+        # FSDP2 gathers a group in one dtype: the unit's own parameters are float32, so the low weights' owners
+        # are groups of their own, gathered low
+        read += _groups(unit, owners.low, mesh, bool(reshard_after_forward), low_mp)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=fp32)
+    else:
         # the root keeps its weights gathered from forward to backward (FSDP2's own rule for the root: they would
         # be gathered again at once), so reshard_after_forward is for the blocks
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward if unit is not gm else None,
-                    mp_policy=MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32))
-        for g in read:
-            # their own forward never runs (the graph reads their weights through get_attr): gathered when the
-            # unit starts, after FSDP2's own pre-forward
-            unit.register_forward_pre_hook(lambda *_, g=g: g.unshard())
-        unit.meta[K.SHARD] = {"low": low, "float32_groups": len(fp32_owners)}
-        unit.register_load_state_dict_pre_hook(_full_tensors_to_shards)
-    return gm
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=low_mp)
+    for g in read:
+        # their own forward never runs (the graph reads their weights through get_attr): gathered when the
+        # unit starts, after FSDP2's own pre-forward
+        unit.register_forward_pre_hook(lambda *_, g=g: g.unshard())
+    unit.meta[K.SHARD] = {"low": low, "float32_groups": len(owners.float32) + bool(owners.own_float32)}
+    unit.register_load_state_dict_pre_hook(_full_tensors_to_shards)
+
+
+def _groups(unit: nn.Module, modules: list[nn.Module], mesh, reshard: bool, mp) -> list:
+    """FSDP2 groups over ``modules`` (submodules of ``unit``): those the unit's graph calls, and those whose
+    weights it only reads; returns the read group, whose forward never runs (to be gathered by hand).
+
+    FSDP2 runs a group's hooks when its modules run; a group whose modules are partly called and partly read
+    through get_attr takes FSDP2's partial-forward path and loses the read weights' gradients, so the two kinds
+    are two groups."""
+    if not modules:
+        return []
+    names = {id(m): n for n, m in unit.named_modules()}
+    if hasattr(unit, "graph"):
+        called = {str(n.target) for g in _graphs(unit) for n in g.nodes if n.op == "call_module"}
+    else:  # converted piecewise: the model's own Python calls its modules
+        called = set(names.values())
+    calls = [m for m in modules if names.get(id(m)) in called]
+    reads = [m for m in modules if names.get(id(m)) not in called]
+    out = []
+    for group in (calls, reads):
+        if group:
+            made = fully_shard(group, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+            if group is reads:
+                out.append(made[0] if isinstance(made, list) else made)
+    return out
 
 
 def _mesh_device(gm: nn.Module) -> str:
@@ -143,10 +167,17 @@ def _graphs(unit: nn.Module) -> list:
     return [graph] if graph is not None else []
 
 
-def _float32_owners(unit: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
-    """The submodules that own the unit's trainable float32 parameters (those the plan did not store low),
-    leaving out what a nested converted block owns. Raises for a module that holds both kinds (FSDP2 gathers a
-    group in one dtype) and for a float32 parameter of the unit itself."""
+class _Owners(NamedTuple):
+    """Who holds a unit's trainable parameters, nested converted blocks left out: the submodules holding float32
+    ones, the submodules holding stored-low ones, and the unit's own float32 parameters' names."""
+    float32: list
+    low: list
+    own_float32: list
+
+
+def _owners(unit: nn.Module, units: list[nn.Module]) -> _Owners:
+    """The unit's parameters by owner and kind. Raises for a submodule that holds both kinds (FSDP2 gathers a
+    group in one dtype) and for a unit that holds both kinds itself."""
     info = unit.meta["autocastfx"]
     nested = {id(m) for m in units if m is not unit}
     inner_params: set[int] = set()
@@ -157,23 +188,28 @@ def _float32_owners(unit: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
     low_ids = {id(params[n]) for n in info.masters}
     owners: dict[int, nn.Module] = {}
     kinds: dict[int, set] = {}
+    own: dict[str, list[str]] = {"low": [], "float32": []}
     for name, p in params.items():
         if id(p) in inner_params or not p.is_floating_point():
             continue  # frozen float32 parameters too: the low group would gather them in the low dtype
-        owner_name = name.rpartition(".")[0]
-        owner = unit.get_submodule(owner_name)
-        kinds.setdefault(id(owner), set()).add("low" if id(p) in low_ids else "float32")
-        if id(p) not in low_ids:
-            if owner is unit:
-                raise ValueError(f"the float32 parameter {name!r} belongs to the converted module itself, not to "
-                                 "a submodule: shard() cannot gather it in float32 beside the low weights. Keep it "
-                                 "in a submodule of the model (as nn.LayerNorm keeps its weight), or convert with "
-                                 "master_weights=False and use fully_shard(gm)")
-            owners[id(owner)] = owner
-    mixed = [i for i, k in kinds.items() if len(k) == 2 and i in owners]
+        owner = unit.get_submodule(name.rpartition(".")[0])
+        kind = "low" if id(p) in low_ids else "float32"
+        if owner is unit:
+            own[kind].append(name)
+            continue
+        kinds.setdefault(id(owner), set()).add(kind)
+        owners[id(owner)] = owner
+    if own["low"] and own["float32"]:
+        raise ValueError(f"the converted module holds both a float32 parameter ({own['float32'][0]!r}) and a "
+                         f"stored-low one ({own['low'][0]!r}) itself, not in submodules: FSDP2 gathers one dtype "
+                         "per group, so shard() cannot keep the float32 one float32. Keep one of them in a "
+                         "submodule of the model (as nn.LayerNorm keeps its weight), or convert with "
+                         "master_weights=False and use fully_shard(gm)")
+    mixed = [i for i, k in kinds.items() if len(k) == 2]
     if mixed:
         names = [n for n, m in unit.named_modules() if id(m) in mixed]
         raise ValueError(f"submodule {names[0]!r} holds both stored-low and float32 parameters; FSDP2 gathers one "
                          "dtype per group, so shard() cannot keep its float32 ones float32. Convert with "
                          "master_weights=False and use fully_shard(gm)")
-    return list(owners.values())
+    return _Owners(float32=[m for i, m in owners.items() if kinds[i] == {"float32"}],
+                   low=[m for i, m in owners.items() if kinds[i] == {"low"}], own_float32=own["float32"])
