@@ -236,7 +236,8 @@ def convert_graph(model: nn.Module, args: tuple, kwargs: dict, options: ConvertO
         gm.meta[K.CONVERTED] = ConvertInfo(
             dtype=options.dtype, policy=options.policy, capture=how, plan=passed.plan, masters=passed.masters,
             absorbed=passed.absorbed, source_params=names_by_id(model), model_class=model_class,
-            model_attrs=model_attrs, call_signature=_calls.describe(args, kwargs), options=options,
+            model_attrs=model_attrs, call_signature=_calls.describe(args, kwargs),
+            free_dims=_calls.free_dims(args, kwargs), options=options,
             extra_totals={**({"padding": passed.padding.totals()} if passed.padding is not None else {}),
                           "layout": passed.layout.totals(),
                           "shapes": gm.meta.get(K.PROPAGATED, "fake"),

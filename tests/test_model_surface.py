@@ -267,3 +267,51 @@ def test_the_model_checks_do_not_mistake_other_errors_and_do_not_stop_a_save():
     import pickle
     assert pickle.loads(pickle.dumps(gm.meta["autocastfx"].checks)).model is None
     assert "blocks=" in str(autocastfx.report(gm))
+
+
+def test_a_compiled_module_compiles_once_for_every_batch_and_sequence_length():
+    """torch.compile specialises a first call's sizes and recompiles on a new one (12 s for a small GPT on a CPU).
+    A converted module marks its inputs' free sizes (the batch, a token input's length) maybe-dynamic before a
+    compiled call, under ``gm.compile()`` and under ``train_step(torch.compile(gm))``: one compile for them all,
+    and the outputs and losses are eager's."""
+    from torch._dynamo.testing import CompileCounter
+
+    class Tagger(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.fc1, self.fc2 = nn.Embedding(50, 16), nn.Linear(16, 32), nn.Linear(32, 4)
+
+        def forward(self, ids):
+            return self.fc2(F.relu(self.fc1(self.emb(ids))))
+
+    def batch(b, t):
+        g = torch.Generator().manual_seed(b * 100 + t)
+        return torch.randint(0, 50, (b, t), generator=g), torch.randint(0, 4, (b, t), generator=g)
+
+    sizes = [(8, 12), (4, 12), (6, 10), (3, 7), (8, 12)]
+    torch.manual_seed(0)
+    model = Tagger()
+    gm = autocastfx.convert(copy.deepcopy(model), (batch(8, 12)[0],), dtype=torch.bfloat16).eval()
+    eager = [gm(batch(*s)[0]) for s in sizes]
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    gm.compile(backend=counter)
+    for s, want in zip(sizes, eager):
+        torch.testing.assert_close(gm(batch(*s)[0]), want, rtol=0, atol=0)
+    assert counter.frame_count == 1, counter.frame_count
+
+    def loss_fn(out, y):
+        return F.cross_entropy(out.flatten(0, 1).float(), y.flatten())
+
+    def train(compiled):
+        torch.manual_seed(0)
+        gm = autocastfx.convert(copy.deepcopy(model), (batch(8, 12)[0],), dtype=torch.bfloat16)
+        counter = CompileCounter()
+        target = torch.compile(gm, backend=counter) if compiled else gm
+        step = autocastfx.train_step(target, loss_fn, torch.optim.AdamW(gm.parameters(), lr=1e-2))
+        return [float(step(*batch(*s))) for s in sizes], counter.frame_count
+
+    torch._dynamo.reset()
+    (eager_losses, _), (losses, frames) = train(False), train(True)
+    assert frames == 1, frames
+    assert losses == pytest.approx(eager_losses, rel=1e-5, abs=1e-5)

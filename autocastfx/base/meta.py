@@ -110,6 +110,9 @@ class ConvertInfo:
     # the inputs of the call the graph was captured for (calls.describe): a call of another shape is refused
     # with both named
     call_signature: tuple = ()
+    # (flat input index, dims) of the example's sizes free to vary (batch, sequence length): marked maybe-dynamic
+    # before a compiled call, so torch.compile does not recompile for a new batch size (calls.free_dims)
+    free_dims: tuple = ()
     # the model on the meta device (no memory): a call that fails is run on it with meta copies of its inputs,
     # so that the model's own checks (an assert on the sequence length) raise their own message (calls.py)
     checks: Any = dataclasses.field(default=None, repr=False)  # core.calls.ModelChecks

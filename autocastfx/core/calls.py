@@ -140,3 +140,40 @@ def _is_model_check(e: BaseException) -> bool:
                 and os.path.basename(callee.co_filename) == "__init__.py" and not _in_torch(caller):
             return True
     return False
+
+
+# ------------------------------------------------------------------------ sizes free to vary under torch.compile
+# torch.compile specialises a first call's sizes and recompiles on the first new one (then marking that size
+# dynamic). The sizes of a converted module's inputs that are free to vary (every input's batch, a token input's
+# sequence length) are marked as maybe-dynamic before a compiled call, so the first compile already leaves them
+# free: no recompile for a new batch or sequence length where the model allows it (where its code fixes a size,
+# the compiler specialises it as before, with no error).
+
+def free_dims(args: tuple, kwargs: dict) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """(flat input index, dims) of the example's sizes free to vary: each tensor input's first size (the batch)
+    and an integer tensor of two dimensions' second (a sequence length); sizes of 0 and 1 are left fixed (the
+    compiler specialises them)."""
+    out = []
+    for i, t in enumerate(torch.utils._pytree.tree_leaves((args, kwargs))):
+        if isinstance(t, torch.Tensor) and t.dim():
+            dims = [0] if t.shape[0] > 1 else []
+            if not t.is_floating_point() and not t.is_complex() and t.dim() == 2 and t.shape[1] > 1:
+                dims.append(1)
+            if dims:
+                out.append((i, tuple(dims)))
+    return tuple(out)
+
+
+def mark_free_dims(free: tuple, args: tuple, kwargs: dict) -> None:
+    """Mark a compiled call's free sizes (see :func:`free_dims`) maybe-dynamic; nothing while the compiler traces
+    (marks are made before it starts) or for a call of another structure than the example's."""
+    if not free or torch.compiler.is_compiling():
+        return
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    from torch._dynamo import maybe_mark_dynamic
+    for i, dims in free:
+        if i < len(leaves) and isinstance(leaves[i], torch.Tensor):
+            for d in dims:
+                if d < leaves[i].dim():
+                    maybe_mark_dynamic(leaves[i], d)
+

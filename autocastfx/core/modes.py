@@ -298,6 +298,10 @@ class _Switchable:
         # of the mode it is in (the programs' code holds the mode as constants, which nothing else guards on)
         if self.training:
             pass
+        if self.__dict__.get("_compiled_call_impl") is not None:  # gm.compile(): sizes free to vary left free
+            info = self.__dict__.get("meta", {}).get("autocastfx")
+            if info is not None:
+                _calls.mark_free_dims(info.free_dims, args, kwargs)
         try:
             return super().__call__(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - re-raised below unless a clearer error says what went wrong

@@ -80,6 +80,7 @@ class InputChecker:
 
     def __init__(self, gm: fx.GraphModule, device: torch.device):
         self.gm, self.device = gm, device
+        self.forwards = 0  # forwards the step ran through (counted by TrainStep._forward)
         self.forward_sig = _forward_signature(gm)
         self.example = _example_infos(gm, self.forward_sig)
         self.seen: set = set()
@@ -137,8 +138,9 @@ class InputChecker:
         buffers = [(b, b.detach().clone()) for b in unique_by_id(self.gm.buffers())]
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        forward_done: list[bool] = []
-        hook = self.gm.register_forward_hook(lambda *_: forward_done.append(True))
+        # whether the forward ran through is counted by the step's own call of the module (TrainStep._forward),
+        # not by a forward hook: a hook added for one call is a change torch.compile guards on (a recompile)
+        forwards = self.forwards
         try:
             yield
         except Exception as e:
@@ -149,15 +151,13 @@ class InputChecker:
             if cuda_rng is not None:
                 torch.cuda.set_rng_state(cuda_rng, self.device)
             differing = self._differing(inputs, bound)
-            if forward_done or not differing or isinstance(e, (StepError, torch.OutOfMemoryError)) \
+            if self.forwards != forwards or not differing or isinstance(e, (StepError, torch.OutOfMemoryError)) \
                     or not isinstance(e, (RuntimeError, TypeError, ValueError, IndexError)):
                 raise  # the loss function's own error, or one the inputs do not explain: as it came
             raise StepError(
                 "the converted module does not run on these inputs: " + "; ".join(differing) + ". Pass inputs "
                 "shaped like the example (a size that the model accepts, such as the batch, may differ), or "
                 f"convert again with an example of the new shape. Inside the module: {_first_line(e)}") from e
-        finally:
-            hook.remove()
 
     def _differing(self, inputs: Any, bound: dict[str, Any]) -> list[str]:
         out = []

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from ..core import calls as _calls
 from ..core import weights as _weights
 from .checks import InputChecker, StepError, check_grad_mode, check_loss, signature, unique_by_id
 from .scaling import HISTORY, LossScaleError, ScalerConfig, ScaleState
@@ -126,6 +127,12 @@ all_masters = _weights.all_masters
 def _call(model: nn.Module, inputs: Any) -> Any:
     if isinstance(inputs, Forwarded):
         return inputs.output
+    if model is not compiled_module(model):  # torch.compile(gm): its free sizes marked before the compiler runs
+        info = getattr(compiled_module(model), "meta", {}).get("autocastfx")
+        if info is not None:
+            args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs) \
+                if isinstance(inputs, dict) else ((inputs,), {})
+            _calls.mark_free_dims(info.free_dims, args, kwargs)
     if isinstance(inputs, tuple):
         return model(*inputs)
     if isinstance(inputs, dict):
@@ -265,9 +272,15 @@ class TrainStep:
         """``train_step`` compiled from ``code``, in a namespace that holds what the source names."""
         namespace = {"torch": torch, "contextlib": contextlib, "self": self, "model": self.model,
                      "loss_fn": self.loss_fn, "optimizer": self.optimizer, "S": self.state, "P": self.parallel,
-                     "_call": _call, "check_loss": check_loss}
+                     "_call": self._forward, "check_loss": check_loss}
         exec(compile(code, "<autocastfx train_step>", "exec"), namespace)  # noqa: S102 - our own source
         return namespace["train_step"]
+
+    def _forward(self, model: nn.Module, inputs: Any) -> Any:
+        """The module's forward, as the step's source calls it (``_call``), counted for the input checks."""
+        out = _call(model, inputs)
+        self.checker.forwards += 1
+        return out
 
     def _grads_to_masters(self) -> list[torch.Tensor]:
         """The low-precision gradients as float32, in views of one buffer per bucket allocated for this update
