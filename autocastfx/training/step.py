@@ -28,6 +28,7 @@ import torch.nn as nn
 from ..core import calls as _calls
 from ..core import weights as _weights
 from .checks import InputChecker, StepError, check_grad_mode, check_loss, signature, unique_by_id
+from .checks import watch_user_clipping
 from .scaling import HISTORY, LossScaleError, ScalerConfig, ScaleState
 from .source import SourceOptions, step_source
 
@@ -233,6 +234,7 @@ class TrainStep:
         self.grad_norm = torch.zeros((), device=device) if clip_grad_norm is not None else None
         self.micro = 0
         self.checker = InputChecker(self.gm, device)  # host-side checks of each new input signature
+        watch_user_clipping(self.grad_holders)  # a loop's own clip_grad_norm_ on them clips nothing: said so
         self.code = self._generate()
         self._fn: Callable = self._compile(self.code)
 
