@@ -258,6 +258,7 @@ def test_the_loops_own_clipping_of_the_converted_modules_parameters_is_said_to_c
     step = autocastfx.train_step(gm, lambda out, t: F.cross_entropy(out.float(), t),
                                  torch.optim.AdamW(gm.parameters(), lr=1e-3))
     step(x, y)
+    assert ClippingWarning is autocastfx.ClippingWarning
     with pytest.warns(ClippingWarning, match="clip_grad_norm=1.0") as got:
         norm = torch.nn.utils.clip_grad_norm_(gm.parameters(), 1.0)
     assert float(norm) == 0.0 and got[0].filename == __file__  # torch's answer, unchanged; the loop's line
