@@ -4,7 +4,8 @@ torch.fx cannot trace through an RNN module (its forward branches on the input),
 by torch.export, where the layer is one aten call (``aten.lstm.input``: input, [h0, c0], the flat weight list).
 The policy classifies it ``low``: input, initial state and every weight and bias reach it in the low dtype (the
 weights stored low, float32 masters kept), the one-dtype call cuDNN needs (kernels.py, ``_cudnn_rnn``). A packed
-sequence defeats the capture; the layer then runs in float32 as the model's own code.
+sequence defeats the capture: the model is converted piecewise, and a layer called with a packed sequence becomes a
+converted part whose graph is its one call on the packed data (``torch.lstm(data, batch_sizes, ...)``), low as well.
 """
 import warnings
 
@@ -14,15 +15,27 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+from torch.overrides import TorchFunctionMode
 
 import autocastfx
 from autocastfx.core import kernels
-from autocastfx.core.weights import master_pairs
+from autocastfx.core.weights import master_pairs, named_master_pairs
 from helpers import AtenRecorder
 
 BF16 = torch.bfloat16
 RNN_OPS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
 MATMULS = {"mm", "addmm", "bmm", "matmul", "linear", "mkldnn_rnn_layer", "mkldnn_rnn_layer_backward"}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Toy sizes, one small op per time step: one thread is fastest, and waits on no other process's cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class Tagger(nn.Module):
@@ -238,36 +251,240 @@ def test_training_reaches_every_recurrent_master():
     assert all(p.dtype == BF16 for n, p in gm.named_parameters() if n.startswith(("lstm.", "gru.")))
 
 
-class Packed(nn.Module):
+class PackedTagger(nn.Module):
+    """embedding -> pack_padded_sequence -> recurrent layer -> pad_packed_sequence -> linear, per token."""
+
+    def __init__(self, rnn: nn.RNNBase, enforce_sorted: bool = False):
+        super().__init__()
+        self.emb = nn.Embedding(50, rnn.input_size)
+        self.rnn = rnn
+        self.enforce_sorted = enforce_sorted
+        self.out = nn.Linear((rnn.proj_size or rnn.hidden_size) * (2 if rnn.bidirectional else 1), 5)
+
+    def forward(self, x, lengths):
+        first = self.rnn.batch_first  # the model's code reads its layer's attributes
+        e = self.emb(x)
+        p = pack_padded_sequence(e if first else e.transpose(0, 1), lengths, batch_first=first,
+                                 enforce_sorted=self.enforce_sorted)
+        y, _ = self.rnn(p)
+        y, _ = pad_packed_sequence(y, batch_first=first, total_length=x.shape[1])
+        return self.out(y if first else y.transpose(0, 1))
+
+
+PACKED = {  # (layer, enforce_sorted)
+    "lstm_2layer": (lambda: nn.LSTM(16, 32, num_layers=2, batch_first=True), False),
+    "lstm_2layer_sorted": (lambda: nn.LSTM(16, 32, num_layers=2, batch_first=True), True),
+    "gru_bidirectional_seq_first": (lambda: nn.GRU(16, 32, bidirectional=True), False),
+    "rnn_tanh": (lambda: nn.RNN(16, 32, batch_first=True), False),
+}
+LENGTHS, SORTED = torch.tensor([7, 3, 5, 2]), torch.tensor([7, 5, 3, 2])
+
+
+class RecurrentCalls(TorchFunctionMode):
+    """The recurrent calls made inside (torch.lstm/gru/rnn_* on a packed sequence's data: aten.lstm.data and its
+    kin, before the CPU decomposes them): the dtypes of each call's float tensors, lists flattened, and what the
+    CUDA contract says of them."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, list]] = []
+        self.violations: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "_opname", None) or getattr(func, "__name__", None)  # aten.gru.input, or torch.gru
+        if name in RNN_OPS:
+            flat = torch.utils._pytree.tree_leaves(args)
+            self.calls.append((name, [t.dtype for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point()]))
+            self.violations += kernels.violations(name, args, _dtype)
+        return func(*args, **(kwargs or {}))
+
+
+def _layer_matmuls(rec: AtenRecorder, rnn: nn.RNNBase) -> tuple[list, list]:
+    """(every matmul the CPU ran, those that read one of the layer's weight matrices, by shape)."""
+    mats = [c for c in rec.calls if c.name in ("mm", "addmm", "bmm", "matmul", "linear")]
+    shapes = {s for n, p in rnn.named_parameters() if p.dim() == 2 for s in (tuple(p.shape), tuple(p.shape)[::-1])}
+    return mats, [c for c in mats if shapes & set(c.in_shapes)]
+
+
+def _packed_errors(model, gm, inputs):
+    """Max abs error against float32: (autocastfx, torch.autocast on the same model), eval mode."""
+    model.eval(), gm.eval()
+    with torch.no_grad():
+        ref = model(*inputs)
+        with torch.autocast("cpu", BF16):
+            auto = model(*inputs)
+        ours = gm(*inputs)
+    return [(o.float() - ref).abs().max().item() for o in (ours, auto)]
+
+
+@pytest.mark.parametrize("name", list(PACKED))
+def test_packed_sequence_runs_the_layer_low(name):
+    """Packing defeats the capture, so the model is converted piecewise; the layer called with the packed sequence
+    becomes a converted part of its own: one recurrent call on the packed data, its input, state and every weight
+    in bfloat16, weights stored low with float32 masters under the model's names."""
+    torch.manual_seed(0)
+    make, enforce_sorted = PACKED[name]
+    model, x = PackedTagger(make(), enforce_sorted), _tokens()
+    lengths = SORTED if enforce_sorted else LENGTHS
+    gm, warned = _convert(model, (x, lengths))
+    assert any("piecewise" in w and "rnn" in w for w in warned), warned
+    assert "rnn: converted (symbolic_trace) as its call on the packed sequence" in str(autocastfx.report(gm))
+    # the recurrent call: data, state and every weight and bias in bfloat16, one dtype (the cuDNN contract)
+    n_weights = len(model.rnn._flat_weights_names)
+    with RecurrentCalls() as calls:
+        gm(x, lengths)
+    ((op, dtypes),) = calls.calls
+    assert op == model.rnn.mode.lower() and set(dtypes) == {BF16}, calls.calls
+    states = 2 if op == "lstm" else 1
+    assert len(dtypes) == 1 + states + n_weights and calls.violations == []
+    # what the CPU kernels saw, forward and backward: every matmul bfloat16, the layer's weights among their inputs
+    gm.train()
+    with AtenRecorder() as rec:
+        gm(x, lengths).sum().backward()
+    mats, layer = _layer_matmuls(rec, model.rnn)
+    assert layer and all(set(c.in_dtypes) == {BF16} for c in mats), [(c.name, c.in_dtypes) for c in mats][:5]
+    gates = [c for c in rec.calls if c.name in ("sigmoid", "sigmoid_", "tanh", "tanh_", "tanh_backward")]
+    assert gates and all(set(c.in_dtypes) == {BF16} for c in gates)
+    # stored low, float32 masters, the float32 model's state dict
+    rnn_params = {n: p for n, p in gm.named_parameters() if n.startswith("rnn.")}
+    assert set(rnn_params) == {f"rnn.{n}" for n in model.rnn._flat_weights_names}
+    assert all(p.dtype == BF16 for p in rnn_params.values())
+    masters = {n: m for n, _, m in named_master_pairs(gm) if n.startswith("rnn.")}
+    assert set(masters) == set(rnn_params) and all(m.dtype == torch.float32 for m in masters.values())
+    state, ref_state = gm.state_dict(), model.state_dict()
+    assert list(state) == list(ref_state)
+    assert all(state[k].dtype == torch.float32 and torch.equal(state[k], ref_state[k]) for k in state)
+    assert list(autocastfx.float32_state_dict(gm)) == list(ref_state)
+    # as accurate as torch.autocast against float32, and on other lengths and batch sizes too
+    ours, auto = _packed_errors(model, gm, (x, lengths))
+    assert ours <= 2 * auto + 2e-3, (ours, auto)
+    other = (_tokens(seed=1, batch=3, length=9), torch.tensor([9, 6, 1]))
+    ours, auto = _packed_errors(model, gm, other)
+    assert ours <= 2 * auto + 2e-3, (ours, auto)
+
+
+class PackedWithState(nn.Module):
+    """The caller's state in, the final state out, around a packed sequence (sorted inside by its lengths)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(16, 32, num_layers=2, proj_size=8, bias=False, bidirectional=True)
+        self.out = nn.Linear(16, 5)
+
+    def forward(self, x, lengths, h0, c0):
+        y, (h, c) = self.rnn(pack_padded_sequence(x, lengths, enforce_sorted=False), (h0, c0))
+        y, _ = pad_packed_sequence(y, total_length=x.shape[0])
+        return self.out(y), h, c
+
+
+def test_packed_sequence_with_state_projections_and_no_bias():
+    """A given state is put in the sequence's sorted order and cast to the layer's dtype, the final state is put
+    back in the caller's order; projections and no biases: every weight in the call, in bfloat16."""
+    torch.manual_seed(0)
+    model = PackedWithState()
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randn(7, 4, 16, generator=g), LENGTHS, torch.randn(4, 4, 8, generator=g),
+              torch.randn(4, 4, 32, generator=g))
+    gm, _ = _convert(model, inputs)
+    with RecurrentCalls() as calls:
+        outs = gm(*inputs)
+    ((op, dtypes),) = calls.calls
+    assert op == "lstm" and set(dtypes) == {BF16} and len(dtypes) == 1 + 2 + 12, calls.calls
+    assert [o.dtype for o in outs] == [torch.float32] * 3
+    model.eval(), gm.eval()
+    with torch.no_grad():
+        ref = model(*inputs)
+        with torch.autocast("cpu", BF16):
+            auto = model(*inputs)
+        ours = gm(*inputs)
+    for o, a, r in zip(ours, auto, ref):
+        assert (o - r).abs().max() <= 2 * (a.float() - r).abs().max() + 2e-3
+
+
+def test_packed_layer_trains_and_switches_modes():
+    """train()/eval() reach the packed call's train flag (dropout between layers on, then off); train_step lowers
+    the loss and moves every float32 master of the layer, its weights staying bfloat16."""
+    torch.manual_seed(0)
+    model, x = PackedTagger(nn.LSTM(16, 32, num_layers=2, dropout=0.3, batch_first=True)), _tokens(batch=8, length=6)
+    lengths = torch.tensor([6, 2, 5, 3, 6, 1, 4, 6])
+    gm, _ = _convert(model, (x, lengths))
+    gm.eval()
+    with torch.no_grad():
+        assert not gm.rnn.training and torch.equal(gm(x, lengths), gm(x, lengths))
+        gm.train()
+        assert gm.rnn.training and not torch.equal(gm(x, lengths), gm(x, lengths))
+    with pytest.raises(TypeError, match="PackedSequence"):
+        gm.rnn(torch.zeros(6, 8, 16))
+    masters = {n: m for n, _, m in named_master_pairs(gm) if n.startswith("rnn.")}
+    assert len(masters) == 8
+    before = {n: m.detach().clone() for n, m in masters.items()}
+    opt = torch.optim.AdamW(gm.parameters(), lr=1e-2)
+    step = autocastfx.train_step(gm, lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), opt)
+    losses = [float(step((x, lengths), x % 5)) for _ in range(8)]
+    assert losses[-1] < 0.95 * losses[0], losses
+    assert all(m.dtype == torch.float32 and not torch.equal(before[n], m) for n, m in masters.items())
+    assert all(p.dtype == BF16 for n, p in gm.named_parameters() if n.startswith("rnn."))
+
+
+class OwnLSTM(nn.LSTM):
+    """A layer with a forward of its own: its packed call is not the one the converted part makes."""
+
+    def forward(self, input, hx=None):
+        out, state = super().forward(input, hx)
+        return out, state
+
+
+@pytest.mark.parametrize("why", ["own_forward", "policy_fp32"])
+def test_a_packed_layer_that_does_not_convert_stays_float32(why):
+    """A layer with a forward of its own, or one the policy keeps whole in float32, is not the packed call: it
+    runs as the model's own float32 code, and the warning and the report name it."""
+    torch.manual_seed(0)
+    own = why == "own_forward"
+    model, x = PackedTagger((OwnLSTM if own else nn.LSTM)(16, 32, batch_first=True)), _tokens()
+    policy = None if own else autocastfx.Policy.default().override(module_types={nn.LSTM: "fp32"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gm = autocastfx.convert(model, (x, LENGTHS), dtype=BF16, policy=policy)
+    warned = [str(w.message) for w in caught]
+    assert any("piecewise" in w and "rnn:" in w for w in warned), warned
+    assert "rnn:" in str(autocastfx.report(gm)).split("stay eager")[1].split("blocks:")[0]
+    with RecurrentCalls() as calls, torch.no_grad():
+        got = gm(x, LENGTHS)
+        ref = model(x, LENGTHS)
+    assert [set(d) for _, d in calls.calls] == [{torch.float32}] * 2
+    assert all(p.dtype == torch.float32 for n, p in gm.named_parameters() if n.startswith("rnn."))
+    assert gm.out.meta["autocastfx"].masters and (got.float() - ref).abs().max() < 2e-2
+
+
+class Branchy(nn.Module):
+    """A branch on values: no way of capturing takes the model as one graph."""
+
     def __init__(self):
         super().__init__()
         self.emb = nn.Embedding(50, 16)
-        self.rnn = nn.LSTM(16, 32, batch_first=True)
+        self.rnn = nn.GRU(16, 32, batch_first=True)
         self.out = nn.Linear(32, 5)
 
-    def forward(self, x, lengths):
-        p = pack_padded_sequence(self.emb(x), lengths, batch_first=True, enforce_sorted=False)
-        y, _ = self.rnn(p)
-        y, _ = pad_packed_sequence(y, batch_first=True, total_length=x.shape[1])
+    def forward(self, x):
+        if (x < 0).any():
+            x = x.clamp(min=0)
+        y, _ = self.rnn(self.emb(x))
         return self.out(y)
 
 
-def test_packed_sequence_runs_the_layer_in_float32():
-    """Packing needs the lengths' values (torch.export cannot capture it): the model is converted piecewise,
-    the parts that capture run low, the recurrent layer in float32 as the model's own code, and a warning says
-    so."""
+def test_a_layer_on_a_padded_tensor_in_a_piecewise_model_is_a_part():
+    """Recurrent layers are parts of a piecewise model too: one called with a tensor is captured on its own
+    (torch.export, aten.gru.input) and runs low."""
     torch.manual_seed(0)
-    model, x, lengths = Packed(), _tokens(), torch.tensor([7, 3, 5, 2])
-    gm, warned = _convert(model, (x, lengths))
-    assert any("piecewise" in w and "out" in w for w in warned), warned
-    with AtenRecorder() as rec:
-        got = gm(x, lengths)
-    with torch.no_grad():
-        ref = model(x, lengths)
-    layers = rec.ops("mkldnn_rnn_layer", "lstm")
-    assert all(d == torch.float32 for c in layers for d in c.in_dtypes if d.is_floating_point)
-    assert all(p.dtype == torch.float32 for n, p in gm.named_parameters() if "rnn." in n)
-    assert (got.float() - ref).abs().max() < 2e-2
+    model, x = Branchy(), _tokens()
+    gm, warned = _convert(model, (x,))
+    assert any("piecewise" in w and "rnn" in w for w in warned), warned
+    with RecurrentCalls() as calls:
+        gm(x)
+    assert [(n, set(d)) for n, d in calls.calls] == [("gru", {BF16})] and calls.violations == []
+    assert all(p.dtype == BF16 for n, p in gm.named_parameters() if n.startswith("rnn."))
+    ours, auto = _packed_errors(model, gm, (x,))
+    assert ours <= 2 * auto + 2e-3, (ours, auto)
 
 
 def test_a_leaf_rnn_module_asked_low_runs_in_float32():

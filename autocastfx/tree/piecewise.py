@@ -21,6 +21,7 @@ from ..core.plan import CastPlan
 from .parts import Conversions
 from ..capture.ownership import own_tensors
 from ..base.quiet import warn_user
+from .packed import convert_packed, has_recurrent, takes_packed
 
 
 def convert_piecewise(model: nn.Module, args: tuple, kwargs: dict, conv: Conversions, options: ConvertOptions,
@@ -62,9 +63,7 @@ def _piecewise(model, tree, units, skipped, args, kwargs, conv: Conversions, opt
         m = tree.get_submodule(name)
         a, k = inputs[name]
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                part = conv.whole(m, a, k, part_options, part_ctx)
+            part, plan, dtypes = _convert_part(m, a, k, conv, part_options, part_ctx)
         except (CaptureError, ValueError) as e:
             eager[name] = why_not_captured(e)
             inner = _candidates(m, name, units)
@@ -80,8 +79,7 @@ def _piecewise(model, tree, units, skipped, args, kwargs, conv: Conversions, opt
                         h.remove()
                 todo = [n for n in inner if n in inputs] + todo
             continue
-        part.meta[BLOCK_META] = {"name": name, "inputs": _float_dtypes((a, k)),
-                                 "plan": f"converted ({part.meta['autocastfx'].capture}), float32 at its boundary"}
+        part.meta[BLOCK_META] = {"name": name, "inputs": dtypes, "plan": plan}
         _keep_containers(part, m, {n[len(name) + 1:]: u for n, u in units.items() if n.startswith(name + ".")})
         parts[name] = part
         _put(tree, name, part)
@@ -111,14 +109,26 @@ def _piecewise(model, tree, units, skipped, args, kwargs, conv: Conversions, opt
     return tree
 
 
+def _convert_part(m: nn.Module, a: tuple, k: dict, conv: Conversions, options: ConvertOptions,
+                  ctx: CaptureContext) -> tuple[nn.Module, str, list]:
+    """One part, its warnings silenced: a recurrent layer called with a packed sequence as its call on the packed
+    fields (packed.py), any other module whole; (the part, its plan as the report says it, its inputs' dtypes)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if takes_packed(m, a, k, options.policy):
+            return convert_packed(m, a, k, conv.whole, options, ctx)
+        part = conv.whole(m, a, k, options, ctx)
+    return part, f"converted ({part.meta['autocastfx'].capture}), float32 at its boundary", _float_dtypes((a, k))
+
+
 def _outputs_float32(module, args, out):
     return torch.utils._pytree.tree_map(
         lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t, out)
 
 
 def _candidates(root: nn.Module, prefix: str, units: dict) -> list[str]:
-    """The children of ``root`` worth converting on their own (they hold matmuls or convolutions and are not
-    converted yet), by qualified name in the tree."""
+    """The children of ``root`` worth converting on their own (they hold matmuls, convolutions or recurrent layers
+    and are not converted yet), by qualified name in the tree."""
     out = []
     for key, c in root.named_children():
         name = f"{prefix}.{key}" if prefix else key
@@ -126,6 +136,6 @@ def _candidates(root: nn.Module, prefix: str, units: dict) -> list[str]:
             continue
         if isinstance(c, (nn.ModuleList, nn.ModuleDict)):
             out += _candidates(c, name, units)
-        elif _has_gemm(c):
+        elif _has_gemm(c) or has_recurrent(c):
             out.append(name)
     return out
