@@ -245,6 +245,41 @@ def test_converted_on_meta_then_loaded_is_the_materialised_conversion(name):
         assert torch.equal(a, b), (name, mode)
 
 
+class LastToken(nn.Module):
+    """A model whose code makes a tensor from a Python value: ``x[:, [-1], :]``'s index (nanoGPT's inference
+    path). Exported on meta that index is a meta constant, which no loading fills, and a real tensor indexed by a
+    meta one gives garbage with no error."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16)) for _ in range(2))
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, idx):
+        b, t = idx.size()
+        assert t <= 16, "sequence too long"  # as nanoGPT checks: symbolic_trace cannot, torch.export captures it
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x[:, [-1], :])
+
+
+@pytest.mark.parametrize("blocks", ["auto", None])
+def test_constants_the_models_code_makes_have_their_values_after_a_meta_conversion(blocks):
+    torch.manual_seed(0)
+    model, idx = LastToken(), torch.randint(0, 32, (3, 8))
+    ref = autocastfx.convert(copy.deepcopy(model), (idx,), dtype=torch.bfloat16, blocks=blocks)
+    with torch.device("meta"):
+        empty = LastToken()
+    gm = autocastfx.convert(empty, (idx,), dtype=torch.bfloat16, blocks=blocks)
+    assert gm.meta["autocastfx"].capture == "torch.export"  # the path that lifts the index as a constant
+    autocastfx.materialize(gm, "cpu", model.state_dict())
+    constants = [v for m in gm.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
+    assert constants and not any(t.is_meta for t in constants)
+    assert torch.equal(gm(idx), ref(idx))
+
+
 def test_meta_example_inputs_are_taken_too():
     with torch.device("meta"):
         empty = TinyResNet()

@@ -1,6 +1,8 @@
-"""TODO"""
+"""Capture by torch.export: the program of a model that symbolic_trace cannot trace, with free batch and sequence
+sizes where the model allows them, on the meta device too."""
 from __future__ import annotations
 import contextlib
+import copy
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -67,7 +69,52 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, preserve: tuple[str, ..
             ep = torch.export.export(model, args, kwargs, strict=False, preserve_module_call_signature=preserve)
     if target is not None:
         _retarget_devices(ep.graph_module, torch.device("meta"), target)
+        _constants_with_values(ep, model, args, kwargs, target, preserve)
     return ep
+
+
+def _constants_with_values(ep, model: nn.Module, args: tuple, kwargs: dict, target: torch.device,
+                           preserve: tuple[str, ...]) -> None:
+    """The values of the constants a model on meta makes from Python values (``x[:, [-1]]``'s index, a
+    ``torch.tensor([...])``): exported on meta they are meta tensors, which no loading fills, and a real tensor
+    indexed by a meta one gives garbage without an error. They are exported again from a copy of the model whose
+    tensors are fake tensors of ``target`` (no memory), where such constants are real; CaptureError where a
+    constant's value cannot be found that way."""
+    missing = {k for k, v in ep.constants.items() if isinstance(v, torch.Tensor) and v.is_meta}
+    if not missing:
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode = FakeTensorMode()
+
+    def fake(t):
+        with mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=target)
+
+    memo = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in memo:
+            memo[id(t)] = nn.Parameter(fake(t), t.requires_grad) if isinstance(t, nn.Parameter) else fake(t)
+    found = {}
+    try:
+        twin = copy.deepcopy(model, memo)
+        fargs, fkwargs = torch.utils._pytree.tree_map_only(torch.Tensor, fake, (args, kwargs))
+        with _explicit_keywords(twin, fkwargs):
+            again = torch.export.export(twin, fargs, fkwargs, strict=False, preserve_module_call_signature=preserve)
+        found = {k: v for k, v in again.constants.items() if k in missing and isinstance(v, torch.Tensor)
+                 and not v.is_meta and not isinstance(v, torch._subclasses.fake_tensor.FakeTensor)
+                 and v.shape == ep.constants[k].shape and v.dtype == ep.constants[k].dtype}
+        error = None
+    except Exception as e:  # noqa: BLE001 - reported below, with the constants it leaves without values
+        error = e
+    if missing - set(found):
+        raise CaptureError(
+            f"the model's code makes tensors from Python values ({', '.join(sorted(missing - set(found)))}: an index "
+            "list such as x[:, [-1]], a torch.tensor([...])), which on the meta device have no values, and they "
+            f"could not be found another way ({_one_line(error) if error else 'the program made them otherwise'}). "
+            "Convert the model materialised (on its device), or make such values from the inputs' device in its "
+            "code") from error
+    for k, v in found.items():
+        ep.constants[k] = v
 
 
 def _retarget_devices(gm: fx.GraphModule, old: torch.device, new: torch.device) -> None:
