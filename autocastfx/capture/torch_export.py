@@ -80,7 +80,8 @@ def _constants_with_values(ep, model: nn.Module, args: tuple, kwargs: dict, targ
     indexed by a meta one gives garbage without an error. They are exported again from a copy of the model whose
     tensors are fake tensors of ``target`` (no memory), where such constants are real; CaptureError where a
     constant's value cannot be found that way."""
-    missing = {k for k, v in ep.constants.items() if isinstance(v, torch.Tensor) and v.is_meta}
+    lifted = set(ep.graph_signature.lifted_tensor_constants)  # not the model's non-persistent buffers (loaded)
+    missing = {k for k, v in ep.constants.items() if k in lifted and isinstance(v, torch.Tensor) and v.is_meta}
     if not missing:
         return
     from torch._subclasses.fake_tensor import FakeTensorMode
