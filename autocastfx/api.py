@@ -14,6 +14,7 @@ import contextlib
 import copy
 import gc
 import itertools
+import warnings
 from typing import Any
 
 import torch
@@ -181,6 +182,36 @@ def _keep_checks(out: nn.Module, model: nn.Module, args: tuple, kwargs: dict) ->
             if isinstance(getattr(m, hooks, None), dict):
                 getattr(m, hooks).clear()
     info.checks = _calls.checks_for(twin, args, kwargs)
+    info.convert_call = _convert_for_call
+
+
+def _convert_for_call(gm: nn.Module, args: tuple, kwargs: dict) -> nn.Module:
+    """The model (kept on meta) converted for a call of another structure than ``gm``'s example, with ``gm``'s
+    options, its tensors made ``gm``'s own (core.calls.other_call); a TypeError naming both calls where it
+    cannot be."""
+    info = gm.meta[K.CONVERTED]
+    try:
+        try:  # sizes of 1 would be fixed by the capture (a first sample of one sequence): converted at 2
+            other = _convert_quietly(info, *_calls.widened(args, kwargs))
+        except Exception:  # noqa: BLE001 - a size of 1 the model needs as it is: converted for the call as given
+            other = _convert_quietly(info, args, kwargs)
+        _weights.share_tensors(gm, other, _weights.pair_modules(gm, other))
+    except Exception as e:  # noqa: BLE001 - any failure: the call is refused, naming both calls and the cause
+        raise TypeError(
+            f"this module was converted for a call {_calls.text(info.call_signature)} and was called with "
+            f"{_calls.text(_calls.describe(args, kwargs))}; converting it for this call as well failed "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}). Convert with example inputs of "
+            "this call: autocastfx.convert(model, example_inputs=(...), example_kwargs={...}), and keep one "
+            "converted module per call") from e
+    return other
+
+
+def _convert_quietly(info: ConvertInfo, args: tuple, kwargs: dict) -> nn.Module:
+    """The model kept on meta, converted for ``(args, kwargs)`` with ``info``'s options and no warnings (the
+    first conversion said what there was to say)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _convert_any(copy.deepcopy(info.checks.model), args, kwargs, info.options, CaptureContext())
 
 
 def _tensors(model: nn.Module):

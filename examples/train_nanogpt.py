@@ -323,16 +323,16 @@ def main(argv=None):
         result.update(resumed=resumed, resume_identical=same)
 
     # sampling, through the model's own generate(). gm was converted for the call (idx, targets): the loss branch.
-    # generate() calls self(idx), the targets=None branch, which gm refuses (a TypeError naming both calls): that
-    # call gets a module of its own, converted from (idx,) and given the trained float32 weights
-    model.load_state_dict(gm.state_dict())
+    # generate() calls self(idx), the targets=None branch: gm converts itself for that call on its first use and
+    # runs it on the same weights (the trained ones: no copy, nothing to load)
     t0 = time.perf_counter()
-    sampler = autocastfx.convert(model, (example[0],), dtype=torch.bfloat16)
+    sampler = gm
     sampler.eval()
     torch.manual_seed(args.seed)
     start = chars.encode("the ").unsqueeze(0)
     sample = sampler.generate(start, args.sample_tokens, temperature=0.8, top_k=10)
     result["times"]["sample"] = time.perf_counter() - t0
+    gm.train()  # the loop's module back in training mode
     result.update(sampler=sampler, sample=sample)
     log("sample:\n" + chars.decode(sample[0].tolist()))
     return result

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import autocastfx
+
 from autocastfx.core.weights import all_masters
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,9 +99,27 @@ def test_generate_samples_through_a_converted_forward(run):
     assert calls == [(2, 1, cfg.vocab_size)] * 5  # self(idx_cond) ran the converted module: last position only
 
 
-def test_the_training_module_refuses_the_sampling_call_naming_both(run):
-    """gm was converted for (idx, targets); generate() calls self(idx): a call of another shape."""
-    gm = run["gm"]
-    with pytest.raises(TypeError, match=r"converted for a call \(int64 tensor, int64 tensor\) and was called with "
-                                        r"\(int64 tensor\)"):
-        gm.generate(torch.zeros(1, 4, dtype=torch.long), 2)
+def test_the_training_module_samples_through_its_conversion_for_the_sampling_call(run):
+    """gm was converted for (idx, targets); generate() calls self(idx), a call of another structure: gm converted
+    itself for it on first use, on its own weights (the same Parameter objects, so what the step trained), in
+    its mode, and the logits are those of a conversion made for that call from the trained float32 weights."""
+    from autocastfx.base import keys as K
+    gm, cfg = run["gm"], run["config"]
+    assert run["sampler"] is gm
+    (key, (other, _)), = gm.meta[K.OTHER_CALLS].by_key.items()
+    own = {id(p) for p in gm.parameters()}
+    assert all(id(p) in own for p in other.parameters())
+    masters = {id(m) for m in autocastfx.master_parameters(gm)}
+    assert all(id(m) in masters for m in autocastfx.master_parameters(other))
+    model = _example().GPT(cfg)
+    model.load_state_dict(gm.state_dict())
+    fresh = autocastfx.convert(model, (torch.zeros(2, cfg.block_size, dtype=torch.long),), dtype=torch.bfloat16)
+    fresh.eval()
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
+    gm.eval()
+    try:
+        logits, loss = gm(idx)
+        assert not other.training  # the conversion for the call follows gm's mode
+    finally:
+        gm.train()
+    assert loss is None and torch.equal(logits, fresh(idx)[0])

@@ -118,19 +118,69 @@ class WithTargets(nn.Module):
         return logits, loss
 
 
-def test_a_call_of_another_shape_is_refused_naming_both_calls():
-    x = torch.randint(0, 50, (2, 8))
-    gm = autocastfx.convert(WithTargets(), (x,), dtype=torch.bfloat16)
-    assert gm(x)[1] is None
-    for call in (lambda: gm(x, x), lambda: gm(x, targets=x)):
-        with pytest.raises(TypeError, match=r"converted for a call \(int64 tensor\) and was called with "
-                                            r"\(int64 tensor, (targets: )?int64 tensor\).*example_kwargs"):
-            call()
-    both = autocastfx.convert(WithTargets(), (x, x), dtype=torch.bfloat16)  # the fix the message names
-    logits, loss = both(x, x)
-    assert loss.dtype == torch.float32 and loss.dim() == 0
+def test_a_call_of_another_structure_is_converted_on_first_use_on_the_same_weights():
+    """A graph is captured for one call's structure; ``gm(x, y)`` on a module converted with ``(x,)`` is converted
+    for that call on first use, from the model kept on meta, and runs on gm's own parameters, masters and buffers
+    (what the step trains), in gm's mode, through gm's hooks. The captured call spelled another way
+    (``gm(idx=x)``) is no other call."""
+    from autocastfx.base import keys as K
+    torch.manual_seed(0)
+    model, x = WithTargets(), torch.randint(0, 50, (2, 8))
+    gm = autocastfx.convert(copy.deepcopy(model), (x,), dtype=torch.bfloat16)
+    assert gm(x)[1] is None and torch.equal(gm(idx=x)[0], gm(x)[0])
+    assert not gm.meta.get(K.OTHER_CALLS) or not gm.meta[K.OTHER_CALLS].by_key
+    step = autocastfx.train_step(gm, lambda out, y: F.cross_entropy(out[0].flatten(0, 1).float(), y.flatten()),
+                                 torch.optim.AdamW(gm.parameters(), lr=1e-2))
+    for _ in range(3):
+        step(x, x)  # trains through the captured call: (x,) -> logits
+    seen = []
+    hook = gm.register_forward_hook(lambda m, a, out: seen.append(out[1] is not None))
+    logits, loss = gm(x, x)
+    assert loss.dtype == torch.float32 and loss.dim() == 0 and seen == [True]
+    hook.remove()
+    (other, _), = gm.meta[K.OTHER_CALLS].by_key.values()
+    assert gm(x, targets=x)[1] is not None and len(gm.meta[K.OTHER_CALLS].by_key) == 1  # one call, two spellings
+    own = {id(p) for p in gm.parameters()}
+    masters = {id(m) for m in autocastfx.master_parameters(gm)}
+    assert all(id(p) in own for p in other.parameters())
+    assert all(id(m) in masters for m in autocastfx.master_parameters(other)) and masters
+    trained = copy.deepcopy(model)  # the trained float32 weights, converted for (x, y) from the start
+    trained.load_state_dict(gm.state_dict())
+    both = autocastfx.convert(trained, (x, x), dtype=torch.bfloat16)
+    ref_logits, ref_loss = both(x, x)
+    assert torch.equal(logits, ref_logits) and torch.equal(loss, ref_loss)
+    step(x, x)  # one more update: the other call sees it at once, the same Parameter objects
+    trained.load_state_dict(gm.state_dict())
+    assert torch.equal(gm(x, x)[1], autocastfx.convert(trained, (x, x), dtype=torch.bfloat16)(x, x)[1])
+    gm.eval()
+    gm(x, x)
+    assert not other.training
     with pytest.raises(IndexError):  # an error of the model's own, on a call of the captured shape: as it was
         gm(torch.full((2, 8), 99))
+
+
+class ReadsItsWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, scale=None):
+        y = self.fc(x)
+        if scale is not None:  # a float32 op on the weight: this call's plan stores it float32
+            y = y * torch.exp(self.fc.weight).mean() * scale
+        return y
+
+
+def test_a_call_whose_plan_stores_a_weight_otherwise_is_refused_naming_both_calls():
+    x = torch.randn(2, 8)
+    gm = autocastfx.convert(ReadsItsWeight(), (x,), dtype=torch.bfloat16)
+    assert gm.fc.weight.dtype == torch.bfloat16
+    with pytest.raises(TypeError, match=r"converted for a call \(float32 tensor\) and was called with "
+                                        r"\(float32 tensor, float32 tensor\).*stores? .*differently.*example_kwargs"):
+        gm(x, torch.tensor(2.0))
+    gm2 = autocastfx.convert(nn.Sequential(nn.Linear(8, 8)), (x,), dtype=torch.bfloat16)  # traced from a module
+    with pytest.raises(TypeError, match=r"converted for a call \(float32 tensor\) and was called with"):
+        gm2(x, x)  # nn.Sequential takes one input: no conversion for this call, the refusal names both
 
 
 def test_hugging_face_generate_and_save_pretrained_through_the_converted_module(tmp_path):

@@ -26,4 +26,5 @@ PROGRAM_KEYS = "autocastfx_program_keys"           # the programs laid over one 
 CURRENT_PROGRAM = "autocastfx_current_program"     # the program of the model's mode (programs; modes.install)
 PROGRAMS = "autocastfx_programs"                   # the union and one graph per mode (modes.install)
 SHARD = "autocastfx_shard"                         # what shard() did to a unit (sharding)
+OTHER_CALLS = "autocastfx_other_calls"             # conversions for calls of another structure (core.calls)
 PACKED = "autocastfx_packed"                       # a layer converted for packed sequences: its sizes (tree.packed)

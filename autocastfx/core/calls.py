@@ -8,11 +8,14 @@ convert for that call.
 """
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 
 import torch
 import torch.nn as nn
+from ..base import keys as K
+from . import weights as _weights
 
 
 def _kind(v: Any) -> str:
@@ -30,7 +33,7 @@ def describe(args: tuple, kwargs: dict) -> tuple[tuple[str, str], ...]:
     return tuple((str(i), _kind(a)) for i, a in enumerate(args)) + tuple((k, _kind(v)) for k, v in kwargs.items())
 
 
-def _text(sig) -> str:
+def text(sig) -> str:
     parts = [f"{name}: {kind}" if not name.isdigit() else kind for name, kind in sig]
     return "(" + ", ".join(parts) + ")"
 
@@ -46,7 +49,7 @@ def check(captured: tuple, args: tuple, kwargs: dict, error: BaseException) -> N
     if shape(given) == shape(captured):
         return
     raise TypeError(
-        f"this module was converted for a call {_text(captured)} and was called with {_text(given)}: a graph is "
+        f"this module was converted for a call {text(captured)} and was called with {text(given)}: a graph is "
         "captured for one call's inputs (which are given, which are None). Convert with example inputs of "
         "this call: autocastfx.convert(model, example_inputs=(...), example_kwargs={...}) with every input this "
         "call passes (a model that takes targets and returns its loss: pass the targets in the example), and "
@@ -177,3 +180,118 @@ def mark_free_dims(free: tuple, args: tuple, kwargs: dict) -> None:
                 if d < leaves[i].dim():
                     maybe_mark_dynamic(leaves[i], d)
 
+
+
+# --------------------------------------------------------------------------- calls of another structure
+# A graph is captured for one call's structure: which inputs are given and which are None. A call of another
+# structure (the targets given where the example had none, a mask left out) is converted for that call on first
+# use, from the model on meta, and kept beside the first: its parameters, buffers and masters are the first's own
+# tensors (one set of weights, which the step trains), its mode follows the first's. Where it cannot be (no model
+# kept, a structure whose plan stores a weight in another dtype), the call is refused naming both calls.
+
+class OtherCalls:
+    """The conversions for other calls of one converted module, by call key. Not copied (a copy converts again
+    on its first such call) and not pickled."""
+
+    def __init__(self):
+        self.by_key: dict[tuple, tuple[nn.Module, list]] = {}
+        self.example_key: tuple | None = None
+
+    def __deepcopy__(self, memo):
+        return OtherCalls()
+
+    def __reduce__(self):
+        return (OtherCalls, ())
+
+
+def raw_key(args: tuple, kwargs: dict) -> tuple:
+    """Which inputs a call gives and which of them are None, as written."""
+    return tuple((str(i), a is None) for i, a in enumerate(args)) + tuple((k, v is None) for k, v in kwargs.items())
+
+
+def captured_key(signature: tuple) -> tuple:
+    """:func:`raw_key` of the captured call (from its :func:`describe`)."""
+    return tuple((name, kind == "None") for name, kind in signature)
+
+
+def _none_shape(v: Any) -> Any:
+    if isinstance(v, (tuple, list)):
+        return tuple(x is None for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, x is None) for k, x in v.items()))
+    return v is None
+
+
+def bound_key(model: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+    """The call's structure as the model's forward sees it (positional or keyword alike, defaults filled in);
+    None where the call does not bind to it."""
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    bound.apply_defaults()
+    return tuple((name, _none_shape(v)) for name, v in bound.arguments.items())
+
+
+def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict) -> nn.Module | tuple | None:
+    """The module to run a call of another structure than the captured one: the model converted for it (on first
+    use), its tensors the converted module's own; ``(args, kwargs)`` spelled as the captured call where the call
+    is that one spelled another way (``gm(idx=x)`` for ``gm(x)``); None where it cannot be told (no model kept):
+    the converted module then runs the call as it is."""
+    checks = info.checks
+    if checks is None or checks.model is None or info.convert_call is None:
+        return None
+    key = bound_key(checks.model, args, kwargs)
+    if key is None:
+        return None
+    meta = gm.__dict__.get("meta")
+    holder = meta.get(K.OTHER_CALLS) if meta is not None else None
+    if holder is None:
+        holder = meta[K.OTHER_CALLS] = OtherCalls()
+    if holder.example_key is None:
+        holder.example_key = bound_key(checks.model, *checks.example)
+    if key == holder.example_key:
+        return respelled(checks.model, info.call_signature, args, kwargs)
+    made = holder.by_key.get(key)
+    if made is None:
+        other = info.convert_call(gm, args, kwargs)
+        made = holder.by_key[key] = (other, _weights.pair_modules(gm, other))
+    other, pairs = made
+    _weights.share_tensors(gm, other, pairs)  # again each call: a move or a load may have replaced them
+    if other.training != gm.training:
+        other.train(gm.training)
+    return other
+
+
+def widened(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call's inputs with their free sizes (:func:`free_dims`'s rule) of 1 made 2 (the values repeated), as an
+    example to capture from: a capture fixes sizes of 1, and a conversion made for a first call of one sequence
+    would refuse the next call's batch of several."""
+    def widen(t):
+        if not isinstance(t, torch.Tensor) or not t.dim():
+            return t
+        dims = [0] + ([1] if not t.is_floating_point() and not t.is_complex() and t.dim() == 2 else [])
+        for d in dims:
+            if t.shape[d] == 1:
+                t = torch.cat([t, t], dim=d)
+        return t
+    return torch.utils._pytree.tree_map(widen, (args, kwargs))
+
+
+def respelled(model: nn.Module, captured: tuple, args: tuple, kwargs: dict) -> tuple | None:
+    """``(args, kwargs)`` as the captured call spelled them (which positionally, which by keyword), the same
+    arguments bound to the model's forward; None where they cannot be."""
+    try:
+        sig = inspect.signature(model.forward)
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        names = [n for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        new_args, new_kwargs = [], {}
+        for name, _ in captured:
+            if name.isdigit():
+                new_args.append(bound.arguments[names[int(name)]])
+            else:
+                new_kwargs[name] = bound.arguments[name]
+        return tuple(new_args), new_kwargs
+    except (TypeError, ValueError, KeyError, IndexError):
+        return None

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -268,6 +269,30 @@ def _read_mode(module: nn.Module, args: tuple) -> None:
         pass
 
 
+def _run_as(module: nn.Module, other: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """``module``'s call (its hooks, its compiled call) running ``other``'s forward: the conversion for a call of
+    another structure, whose tensors are ``module``'s own."""
+    saved = module.__dict__.get("forward", _NONE)
+    module.__dict__["forward"] = other.forward
+    hooks = module._forward_pre_hooks
+    kept = list(hooks.items())
+    for k, h in kept:  # torch.export's check of the inputs against the captured call's: not this call's
+        if getattr(getattr(h, "func", h), "__module__", "").startswith("torch.export"):
+            del hooks[k]
+    try:
+        return nn.Module.__call__(module, *args, **kwargs)
+    finally:
+        hooks.clear()
+        hooks.update(kept)
+        if saved is _NONE:
+            module.__dict__.pop("forward", None)
+        else:
+            module.__dict__["forward"] = saved
+
+
+_NONE = object()
+
+
 class _Switchable:
     """Mixed into the converted module's class, so that copies keep working modes: ``copy.deepcopy`` of a
     GraphModule builds a fresh class over the first base whose qualified name does not end in
@@ -298,14 +323,19 @@ class _Switchable:
         # of the mode it is in (the programs' code holds the mode as constants, which nothing else guards on)
         if self.training:
             pass
-        if self.__dict__.get("_compiled_call_impl") is not None:  # gm.compile(): sizes free to vary left free
-            info = self.__dict__.get("meta", {}).get("autocastfx")
-            if info is not None:
-                _calls.mark_free_dims(info.free_dims, args, kwargs)
+        info = self.__dict__.get("meta", {}).get("autocastfx")
+        if info is not None and info.call_signature and \
+                _calls.raw_key(args, kwargs) != _calls.captured_key(info.call_signature):
+            other = _calls.other_call(self, info, args, kwargs)  # a call of another structure: its own conversion
+            if isinstance(other, tuple):  # the captured call, spelled another way
+                args, kwargs = other
+            elif other is not None:
+                return _run_as(self, other, args, kwargs)
+        if info is not None and self.__dict__.get("_compiled_call_impl") is not None:
+            _calls.mark_free_dims(info.free_dims, args, kwargs)  # gm.compile(): sizes free to vary left free
         try:
             return super().__call__(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - re-raised below unless a clearer error says what went wrong
-            info = self.__dict__.get("meta", {}).get("autocastfx")
             if info is not None and isinstance(e, (TypeError, RuntimeError, ValueError)):
                 _calls.check(info.call_signature, args, kwargs, e)  # a call of another shape: said so
             if info is not None:

@@ -318,3 +318,59 @@ def materialize(gm: nn.Module, device, state_dict: dict | None = None, *, buffer
 def _is_persistent(gm: nn.Module, name: str) -> bool:
     owner, _, attr = name.rpartition(".")
     return attr not in gm.get_submodule(owner)._non_persistent_buffers_set
+
+
+# ------------------------------------------------------------- one set of tensors for two conversions of a model
+# A converted module converted again for a call of another structure (core.calls.other_call) runs on the first's
+# tensors: the same Parameter objects (so the step's updates reach both), buffers and masters.
+
+def pair_modules(main: nn.Module, other: nn.Module) -> tuple[list, list]:
+    """What :func:`share_tensors` re-points: (module of ``other``, module of ``main`` at the same name) for every
+    module of ``other`` that holds tensors, and (masters of a unit of ``other``, name there, masters of ``main``'s
+    unit, name there) for every master of ``other``, matched by qualified name (a unit of one capture may list
+    the masters of the blocks inside it); ValueError naming the first that ``main`` lacks."""
+    mains = dict(main.named_modules(remove_duplicate=False))
+    pairs = []
+    for name, m in other.named_modules(remove_duplicate=False):
+        if not (m._parameters or m._buffers):
+            continue
+        if name not in mains:
+            raise ValueError(f"the conversion for this call has a module {name!r} that the first conversion "
+                             "does not have")
+        pairs.append((m, mains[name]))
+    firsts = {prefix + n: (unit.meta["autocastfx"].masters, n) for prefix, unit in converted_units(main)
+              for n in unit.meta["autocastfx"].masters}
+    masters = []
+    for prefix, unit in converted_units(other):
+        ours = unit.meta["autocastfx"].masters
+        for n in ours:
+            if prefix + n not in firsts:
+                raise ValueError(f"the conversion for this call keeps a float32 master of {prefix + n!r}, which "
+                                 "the first stores float32 itself: the two plans store it differently")
+            masters.append((ours, n, *firsts[prefix + n]))
+    return pairs, masters
+
+
+def share_tensors(main: nn.Module, other: nn.Module, paired: tuple[list, list]) -> None:
+    """Make ``other``'s parameters, buffers and masters ``main``'s own (where they are not already); ValueError
+    where one has no counterpart of the same shape and dtype (its plan stores a weight otherwise)."""
+    pairs, masters = paired
+    for o, m in pairs:
+        for kind in ("_parameters", "_buffers"):
+            mine, theirs = getattr(o, kind), getattr(m, kind)
+            for leaf, t in mine.items():
+                want = theirs.get(leaf)
+                if want is t or t is None:
+                    continue
+                if want is None or want.shape != t.shape or want.dtype != t.dtype:
+                    raise ValueError(
+                        f"{kind[1:-1]} {leaf!r} of {type(o).__name__} is {_desc(t)} in the conversion for this "
+                        f"call and {_desc(want)} in the first: the two plans store it differently")
+                mine[leaf] = want
+    for ours, n, firsts, first_name in masters:
+        if ours[n] is not firsts[first_name]:
+            ours[n] = firsts[first_name]
+
+
+def _desc(t: torch.Tensor | None) -> str:
+    return "absent" if t is None else f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"
