@@ -159,6 +159,21 @@ def test_a_call_of_another_structure_is_converted_on_first_use_on_the_same_weigh
         gm(torch.full((2, 8), 99))
 
 
+def test_the_models_own_checks_speak_on_a_call_of_another_structure():
+    class Checked(WithTargets):
+        def forward(self, idx, targets=None):
+            assert idx.shape[1] <= 8, f"cannot forward a sequence of {idx.shape[1]} tokens, block size is 8"
+            return super().forward(idx, targets)
+
+    x = torch.randint(0, 50, (2, 8))
+    gm = autocastfx.convert(Checked(), (x, x), dtype=torch.bfloat16)
+    assert gm(x)[1] is None  # the other call, converted
+    long = torch.randint(0, 50, (2, 12))
+    for call in (lambda: gm(long, long), lambda: gm(long)):
+        with pytest.raises(AssertionError, match="cannot forward a sequence of 12 tokens, block size is 8"):
+            call()
+
+
 class ReadsItsWeight(nn.Module):
     def __init__(self):
         super().__init__()

@@ -330,7 +330,11 @@ class _Switchable:
             if isinstance(other, tuple):  # the captured call, spelled another way
                 args, kwargs = other
             elif other is not None:
-                return _run_as(self, other, args, kwargs)
+                try:
+                    return _run_as(self, other, args, kwargs)
+                except Exception as e:  # noqa: BLE001 - the model's own checks on this call, else as it came
+                    _calls.model_check(info.checks, args, kwargs, e, self.training)
+                    raise
         if info is not None and self.__dict__.get("_compiled_call_impl") is not None:
             _calls.mark_free_dims(info.free_dims, args, kwargs)  # gm.compile(): sizes free to vary left free
         try:

@@ -11,9 +11,10 @@ the default, and ``blocks=None``), checked in ``.train()`` and ``.eval()`` where
               3 more steps; a model of another initialisation converted afresh, the checkpoint loaded into it
               (``gm.load_state_dict``, then ``step.load_state_dict``): its 3 steps' losses and its masters after
               them are bit-identical to the uninterrupted run's;
-  methods     nanoGPT: ``gm.generate`` (through a module converted from ``(idx,)``, as the example samples),
-              ``gm.get_num_params()``, ``gm.configure_optimizers(...)``; GPT-2: ``gm.config``, ``gm.generate``
-              (greedy, through a module converted for the call generate makes), ``gm.save_pretrained`` read back
+  methods     nanoGPT: ``gm.generate`` (the training module, converted for ``(idx, targets)``: generate's call
+              ``self(idx)`` is converted for on first use, on gm's weights), ``gm.get_num_params()``,
+              ``gm.configure_optimizers(...)``; GPT-2: ``gm.config``, ``gm.generate`` (greedy, through the training
+              module likewise), ``gm.save_pretrained`` read back
               by ``GPT2LMHeadModel.from_pretrained`` equal to the float32 masters bit for bit;
   assert      nanoGPT: a sequence longer than ``block_size`` raises the model's own AssertionError and message.
 
@@ -202,7 +203,9 @@ def nanogpt(blocks):
 
     @guarded(name, blocks, "eval", "generate")
     def _():
-        sampler = made["sampler"] = convert(model, (x,)).eval()  # generate() calls self(idx): converted for it
+        # the training module itself (converted for (idx, targets)): generate() calls self(idx), a call of another
+        # structure, which gm converts for on first use, on its own weights
+        sampler = made["sampler"] = gm.eval()
         model.eval()
         start = x[:2, :8]
         torch.manual_seed(7)
@@ -217,6 +220,7 @@ def nanogpt(blocks):
         torch.manual_seed(7)
         theirs = model.generate(start, max_new_tokens=5)
         model.train()
+        gm.train()
         ok = out.shape == (2, 13) and torch.equal(out[:, :8], start) and torch.equal(out, by_hand)
         agree = int((out[:, 8:] == theirs[:, 8:]).sum())
         line(ok, name, blocks, "eval", "generate",
@@ -329,16 +333,9 @@ def gpt2(blocks):
     @guarded(name, blocks, "eval", "generate")
     def _():
         model.eval()
-        alone = convert(model, {"input_ids": ids}).eval()
-        try:
-            alone.generate(ids, max_new_tokens=5, do_sample=False)
-            note(name, blocks, "generate through the module converted from input_ids alone ran")
-        except TypeError as e:
-            note(name, blocks, "generate through the module converted from input_ids alone: TypeError "
-                               f"({str(e)[:200]}...); generate's call is input_ids, use_cache=False, "
-                               "return_dict=True, so the check converts for that call")
-        call = {"input_ids": ids, "use_cache": False, "return_dict": True}
-        gen = convert(model, call).eval()
+        # the training module itself (converted for input_ids and labels): generate's call (input_ids,
+        # use_cache=False, return_dict=True, ...) is converted for on first use, on gm's own weights
+        gen = gm.eval()
         out = gen.generate(ids, max_new_tokens=5, do_sample=False)
         by_hand = ids
         with torch.no_grad():
@@ -352,6 +349,7 @@ def gpt2(blocks):
              f"shape {tuple(out.shape)}, prompt kept, greedy tokens {out[:, 16:].tolist()} = the converted "
              f"forward's argmax loop: {torch.equal(out, by_hand)}; float32 model's generate: {agree} of 10 the same")
         model.train()
+        gm.train()
 
 
 def main():
