@@ -113,6 +113,17 @@ def _autocast_errors(model, gm, inputs, dtype=BF16):
 
 
 @pytest.mark.parametrize("name", list(RNNS))
+
+def _within_twice_autocast(model, gm, inputs):
+    """Each output of ``gm`` within twice torch.autocast's error against float32 (plus a floor), same inputs."""
+    with torch.no_grad():
+        ref = model(*inputs)
+        with torch.autocast("cpu", BF16):
+            auto = model(*inputs)
+        ours = gm(*inputs)
+    for o, a, r in zip(ours, auto, ref):
+        assert (o - r).abs().max() <= 2 * (a.float() - r).abs().max() + 2e-3
+
 def test_recurrent_layer_runs_low_with_one_dtype(name):
     torch.manual_seed(0)
     model, x = Tagger(RNNS[name]()), _tokens()
@@ -186,13 +197,7 @@ def test_state_in_and_out():
     outs = interp.run(*inputs)
     assert interp.calls == [("lstm", {BF16})]
     assert [o.dtype for o in outs] == [torch.float32] * 3
-    with torch.no_grad():
-        ref = model(*inputs)
-        with torch.autocast("cpu", BF16):
-            auto = model(*inputs)
-        ours = gm(*inputs)
-    for o, a, r in zip(ours, auto, ref):
-        assert (o - r).abs().max() <= 2 * (a.float() - r).abs().max() + 2e-3
+    _within_twice_autocast(model, gm, inputs)
 
 
 def test_eval_mode_turns_dropout_between_layers_off():
@@ -392,13 +397,7 @@ def test_packed_sequence_with_state_projections_and_no_bias():
     assert op == "lstm" and set(dtypes) == {BF16} and len(dtypes) == 1 + 2 + 12, calls.calls
     assert [o.dtype for o in outs] == [torch.float32] * 3
     model.eval(), gm.eval()
-    with torch.no_grad():
-        ref = model(*inputs)
-        with torch.autocast("cpu", BF16):
-            auto = model(*inputs)
-        ours = gm(*inputs)
-    for o, a, r in zip(ours, auto, ref):
-        assert (o - r).abs().max() <= 2 * (a.float() - r).abs().max() + 2e-3
+    _within_twice_autocast(model, gm, inputs)
 
 
 def test_packed_layer_trains_and_switches_modes():
