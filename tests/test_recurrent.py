@@ -112,8 +112,6 @@ def _autocast_errors(model, gm, inputs, dtype=BF16):
     return (ours - ref).abs().max().item(), (auto - ref).abs().max().item()
 
 
-@pytest.mark.parametrize("name", list(RNNS))
-
 def _within_twice_autocast(model, gm, inputs):
     """Each output of ``gm`` within twice torch.autocast's error against float32 (plus a floor), same inputs."""
     with torch.no_grad():
@@ -124,6 +122,8 @@ def _within_twice_autocast(model, gm, inputs):
     for o, a, r in zip(ours, auto, ref):
         assert (o - r).abs().max() <= 2 * (a.float() - r).abs().max() + 2e-3
 
+
+@pytest.mark.parametrize("name", list(RNNS))
 def test_recurrent_layer_runs_low_with_one_dtype(name):
     torch.manual_seed(0)
     model, x = Tagger(RNNS[name]()), _tokens()
