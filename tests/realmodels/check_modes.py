@@ -48,13 +48,17 @@ def image(size=224):
 
 
 def timm_model(name, **kw):
-    import timm
-    return lambda: timm.create_model(name, pretrained=False, **kw)
+    def make():  # imported when the model is built: the table is made without timm installed
+        import timm
+        return timm.create_model(name, pretrained=False, **kw)
+    return make
 
 
 def tv_model(name):
-    import torchvision
-    return lambda: getattr(torchvision.models, name)()
+    def make():  # imported when the model is built: the table is made without torchvision installed
+        import torchvision
+        return getattr(torchvision.models, name)()
+    return make
 
 
 def hf_swin():
