@@ -144,6 +144,13 @@ def test_a_call_of_another_structure_is_converted_on_first_use_on_the_same_weigh
     masters = {id(m) for m in autocastfx.master_parameters(gm)}
     assert all(id(p) in own for p in other.parameters())
     assert all(id(m) in masters for m in autocastfx.master_parameters(other)) and masters
+    # it keeps no tensor of its own: every storage it holds is gm's (a lifted constant of a few elements aside)
+    owned = {t.untyped_storage().data_ptr() for t in [*gm.parameters(), *gm.buffers(),
+                                                       *autocastfx.master_parameters(gm)]}
+    held = [t for m in other.modules() for t in [*m._parameters.values(), *m._buffers.values(),
+                                                  *[v for v in vars(m).values() if isinstance(v, torch.Tensor)]]
+            if t is not None] + autocastfx.master_parameters(other)
+    assert held and all(t.untyped_storage().data_ptr() in owned or t.numel() <= 16 for t in held)
     trained = copy.deepcopy(model)  # the trained float32 weights, converted for (x, y) from the start
     trained.load_state_dict(gm.state_dict())
     both = autocastfx.convert(trained, (x, x), dtype=torch.bfloat16)

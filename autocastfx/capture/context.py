@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
+from ..core.calls import free_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,10 +37,6 @@ def free_sizes(args: tuple, kwargs: dict) -> frozenset[int]:
     """The sizes free to vary in a model's own inputs: every input's first size (the batch) and a token input's
     sequence length (an integer tensor of two dimensions). Sizes of 1 are never free (torch.export specializes
     them)."""
-    sizes = set()
-    for t in torch.utils._pytree.tree_leaves((args, kwargs)):
-        if isinstance(t, torch.Tensor) and t.dim():
-            sizes.add(t.shape[0])
-            if not t.is_floating_point() and t.dim() == 2:
-                sizes.add(t.shape[1])
+    sizes = {t.shape[d] for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+             for d in free_axes(t)}
     return frozenset(n for n in sizes if n > 1)

@@ -8,6 +8,7 @@ convert for that call.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from typing import Any
@@ -152,18 +153,24 @@ def _is_model_check(e: BaseException) -> bool:
 # free: no recompile for a new batch or sequence length where the model allows it (where its code fixes a size,
 # the compiler specialises it as before, with no error).
 
+def free_axes(t: torch.Tensor) -> tuple[int, ...]:
+    """The dims of a model input whose sizes are free to vary: a tensor's first (the batch), and an integer
+    tensor of two dimensions' second (a sequence length). One rule for the capture (capture.context.free_sizes),
+    the compile marks (:func:`free_dims`) and the conversion for another call (:func:`widened`)."""
+    if not t.dim():
+        return ()
+    return (0, 1) if not t.is_floating_point() and not t.is_complex() and t.dim() == 2 else (0,)
+
+
 def free_dims(args: tuple, kwargs: dict) -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """(flat input index, dims) of the example's sizes free to vary: each tensor input's first size (the batch)
-    and an integer tensor of two dimensions' second (a sequence length); sizes of 0 and 1 are left fixed (the
-    compiler specialises them)."""
+    """(flat input index, dims) of the example's sizes free to vary (:func:`free_axes`); sizes of 0 and 1 are
+    left fixed (the compiler specialises them)."""
     out = []
     for i, t in enumerate(torch.utils._pytree.tree_leaves((args, kwargs))):
-        if isinstance(t, torch.Tensor) and t.dim():
-            dims = [0] if t.shape[0] > 1 else []
-            if not t.is_floating_point() and not t.is_complex() and t.dim() == 2 and t.shape[1] > 1:
-                dims.append(1)
+        if isinstance(t, torch.Tensor):
+            dims = tuple(d for d in free_axes(t) if t.shape[d] > 1)
             if dims:
-                out.append((i, tuple(dims)))
+                out.append((i, dims))
     return tuple(out)
 
 
@@ -209,6 +216,7 @@ def raw_key(args: tuple, kwargs: dict) -> tuple:
     return tuple((str(i), a is None) for i, a in enumerate(args)) + tuple((k, v is None) for k, v in kwargs.items())
 
 
+@functools.lru_cache(maxsize=64)
 def captured_key(signature: tuple) -> tuple:
     """:func:`raw_key` of the captured call (from its :func:`describe`)."""
     return tuple((name, kind == "None") for name, kind in signature)
@@ -268,10 +276,9 @@ def widened(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     example to capture from: a capture fixes sizes of 1, and a conversion made for a first call of one sequence
     would refuse the next call's batch of several."""
     def widen(t):
-        if not isinstance(t, torch.Tensor) or not t.dim():
+        if not isinstance(t, torch.Tensor):
             return t
-        dims = [0] + ([1] if not t.is_floating_point() and not t.is_complex() and t.dim() == 2 else [])
-        for d in dims:
+        for d in free_axes(t):
             if t.shape[d] == 1:
                 t = torch.cat([t, t], dim=d)
         return t

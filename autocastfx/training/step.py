@@ -128,12 +128,6 @@ all_masters = _weights.all_masters
 def _call(model: nn.Module, inputs: Any) -> Any:
     if isinstance(inputs, Forwarded):
         return inputs.output
-    if model is not compiled_module(model):  # torch.compile(gm): its free sizes marked before the compiler runs
-        info = getattr(compiled_module(model), "meta", {}).get("autocastfx")
-        if info is not None:
-            args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs) \
-                if isinstance(inputs, dict) else ((inputs,), {})
-            _calls.mark_free_dims(info.free_dims, args, kwargs)
     if isinstance(inputs, tuple):
         return model(*inputs)
     if isinstance(inputs, dict):
@@ -234,6 +228,9 @@ class TrainStep:
         self.grad_norm = torch.zeros((), device=device) if clip_grad_norm is not None else None
         self.micro = 0
         self.checker = InputChecker(self.gm, device)  # host-side checks of each new input signature
+        inner = compiled_module(self.model)  # torch.compile(gm): the sizes to mark before each call
+        self._compiled_free = inner.meta["autocastfx"].free_dims if inner is not self.model \
+            and "autocastfx" in getattr(inner, "meta", {}) else ()
         watch_user_clipping(self.grad_holders)  # a loop's own clip_grad_norm_ on them clips nothing: said so
         self.code = self._generate()
         self._fn: Callable = self._compile(self.code)
@@ -279,7 +276,12 @@ class TrainStep:
         return namespace["train_step"]
 
     def _forward(self, model: nn.Module, inputs: Any) -> Any:
-        """The module's forward, as the step's source calls it (``_call``), counted for the input checks."""
+        """The module's forward, as the step's source calls it (``_call``), counted for the input checks; over
+        ``torch.compile(gm)``, its inputs' free sizes marked first (before the compiler runs)."""
+        if self._compiled_free and not isinstance(inputs, Forwarded):
+            args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs) \
+                if isinstance(inputs, dict) else ((inputs,), {})
+            _calls.mark_free_dims(self._compiled_free, args, kwargs)
         out = _call(model, inputs)
         self.checker.forwards += 1
         return out
