@@ -2,7 +2,7 @@
 # ./run.sh demo | test | bench | setup | env
 #
 #   demo   set up, then train the digits demo (examples/train_digits.py)
-#   test   set up, then run the test suite (what CI runs)
+#   test   set up, then run the test suite on every core (what CI runs); ./run.sh test ARGS runs pytest ARGS
 #   bench  set up, then run the CPU benchmarks (bench/run.py)
 #   setup  set up only (test and demo extras)
 #   env    print where things would be installed and which torch, and change nothing
@@ -315,7 +315,8 @@ fi
 
 case "$what" in
   demo) exec "$ENV_PY" examples/train_digits.py ;;
-  test) exec "$ENV_PY" -m pytest -q tests ;;
+  test) shift  # with arguments: one pytest given them; without: the suite on every core (tests/parallel.py)
+    if [ $# -gt 0 ]; then exec "$ENV_PY" -m pytest -q "$@"; else exec "$ENV_PY" tests/parallel.py; fi ;;
   bench) exec "$ENV_PY" bench/run.py ;;
   setup) say "set up: $ENV_PY"; [ "$ENV_ACTION" = use-active ] || say "activate it with: source .venv/bin/activate" ;;
 esac

@@ -19,3 +19,24 @@ def pytest_collection_modifyitems(session, config, items):
     if first:
         rest = [i for i in items if not i.nodeid.startswith(WALK_THE_HEAP)]
         items[:] = first + rest
+
+
+# Seconds per test file, written where tests/parallel.py asks (AUTOCASTFX_FILE_SECONDS): what it balances its
+# processes by. Setup, call and teardown of every test of a file, summed.
+import json
+import os
+
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    if os.environ.get("AUTOCASTFX_FILE_SECONDS"):
+        name = report.nodeid.split("::", 1)[0]
+        _FILE_SECONDS[name] = _FILE_SECONDS.get(name, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = os.environ.get("AUTOCASTFX_FILE_SECONDS")
+    if path:
+        with open(path, "w") as f:
+            json.dump(_FILE_SECONDS, f)

@@ -262,3 +262,21 @@ def test_setup_makes_a_venv_that_reuses_the_base_torch(tmp_path):
     assert not (set(p.name for p in base_site.iterdir()) - before) & installed  # ...and nothing into the base
     d = decisions(co, PYTHON=BASE_PYTHON, stubs=stub_nvidia_smi(tmp_path, gpu=False))
     assert (d["env_action"], d["torch_found"], d["torch_action"]) == ("reuse", version, "keep")
+
+
+def test_the_suite_is_dealt_to_processes_whole_and_balanced():
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        import parallel
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+    files = parallel.test_files()
+    assert "tests/test_setup.py" in files and all(f.startswith("tests/test_") for f in files)
+    seconds = {f: float(i % 7 + 1) for i, f in enumerate(files)}
+    groups = parallel.deal(files, seconds, 2)
+    assert sorted(f for g in groups for f in g) == files  # every file once, none split
+    loads = [sum(seconds[f] for f in g) for g in groups]
+    assert max(loads) - min(loads) <= max(seconds.values())  # no group longer than the other by more than a file
+    assert parallel.deal(files, {}, 1) == [files]
+    assert len(parallel.deal(files[:1], seconds, 4)) == 1  # no empty process
+    assert "tests/parallel.py" in (ROOT / "run.sh").read_text()  # the test command runs it

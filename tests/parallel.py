@@ -1,0 +1,132 @@
+"""The test suite on every core: ``./run.sh test`` runs this, and CI runs that.
+
+Most of the suite's time is one core's: converting, tracing and exporting are Python, and the 2-core machine the
+suite must finish on in 8 minutes sat half idle under one pytest. This deals the test files to one pytest process
+per core (at most 4), longest first, each to the process with the least work so far, by the seconds each file took
+in the last recorded run (``tests/file_seconds.json``; a file not in it counts 10 s). Each process gets its share of
+the cores' threads (``OMP_NUM_THREADS``), so no two wait on each other's spinning threads. A file's tests stay in one
+process, so the module-scoped fixtures are built once, as under a plain pytest. The processes' lines are printed as
+they come, each after its process's number; the exit status is the first failing process's, else 0.
+
+    python tests/parallel.py               # the suite, dealt to the cores
+    python tests/parallel.py --jobs 1      # one pytest, as before
+    python tests/parallel.py --record      # and write this run's seconds per file to tests/file_seconds.json
+
+Only pytest is needed. Anything after ``--`` goes to every pytest (``-- -x``, ``-- -m slow``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SECONDS = os.path.join(HERE, "file_seconds.json")
+UNKNOWN_FILE_SECONDS = 10.0
+MAX_JOBS = 4
+
+
+def test_files() -> list[str]:
+    return sorted(f"tests/{name}" for name in os.listdir(HERE) if name.startswith("test_") and name.endswith(".py"))
+
+
+def deal(files: list[str], seconds: dict[str, float], jobs: int) -> list[list[str]]:
+    """The files in ``jobs`` groups of nearly equal expected seconds: longest first, each to the lightest group."""
+    groups: list[list[str]] = [[] for _ in range(jobs)]
+    load = [0.0] * jobs
+    for name in sorted(files, key=lambda f: (-seconds.get(f, UNKNOWN_FILE_SECONDS), f)):
+        i = load.index(min(load))
+        groups[i].append(name)
+        load[i] += seconds.get(name, UNKNOWN_FILE_SECONDS)
+    return [sorted(g) for g in groups if g]
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _pump(number: int, stream, lock: threading.Lock) -> None:
+    for line in iter(stream.readline, ""):
+        with lock:
+            sys.stdout.write(f"[{number}] {line}")
+            sys.stdout.flush()
+
+
+def run(jobs: int, pytest_args: list[str], record: bool) -> int:
+    try:
+        with open(SECONDS) as f:
+            seconds = json.load(f)
+    except FileNotFoundError:
+        seconds = {}
+    groups = deal(test_files(), seconds, jobs)
+    threads = max(1, _usable_cores() // len(groups))
+    lock = threading.Lock()
+    procs, pumps, outs = [], [], []
+    start = time.monotonic()
+    for number, group in enumerate(groups, 1):
+        expected = sum(seconds.get(f, UNKNOWN_FILE_SECONDS) for f in group)
+        print(f"[{number}] {len(group)} files, about {expected:.0f} s last time: {' '.join(group)}", flush=True)
+        out = tempfile.NamedTemporaryFile(prefix="file_seconds_", suffix=".json", delete=False)
+        out.close()
+        outs.append(out.name)
+        env = dict(os.environ, AUTOCASTFX_FILE_SECONDS=out.name, PYTHONUNBUFFERED="1")
+        if len(groups) > 1:
+            env["OMP_NUM_THREADS"] = str(threads)
+        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args,
+                                 *group], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, bufsize=1)
+        procs.append(proc)
+        pump = threading.Thread(target=_pump, args=(number, proc.stdout, lock), daemon=True)
+        pump.start()
+        pumps.append(pump)
+    codes = []
+    for number, (proc, pump) in enumerate(zip(procs, pumps), 1):
+        codes.append(proc.wait())
+        pump.join()
+        print(f"[{number}] exit {codes[-1]} after {time.monotonic() - start:.0f} s", flush=True)
+    measured: dict[str, float] = {}
+    for name in outs:
+        try:
+            with open(name) as f:
+                measured.update(json.load(f))
+        except (OSError, ValueError):
+            pass  # a process that died before its session ended wrote nothing
+        finally:
+            os.unlink(name)
+    print(f"the suite: {time.monotonic() - start:.0f} s in {len(groups)} processes of {threads} thread(s)",
+          flush=True)
+    if record:
+        with open(SECONDS, "w") as f:
+            json.dump({k: round(v, 1) for k, v in sorted(measured.items())}, f, indent=0)
+            f.write("\n")
+        print(f"seconds per file written to {os.path.relpath(SECONDS, ROOT)}")
+    return next((code for code in codes if code != 0), 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra: list[str] = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, extra = argv[:at], argv[at + 1:]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=min(MAX_JOBS, _usable_cores()),
+                        help="pytest processes (default: one per usable core, at most 4)")
+    parser.add_argument("--record", action="store_true", help="write this run's seconds per file")
+    args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
+    return run(args.jobs, extra, args.record)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
