@@ -18,6 +18,9 @@ Recipes (one model's weights, seed 0, copied into each):
 - autocastfx: ``gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)``; training:
   ``step = autocastfx.train_step(gm, loss_fn, torch.optim.AdamW(gm.parameters(), lr=1e-4))`` and ``step(x, y)``
   (the step switches AdamW to its fused kernel itself); inference: ``gm.eval()`` and ``gm(x)`` under no_grad.
+- the heap (``--heap``): the autocastfx step tells glibc once per process to keep freed memory for the next step
+  (``keep_cpu_memory=True``, its CPU default). That setting is the process's, so every recipe of the board runs
+  under it (``--heap keep``, the default), or none does (``--heap glibc``: the step given ``keep_cpu_memory=False``).
 - each of the three compiled: ``torch.compile(model)`` (the autocast context around the compiled call) and
   ``torch.compile(gm)`` given to ``train_step``, or called in eval mode. The optimizer stays eager in every row.
 
@@ -52,9 +55,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import autocastfx  # noqa: E402
+import autocastfx.training.heap  # noqa: E402
 from models import GPT2, ResNet50, lm_loss  # noqa: E402
 
 LR = 1e-4
+KEEP_CPU_MEMORY = [True]  # --heap: what the autocastfx step is told (the setting is the process's, every recipe's)
 BF16 = torch.bfloat16
 RECIPES = {  # key -> label
     "fp32": "float32",
@@ -137,7 +142,8 @@ def build(mode: str, recipe: str, model: torch.nn.Module, x, y, loss_fn, backend
         del model
         target = torch.compile(gm, backend=backend) if compiled else gm
         if mode == "train":
-            step = autocastfx.train_step(target, loss_fn, torch.optim.AdamW(gm.parameters(), lr=LR))
+            step = autocastfx.train_step(target, loss_fn, torch.optim.AdamW(gm.parameters(), lr=LR),
+                                         keep_cpu_memory=KEEP_CPU_MEMORY[0])
             return lambda: step(x, y)
         gm.eval()
 
@@ -367,6 +373,10 @@ def main(argv=None) -> int:
                          "oversubscribe a CPU busy with other work)")
     ap.add_argument("--models", default=None, help="comma-separated: resnet50,gpt (default both)")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
+    ap.add_argument("--heap", choices=("keep", "glibc"), default="keep",
+                    help="keep: freed memory kept for the next step, for every recipe (what the autocastfx step does "
+                         "on the CPU, process-wide: autocastfx.training.heap); glibc: glibc's defaults for every "
+                         "recipe (the step given keep_cpu_memory=False)")
     ap.add_argument("--markdown", default=None, help="write the result as Markdown to this file")
     args = ap.parse_args(argv)
     args.argv = argv
@@ -387,7 +397,11 @@ def main(argv=None) -> int:
         if hasattr(torch._dynamo.config, name):  # every compiled row is alive at once: no recompile limit hit
             setattr(torch._dynamo.config, name, value)
     recipes = list(EAGER) + ([] if args.no_compile else [r + "-compile" for r in EAGER])
-    mline = machine(args.threads)
+    KEEP_CPU_MEMORY[0] = args.heap == "keep"
+    if KEEP_CPU_MEMORY[0]:
+        autocastfx.training.heap.keep_freed_memory()
+    mline = machine(args.threads) + "; " + (autocastfx.training.heap.status() if KEEP_CPU_MEMORY[0] else
+                                            "glibc's malloc at its defaults") + ", every recipe alike"
 
     def log(s):
         print(s, file=sys.stderr, flush=True)

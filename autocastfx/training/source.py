@@ -24,7 +24,8 @@ class SourceOptions:
 
     ``kind`` and ``distributed`` are the ``parallel`` object's (``"local"``, ``"ddp"`` or ``"fsdp"``);
     ``has_masters`` says whether any weight is stored low with a float32 master; ``fused`` whether the optimizer
-    skips an overflowing update on the device (else the step reads ``found_inf`` on the host)."""
+    skips an overflowing update on the device (else the step reads ``found_inf`` on the host); ``heap`` what the
+    step did with the CPU allocator (autocastfx.training.heap), None off the CPU."""
     scaler: ScalerConfig
     accum_steps: int
     clip: float | None
@@ -34,6 +35,7 @@ class SourceOptions:
     distributed: bool
     has_masters: bool
     fused: bool
+    heap: str | None = None
 
     @property
     def dynamic(self) -> bool:
@@ -92,7 +94,8 @@ def describe(o: SourceOptions) -> str:
             + (f", {o.accum_steps} micro-batches per update" if o.accum_steps > 1 else "")
             + (f", clip grad norm {o.clip:g}" if o.clip is not None else "")
             + (", retry on overflow" if o.retry else "")
-            + _PARALLEL_NOTE.get(o.kind, ""))
+            + _PARALLEL_NOTE.get(o.kind, "")
+            + (f"; {o.heap}" if o.heap else ""))
 
 
 # Each part below writes its lines through ``add`` at the indentation it is given; ``section`` numbers the parts.

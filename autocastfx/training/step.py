@@ -29,6 +29,7 @@ from ..core import calls as _calls
 from ..core import weights as _weights
 from .checks import InputChecker, StepError, check_grad_mode, check_loss, signature, unique_by_id
 from .checks import watch_user_clipping
+from . import heap as _heap
 from .scaling import HISTORY, LossScaleError, ScalerConfig, ScaleState
 from .source import SourceOptions, step_source
 
@@ -200,7 +201,8 @@ class TrainStep:
 
     def __init__(self, model, loss_fn, optimizer, *, loss_scale=DYNAMIC, init_scale="auto", growth_factor=2.0,
                  backoff_factor=0.5, growth_interval=2000, min_scale=1.0, hysteresis=1, on_overflow="skip",
-                 max_retries=8, accum_steps=1, clip_grad_norm=None, parallel: Local | None = None):
+                 max_retries=8, accum_steps=1, clip_grad_norm=None, parallel: Local | None = None,
+                 keep_cpu_memory: bool = True):
         parallel, info = _parallel_and_info(model, parallel)
         mode, init_scale = _checked_options(info, loss_fn, optimizer, loss_scale, init_scale, on_overflow,
                                             max_retries, accum_steps, clip_grad_norm)
@@ -212,6 +214,7 @@ class TrainStep:
         self.cfg = ScalerConfig(mode, init_scale, growth_factor, backoff_factor, growth_interval, min_scale, hysteresis,
                                 low_max=torch.finfo(info.dtype).max)
         repointed, device = self._take_weights(info)
+        self.heap = _cpu_heap(keep_cpu_memory, device)
         self.state = ScaleState(self.cfg, device, reduce_max=P.all_reduce_max if P.distributed else None)
         _repoint_optimizer(self.optimizer, repointed)
         self.fused = _use_fused_skip(self.optimizer, P)
@@ -265,7 +268,7 @@ class TrainStep:
         return step_source(SourceOptions(
             scaler=self.cfg, accum_steps=self.accum_steps, clip=self.clip, on_overflow=self.on_overflow,
             max_retries=self.max_retries, kind=self.parallel.kind, distributed=self.parallel.distributed,
-            has_masters=bool(self.masters), fused=self.fused))
+            has_masters=bool(self.masters), fused=self.fused, heap=self.heap))
 
     def _compile(self, code: str) -> Callable:
         """``train_step`` compiled from ``code``, in a namespace that holds what the source names."""
@@ -428,6 +431,20 @@ def _repoint_optimizer(optimizer: torch.optim.Optimizer, groups: list[list[tuple
             if all(target is not q for q in new):
                 new.append(target)
         group["params"] = new
+
+
+def _cpu_heap(keep: bool, device) -> str | None:
+    """On the CPU: glibc told to keep freed memory (unless ``keep`` is False), and the state in words for the
+    step's docstring; None on other devices, whose allocators cache already."""
+    if not isinstance(keep, bool):
+        raise ValueError(f"keep_cpu_memory must be True or False, got {keep!r}")
+    if torch.device(device).type != "cpu":
+        return None
+    if keep:
+        _heap.keep_freed_memory()
+    elif not _heap.kept():  # another step of this process may have asked already: the setting is process-wide
+        return "CPU memory left to the allocator (keep_cpu_memory=False)"
+    return _heap.status()
 
 
 def _use_fused_skip(opt: torch.optim.Optimizer, parallel: Local) -> bool:

@@ -1,0 +1,101 @@
+"""Freed CPU memory kept for the next step: glibc told not to hand it back to the system.
+
+A training step on the CPU allocates and frees the same few hundred megabytes every step (activations, the
+gradients of both precisions). glibc's malloc gives a free block at the top of its heap back to the system once it
+exceeds its trim threshold, and serves every allocation above its mmap threshold (32 MiB at most) with fresh pages:
+the next step faults each of those pages in again, zeroed by the kernel. On ResNet-50 (batch 16, 96 px, bf16, 2
+threads) that is 16,000-34,000 page faults a step, 5-10% of the step's time, for torch.autocast and autocastfx
+alike (docs/benchmarks.md). The CUDA caching allocator keeps freed blocks for this reason, and PyTorch's CPU
+launcher (``python -m torch.backends.xeon.run_cpu``) preloads jemalloc or tcmalloc for it.
+
+:func:`keep_freed_memory` does the same in-process: ``mallopt(M_TRIM_THRESHOLD)`` and ``mallopt(M_MMAP_THRESHOLD)``
+raised, so freed memory stays in the heap and the next step reuses it without a fault. It is process-wide (glibc has
+one setting), so it is done once, and only where it means something: glibc is the allocator (no jemalloc, tcmalloc
+or mimalloc preloaded) and the user set neither ``MALLOC_TRIM_THRESHOLD_`` nor ``MALLOC_MMAP_THRESHOLD_`` nor
+``GLIBC_TUNABLES`` (their choice stands). What it costs: the process's resident memory stays at its peak instead of
+shrinking between steps (nothing is allocated that was not already used; a later step reuses it). The training step
+does it on the CPU unless given ``keep_cpu_memory=False``; its generated source says so in its docstring.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+M_TRIM_THRESHOLD = -1  # glibc's malloc.h
+M_MMAP_THRESHOLD = -3
+KEEP_BYTES = 2 ** 31 - 1  # mallopt takes a C int: freed memory up to 2 GiB stays in the heap
+MMAP_BYTES = 2 ** 30  # an allocation of over 1 GiB still gets pages of its own, given back when freed
+_OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+_USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
+
+_state: dict[str, object] = {"kept": False, "why": None}
+
+
+def _libc():
+    if not sys.platform.startswith("linux"):
+        return None, "not Linux: the platform's allocator is left as it is"
+    try:
+        libc = ctypes.CDLL(None)
+        version = libc.gnu_get_libc_version
+    except (OSError, AttributeError):
+        return None, "the C library is not glibc"
+    version.restype = ctypes.c_char_p
+    return libc, None
+
+
+def _preloaded_allocator() -> str | None:
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return None
+    return next((name for name in _OTHER_ALLOCATORS if f"lib{name}" in maps), None)
+
+
+def why_not() -> str | None:
+    """Why :func:`keep_freed_memory` would leave the allocator alone in this process, or None if it would not."""
+    libc, why = _libc()
+    if libc is None:
+        return why
+    other = _preloaded_allocator()
+    if other:
+        return f"{other} is the allocator (it keeps freed memory itself)"
+    user = [name for name in _USER_SETTINGS if name in os.environ]
+    if user:
+        return f"the environment sets {', '.join(user)}: the user's allocator settings stand"
+    return None
+
+
+def keep_freed_memory() -> bool:
+    """Tell glibc to keep freed memory for reuse (once per process). True if it is kept now, by this call or an
+    earlier one; False where :func:`why_not` says why not (:func:`status` tells it later)."""
+    if _state["kept"]:
+        return True
+    why = why_not()
+    if why is None:
+        libc, _ = _libc()
+        mallopt = libc.mallopt
+        mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+        if mallopt(M_MMAP_THRESHOLD, MMAP_BYTES) == 1 and mallopt(M_TRIM_THRESHOLD, KEEP_BYTES) == 1:
+            _state["kept"] = True
+        else:
+            why = "glibc refused mallopt"
+    _state["why"] = why
+    return bool(_state["kept"])
+
+
+def kept() -> bool:
+    """Whether this process's glibc keeps freed memory, as asked by :func:`keep_freed_memory`."""
+    return bool(_state["kept"])
+
+
+def status() -> str:
+    """The state in words, for the step's docstring and the docs."""
+    if _state["kept"]:
+        return "freed CPU memory kept for the next step (glibc's trim and mmap thresholds raised)"
+    return f"CPU memory left to the allocator ({_state['why'] or 'not asked'})"
+
+
+__all__ = ["keep_freed_memory", "kept", "why_not", "status"]

@@ -1,0 +1,67 @@
+"""The CPU step keeps freed memory for the next step (autocastfx.training.heap), checked by its effect: the page
+faults a process takes to allocate and fill 64 MiB again after freeing it, the last two of six times. Each case runs in a fresh process, since
+glibc's setting is process-wide."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import autocastfx
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc: Linux")
+
+SCRIPT = r"""
+import resource, sys, torch, torch.nn as nn, autocastfx
+from autocastfx.training import heap
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+step = autocastfx.train_step(gm, nn.functional.cross_entropy, torch.optim.AdamW(gm.parameters()),
+                             keep_cpu_memory=sys.argv[1] == "keep")
+step(x, y)
+faults = []
+for _ in range(6):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t = torch.empty(16 << 20)  # 64 MiB, over glibc's largest mmap threshold of its own choosing (32 MiB)
+    t.fill_(1.0)
+    del t
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(heap.kept(), max(faults[-2:]), step.code.splitlines()[1], sep="\n")
+"""
+
+
+def _run(mode, **env):
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=120,
+                          env={**{k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_"))},
+                               **env})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kept, faults, doc = proc.stdout.strip().splitlines()[-3:]
+    return kept == "True", int(faults), doc
+
+
+@pytest.mark.skipif(torch.__config__.show().find("jemalloc") >= 0, reason="torch built with jemalloc")
+def test_the_cpu_step_keeps_freed_memory_and_says_so():
+    kept, faults, doc = _run("keep")
+    assert kept and "freed CPU memory kept for the next step" in doc
+    # 64 MiB again from the heap: no fresh page (16,384 of them otherwise) once the heap has room for it whole (a
+    # small allocation may take a piece of a freed block, and the heap grows once or twice before it has)
+    assert faults < 1000, faults
+
+    kept, faults, doc = _run("leave")
+    assert not kept and "CPU memory left to the allocator (keep_cpu_memory=False)" in doc
+    assert faults > 16_000 * 0.9, faults  # glibc's default: fresh pages every time, each faulted in
+
+
+def test_the_users_allocator_settings_stand():
+    kept, faults, doc = _run("keep", MALLOC_TRIM_THRESHOLD_="1000000")
+    assert not kept and "the environment sets MALLOC_TRIM_THRESHOLD_" in doc
+
+
+def test_keep_cpu_memory_must_be_a_bool():
+    gm = autocastfx.convert(torch.nn.Linear(4, 4), (torch.randn(2, 4),), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="keep_cpu_memory must be True or False"):
+        autocastfx.train_step(gm, torch.nn.functional.mse_loss, torch.optim.SGD(gm.parameters(), lr=0.1),
+                              keep_cpu_memory="yes")
