@@ -12,7 +12,9 @@ they come, each after its process's number; the exit status is the first failing
     python tests/parallel.py --jobs 1      # one pytest, as before
     python tests/parallel.py --record      # and write this run's seconds per file to tests/file_seconds.json
 
-Only pytest is needed. Anything after ``--`` goes to every pytest (``-- -x``, ``-- -m slow``).
+Only pytest is needed. Anything after ``--`` goes to every pytest (``-- -x``, ``-- -m slow``: a process whose
+files hold no selected test exits 5, which counts as a pass while another process ran tests). Not for test paths
+(every process would run them: use ``./run.sh test PATH`` or pytest) nor ``--lf``/``--ff`` (the cache is off).
 """
 from __future__ import annotations
 
@@ -54,11 +56,20 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def _say(lock: threading.Lock, text: str) -> None:
+    with lock:
+        try:
+            sys.stdout.write(text)
+        except UnicodeEncodeError:  # a terminal that is not UTF-8
+            sys.stdout.write(text.encode("ascii", "replace").decode())
+        sys.stdout.flush()
+
+
 def _pump(number: int, stream, lock: threading.Lock) -> None:
+    """The process's lines, each after its number, until it closes its output: a pump that stopped early would
+    leave the process blocked on a full pipe."""
     for line in iter(stream.readline, ""):
-        with lock:
-            sys.stdout.write(f"[{number}] {line}")
-            sys.stdout.flush()
+        _say(lock, f"[{number}] {line}")
 
 
 def run(jobs: int, pytest_args: list[str], record: bool) -> int:
@@ -74,7 +85,7 @@ def run(jobs: int, pytest_args: list[str], record: bool) -> int:
     start = time.monotonic()
     for number, group in enumerate(groups, 1):
         expected = sum(seconds.get(f, UNKNOWN_FILE_SECONDS) for f in group)
-        print(f"[{number}] {len(group)} files, about {expected:.0f} s last time: {' '.join(group)}", flush=True)
+        _say(lock, f"[{number}] {len(group)} files, about {expected:.0f} s last time: {' '.join(group)}\n")
         out = tempfile.NamedTemporaryFile(prefix="file_seconds_", suffix=".json", delete=False)
         out.close()
         outs.append(out.name)
@@ -83,7 +94,7 @@ def run(jobs: int, pytest_args: list[str], record: bool) -> int:
             env["OMP_NUM_THREADS"] = str(threads)
         proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args,
                                  *group], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, bufsize=1)
+                                text=True, encoding="utf-8", errors="replace", bufsize=1)
         procs.append(proc)
         pump = threading.Thread(target=_pump, args=(number, proc.stdout, lock), daemon=True)
         pump.start()
@@ -92,7 +103,7 @@ def run(jobs: int, pytest_args: list[str], record: bool) -> int:
     for number, (proc, pump) in enumerate(zip(procs, pumps), 1):
         codes.append(proc.wait())
         pump.join()
-        print(f"[{number}] exit {codes[-1]} after {time.monotonic() - start:.0f} s", flush=True)
+        _say(lock, f"[{number}] exit {codes[-1]} after {time.monotonic() - start:.0f} s\n")
     measured: dict[str, float] = {}
     for name in outs:
         try:
@@ -104,12 +115,25 @@ def run(jobs: int, pytest_args: list[str], record: bool) -> int:
             os.unlink(name)
     print(f"the suite: {time.monotonic() - start:.0f} s in {len(groups)} processes of {threads} thread(s)",
           flush=True)
-    if record:
+    code = _status(codes)
+    if record and code == 0 and not pytest_args:
+        merged = {**seconds, **measured}  # a file none of whose tests ran keeps its last figure
         with open(SECONDS, "w") as f:
-            json.dump({k: round(v, 1) for k, v in sorted(measured.items())}, f, indent=0)
+            json.dump({k: round(v, 1) for k, v in sorted(merged.items()) if k in test_files()}, f, indent=0)
             f.write("\n")
         print(f"seconds per file written to {os.path.relpath(SECONDS, ROOT)}")
-    return next((code for code in codes if code != 0), 0)
+    elif record:
+        print("seconds per file not written: only a whole, passing run without pytest arguments is recorded")
+    return code
+
+
+def _status(codes: list[int]) -> int:
+    """One exit status for the processes: the first failure's; 5 (no tests collected: ``-- -m slow`` selects the
+    tests of one file) only where every process collected none."""
+    failing = [c for c in codes if c not in (0, 5)]
+    if failing:
+        return failing[0]
+    return 5 if codes and all(c == 5 for c in codes) else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -280,3 +280,6 @@ def test_the_suite_is_dealt_to_processes_whole_and_balanced():
     assert parallel.deal(files, {}, 1) == [files]
     assert len(parallel.deal(files[:1], seconds, 4)) == 1  # no empty process
     assert "tests/parallel.py" in (ROOT / "run.sh").read_text()  # the test command runs it
+    # one exit status: a failure wins; a process that collected nothing (5) passes beside one that ran tests
+    assert parallel._status([0, 5]) == 0 and parallel._status([5, 5]) == 5
+    assert parallel._status([5, 1]) == 1 and parallel._status([0, -11]) == -11 and parallel._status([0, 0]) == 0

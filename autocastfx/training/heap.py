@@ -11,26 +11,32 @@ launcher (``python -m torch.backends.xeon.run_cpu``) preloads jemalloc or tcmall
 :func:`keep_freed_memory` does the same in-process: ``mallopt(M_TRIM_THRESHOLD)`` and ``mallopt(M_MMAP_THRESHOLD)``
 raised, so freed memory stays in the heap and the next step reuses it without a fault. It is process-wide (glibc has
 one setting), so it is done once, and only where it means something: glibc is the allocator (no jemalloc, tcmalloc
-or mimalloc preloaded) and the user set neither ``MALLOC_TRIM_THRESHOLD_`` nor ``MALLOC_MMAP_THRESHOLD_`` nor
-``GLIBC_TUNABLES`` (their choice stands). What it costs: the process's resident memory stays at its peak instead of
-shrinking between steps (nothing is allocated that was not already used; a later step reuses it). The training step
-does it on the CPU unless given ``keep_cpu_memory=False``; its generated source says so in its docstring.
+or mimalloc preloaded) and the user set none of ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``,
+``MALLOC_TOP_PAD_`` or a ``glibc.malloc.*`` tunable in ``GLIBC_TUNABLES`` (their choice stands). glibc before
+2.33 or so takes an mmap threshold of 32 MiB at most: that is used there (the step's buckets are 16 MiB).
+
+What it costs: the process's resident memory stays at its peak instead of shrinking between steps (nothing is
+allocated that was not already used; a later step reuses it), in processes forked after it too (DataLoader
+workers). Threads other than the main one allocate from arenas of at most 64 MiB, whose larger blocks are still
+mapped afresh. The training step does it on the CPU unless given ``keep_cpu_memory=False``; its generated source
+says so in its docstring.
 """
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
 
 M_TRIM_THRESHOLD = -1  # glibc's malloc.h
 M_MMAP_THRESHOLD = -3
-KEEP_BYTES = 2 ** 31 - 1  # mallopt takes a C int: freed memory up to 2 GiB stays in the heap
-MMAP_BYTES = 2 ** 30  # an allocation of over 1 GiB still gets pages of its own, given back when freed
+KEEP_BYTES = 2 ** 31 - 1  # mallopt takes a C int: the heap's free top is trimmed only once it passes 2 GiB
+# an allocation over the mmap threshold gets pages of its own, given back when freed. glibc before 2.33 or so refuses
+# a threshold over 32 MiB (HEAP_MAX_SIZE / 2 on 64 bits): the second value is what it takes there
+MMAP_BYTES = (2 ** 30, 32 * 2 ** 20)
 _OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
-_USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
+_USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
 
-_state: dict[str, object] = {"kept": False, "why": None}
+_state: dict[str, object] = {"kept": False, "why": None, "mmap": None}
 
 
 def _libc():
@@ -38,10 +44,9 @@ def _libc():
         return None, "not Linux: the platform's allocator is left as it is"
     try:
         libc = ctypes.CDLL(None)
-        version = libc.gnu_get_libc_version
+        libc.gnu_get_libc_version  # glibc's own: musl and bionic have none
     except (OSError, AttributeError):
         return None, "the C library is not glibc"
-    version.restype = ctypes.c_char_p
     return libc, None
 
 
@@ -63,6 +68,8 @@ def why_not() -> str | None:
     if other:
         return f"{other} is the allocator (it keeps freed memory itself)"
     user = [name for name in _USER_SETTINGS if name in os.environ]
+    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+        user.append("glibc.malloc tunables in GLIBC_TUNABLES")
     if user:
         return f"the environment sets {', '.join(user)}: the user's allocator settings stand"
     return None
@@ -78,8 +85,11 @@ def keep_freed_memory() -> bool:
         libc, _ = _libc()
         mallopt = libc.mallopt
         mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-        if mallopt(M_MMAP_THRESHOLD, MMAP_BYTES) == 1 and mallopt(M_TRIM_THRESHOLD, KEEP_BYTES) == 1:
-            _state["kept"] = True
+        # the mmap threshold first: setting either one ends glibc's own moving of both, and a trim threshold alone
+        # would leave every block over 128 KiB mapped afresh
+        mmap = next((v for v in MMAP_BYTES if mallopt(M_MMAP_THRESHOLD, v) == 1), None)
+        if mmap is not None and mallopt(M_TRIM_THRESHOLD, KEEP_BYTES) == 1:
+            _state["kept"], _state["mmap"] = True, mmap
         else:
             why = "glibc refused mallopt"
     _state["why"] = why
@@ -94,7 +104,8 @@ def kept() -> bool:
 def status() -> str:
     """The state in words, for the step's docstring and the docs."""
     if _state["kept"]:
-        return "freed CPU memory kept for the next step (glibc's trim and mmap thresholds raised)"
+        return (f"freed CPU memory kept for the next step (glibc's trim threshold raised, mmap threshold "
+                f"{_state['mmap'] // 2 ** 20} MiB)")
     return f"CPU memory left to the allocator ({_state['why'] or 'not asked'})"
 
 

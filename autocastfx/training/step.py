@@ -213,8 +213,9 @@ class TrainStep:
         self.clip, self.max_retries = clip_grad_norm, max_retries
         self.cfg = ScalerConfig(mode, init_scale, growth_factor, backoff_factor, growth_interval, min_scale, hysteresis,
                                 low_max=torch.finfo(info.dtype).max)
+        if not isinstance(keep_cpu_memory, bool):
+            raise ValueError(f"keep_cpu_memory must be True or False, got {keep_cpu_memory!r}")
         repointed, device = self._take_weights(info)
-        self.heap = _cpu_heap(keep_cpu_memory, device)
         self.state = ScaleState(self.cfg, device, reduce_max=P.all_reduce_max if P.distributed else None)
         _repoint_optimizer(self.optimizer, repointed)
         self.fused = _use_fused_skip(self.optimizer, P)
@@ -235,6 +236,7 @@ class TrainStep:
         self._compiled_free = inner.meta["autocastfx"].free_dims if inner is not self.model \
             and "autocastfx" in getattr(inner, "meta", {}) else ()
         watch_user_clipping(self.grad_holders)  # a loop's own clip_grad_norm_ on them clips nothing: said so
+        self.heap = _cpu_heap(keep_cpu_memory, device)  # last: a step that fails to build changes no process state
         self.code = self._generate()
         self._fn: Callable = self._compile(self.code)
 
@@ -436,8 +438,6 @@ def _repoint_optimizer(optimizer: torch.optim.Optimizer, groups: list[list[tuple
 def _cpu_heap(keep: bool, device) -> str | None:
     """On the CPU: glibc told to keep freed memory (unless ``keep`` is False), and the state in words for the
     step's docstring; None on other devices, whose allocators cache already."""
-    if not isinstance(keep, bool):
-        raise ValueError(f"keep_cpu_memory must be True or False, got {keep!r}")
     if torch.device(device).type != "cpu":
         return None
     if keep:
