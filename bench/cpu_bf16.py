@@ -59,7 +59,6 @@ import autocastfx.training.heap  # noqa: E402
 from models import GPT2, ResNet50, lm_loss  # noqa: E402
 
 LR = 1e-4
-KEEP_CPU_MEMORY = [True]  # --heap: what the autocastfx step is told (the setting is the process's, every recipe's)
 BF16 = torch.bfloat16
 RECIPES = {  # key -> label
     "fp32": "float32",
@@ -143,7 +142,7 @@ def build(mode: str, recipe: str, model: torch.nn.Module, x, y, loss_fn, backend
         target = torch.compile(gm, backend=backend) if compiled else gm
         if mode == "train":
             step = autocastfx.train_step(target, loss_fn, torch.optim.AdamW(gm.parameters(), lr=LR),
-                                         keep_cpu_memory=KEEP_CPU_MEMORY[0])
+                                         keep_cpu_memory=autocastfx.training.heap.kept())  # as --heap set it
             return lambda: step(x, y)
         gm.eval()
 
@@ -397,10 +396,9 @@ def main(argv=None) -> int:
         if hasattr(torch._dynamo.config, name):  # every compiled row is alive at once: no recompile limit hit
             setattr(torch._dynamo.config, name, value)
     recipes = list(EAGER) + ([] if args.no_compile else [r + "-compile" for r in EAGER])
-    KEEP_CPU_MEMORY[0] = args.heap == "keep"
-    if KEEP_CPU_MEMORY[0]:
+    if args.heap == "keep":  # process-wide: before any recipe runs, so every recipe runs under it
         autocastfx.training.heap.keep_freed_memory()
-    mline = machine(args.threads) + "; " + (autocastfx.training.heap.status() if KEEP_CPU_MEMORY[0] else
+    mline = machine(args.threads) + "; " + (autocastfx.training.heap.status() if args.heap == "keep" else
                                             "glibc's malloc at its defaults") + ", every recipe alike"
 
     def log(s):

@@ -5,6 +5,8 @@ A memory account (bench/measure.py's, tests/test_hidden_copies.py's) walks every
 objects of hundreds of tests, and each walk costs seconds: the five between-steps accounts took 10-12 s each
 there against 1.6-2.8 s alone. They run first, while the process is small; every other test keeps its order.
 """
+import json
+import os
 
 WALK_THE_HEAP = (
     "tests/test_memory.py::",
@@ -23,9 +25,6 @@ def pytest_collection_modifyitems(session, config, items):
 
 # Seconds per test file, written where tests/parallel.py asks (AUTOCASTFX_FILE_SECONDS): what it balances its
 # processes by. Setup, call and teardown of every test of a file, summed.
-import json
-import os
-
 _FILE_SECONDS: dict[str, float] = {}
 
 
