@@ -1,7 +1,7 @@
 """autocastfx: any PyTorch model as an explicit mixed-precision torch.fx program."""
 from .api import ConvertInfo, convert, float32_state_dict, float32_weights, master_parameters, materialize
 from .base.errors import CaptureError
-from .training.checks import ClippingWarning, StepError
+from .training.checks import StepError
 from .core.devices import SlowDtypeWarning
 from .tools.diagnose import GradHistogram, calibrate, grad_histogram
 from .training.checkpoints import load_checkpoint, save_checkpoint
@@ -23,5 +23,5 @@ __all__ = ["convert", "report", "master_parameters", "Policy", "OpClass", "Repor
            "export", "save", "load", "FormatError", "ExportCheckError", "ExportError", "for_inference", "calibrate",
            "grad_histogram", "GradHistogram", "CudaGraphStep", "shard", "save_checkpoint", "load_checkpoint",
            "checkpoint_blocks", "compile_blocks", "float32_state_dict", "float32_weights", "materialize",
-           "SlowDtypeWarning", "ClippingWarning"]
+           "SlowDtypeWarning"]
 __version__ = "0.1.0"

@@ -3,7 +3,7 @@
     convert                       options checked and frozen (ConvertOptions), the capture context made
       _convert_any                a low-precision checkpoint: its float32 twin on meta, then its values
         _convert_model            blocks as modules of their own (tree), else one graph, else piecewise (tree)
-          convert_graph           capture (both modes) + core.pipeline.run_passes + ownership + ConvertInfo
+          convert_graph           capture (both modes) + core.pipeline.run_passes + ConvertInfo (the model's tensors shared)
 
 The tree of blocks is given ``convert_graph`` (and the whole conversion, for its root) as callbacks: it never
 imports this file.
@@ -28,7 +28,6 @@ from .base.options import LOW_DTYPES, ConvertOptions
 from .base.runtime import no_recompile
 from .capture import inline as _inline
 from .capture.context import CaptureContext
-from .capture.ownership import own_tensors
 from .capture.programs import capture as capture_programs
 from .core import calls as _calls
 from .core import devices as _devices
@@ -47,7 +46,7 @@ __all__ = ["convert", "ConvertInfo", "master_parameters", "float32_state_dict", 
 
 def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kwargs: dict | None = None,
             dtype: torch.dtype | str | None = None, policy: Policy | None = None, pad_multiple: int = 8,
-            master_weights: bool = True, keep_io_types: bool = True, memory_format: str = "auto",
+            master_weights: bool = False, keep_io_types: bool = True, memory_format: str = "auto",
             blocks: Any = "auto") -> fx.GraphModule:
     """Rewrite ``model`` into an explicit mixed-precision ``torch.fx.GraphModule``; ``model`` is not modified.
 
@@ -57,6 +56,11 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
     See the README for the other options. Raises ValueError for bad options, TypeError for a model that is not
     an ``nn.Module``, and ``autocastfx.CaptureError`` when the model cannot be captured.
     """
+    if master_weights is not False:
+        raise ValueError("master_weights=True is gone: a converted module's parameters are the float32 model, and "
+                         "its graph casts each weight to the low dtype once per forward (gm.parameters() are the "
+                         "masters). For a module that stores its weights low for deployment, use "
+                         "autocastfx.for_inference(gm)")
     device = _device_of(model, example_inputs, example_kwargs)
     dtype, note = _devices.resolve(dtype, device)
     if dtype is None:
@@ -65,7 +69,7 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
     policy = policy if policy is not None else Policy.default()
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be an autocastfx.Policy, got {type(policy).__name__}")
-    options = ConvertOptions(dtype=dtype, policy=policy, pad_multiple=pad_multiple, master_weights=master_weights,
+    options = ConvertOptions(dtype=dtype, policy=policy, pad_multiple=pad_multiple,
                              keep_io_types=keep_io_types, memory_format=_layout.check_memory_format(memory_format),
                              blocks=blocks)
     out = _convert_any(model, args, kwargs, options, CaptureContext())
@@ -84,7 +88,7 @@ def _convert_any(model: nn.Module, args: tuple, kwargs: dict, options: ConvertOp
         return _convert_low_model(model, low, args, kwargs, options, ctx)
     if any(t.is_meta for t in _tensors(model)):
         # shapes alone, for the device of the real example inputs (the CPU where they are on meta too): the
-        # parameters, masters and buffers stay on meta, for gm.to_empty(device=...) and gm.load_state_dict(...)
+        # parameters and buffers stay on meta, for gm.to_empty(device=...) and gm.load_state_dict(...)
         ctx = ctx.replace(meta_device=_device_of(model, args, kwargs))
     # a conversion makes many small objects and frees few: cyclic collections only cost time (with blocks, most
     # of a copied block's cost)
@@ -128,8 +132,9 @@ def _convert_low_model(model: nn.Module, low: dict, args: tuple, kwargs: dict, o
                        ctx: CaptureContext) -> nn.Module:
     """A model whose weights are float16/bfloat16 (``from_pretrained(..., torch_dtype=torch.bfloat16)``), converted
     without a float32 copy of the whole model: its float32 form is built on the meta device (no memory), converted
-    there, materialised on the model's device, and its values loaded: the masters are the upcast weights (exactly
-    what converting ``model.float()`` gives), the low copies made from them."""
+    there, materialised on the model's device, and its values loaded: its float32 parameters are the upcast weights
+    (exactly what converting ``model.float()`` gives), new tensors, not the model's (the documented exception to
+    sharing the model's tensors)."""
     if any(is_converted(m) for name, m in model.named_modules() if name):
         raise ValueError("convert() takes a low-precision model without converted blocks inside; convert its "
                          "blocks after, or convert model.float()")
@@ -137,7 +142,7 @@ def _convert_low_model(model: nn.Module, low: dict, args: tuple, kwargs: dict, o
     device = _device_of(model, args, kwargs)
     gm = _convert_any(twin, args, kwargs, options, ctx)
     del twin
-    # the model's own tensors, not float32 copies of them: loading upcasts each into its master, one at a time
+    # the model's own tensors, not float32 copies of them: loading upcasts each into its parameter, one at a time
     values = {n: t.detach() for n, t in itertools.chain(model.named_parameters(remove_duplicate=False),
                                                          model.named_buffers(remove_duplicate=False))}
     own = dict(gm.named_buffers(remove_duplicate=False))
@@ -146,8 +151,8 @@ def _convert_low_model(model: nn.Module, low: dict, args: tuple, kwargs: dict, o
     kinds = sorted({str(d).replace("torch.", "") for d in low.values()})
     for _, unit in _weights.converted_units(gm):
         unit.meta[K.CONVERTED].extra_totals["weights_from"] = (
-            f"the model's {' and '.join(kinds)} values ({len(low)} tensors), upcast exactly into the float32 "
-            "masters and float32 values")
+            f"the model's {' and '.join(kinds)} values ({len(low)} tensors), upcast exactly into new float32 "
+            "parameters and buffers")
     return gm
 
 
@@ -259,13 +264,12 @@ def convert_graph(model: nn.Module, args: tuple, kwargs: dict, options: ConvertO
         # the model in training mode and in eval mode, merged into one graph that every pass below sees; its
         # opaque calls (torch.fx.wrap'd functions) traced by torch.export and inlined; propagated on the inputs
         gm, how, inlined = capture_programs(model, args, kwargs, options.policy, ctx,
-                                            share_tensors=True)  # the model's tensors until own_tensors, below
+                                            share_tensors=True)  # the model's own tensors: shared, not copied
     with _one_recompile(gm):
         passed = run_passes(gm, model, args, kwargs, options, meta_device=ctx.meta_device, entry_casts=entry_casts)
-        own_tensors(gm, model)  # what still is the model's (float32 weights, buffers) is copied
         _keep_non_persistent(gm, model)
         gm.meta[K.CONVERTED] = ConvertInfo(
-            dtype=options.dtype, policy=options.policy, capture=how, plan=passed.plan, masters=passed.masters,
+            dtype=options.dtype, policy=options.policy, capture=how, plan=passed.plan,
             absorbed=passed.absorbed, source_params=names_by_id(model), model_class=model_class,
             model_attrs=model_attrs, call_signature=_calls.describe(args, kwargs),
             free_dims=_calls.free_dims(args, kwargs), options=options,
@@ -281,13 +285,12 @@ def convert_graph(model: nn.Module, args: tuple, kwargs: dict, options: ConvertO
 
 def _reconvert(model: fx.GraphModule, args: tuple, kwargs: dict, ctx: CaptureContext, model_class, model_attrs):
     """A graph module given to convert(): a copy of it, back to its float32 form where autocastfx converted it
-    (masters restored, every mode's program, casts undone), propagated, its opaque calls inlined."""
-    gm, how = copy.deepcopy(model), "graph module"
+    (every mode's program, casts undone), propagated, its opaque calls inlined; its tensors are ``model``'s own."""
+    gm, how = copy.deepcopy(model, {id(t): t for t in _tensors(model)}), "graph module"
     info = gm.meta.get(K.CONVERTED)
     if info is not None:
         how = info.capture
         model_class, model_attrs = info.model_class, info.model_attrs
-        _weights.restore_masters(gm)     # start again from the float32 model
         _modes.restore_union(gm)         # every mode's program, as the passes saw them
         _rewrite.undo(gm)
         del gm.meta[K.CONVERTED]
@@ -379,14 +382,15 @@ def _check_params(model: nn.Module) -> None:
             continue
         if t.is_floating_point() and t.dtype != torch.float32:
             raise ValueError(f"{name} is {t.dtype}; convert() takes a float32 model, whose weights become the "
-                             "float32 masters. Call model.float() first (converting an already-halved model "
-                             "would keep rounded masters)")
+                             "float32 parameters of the converted module. Call model.float() first, or pass the "
+                             "model as it is when all its weights are low (a bfloat16 checkpoint): its float32 "
+                             "parameters are then made from them")
 
 
 def master_parameters(gm: nn.Module) -> list[nn.Parameter]:
-    """The float32 master copies of the parameters stored in low precision, of ``gm`` and of every converted
-    block or piecewise part inside it."""
-    return _weights.master_parameters(gm)
+    """The float32 parameters that ``gm``'s graphs (and those of its converted blocks) cast to the low dtype: the
+    master weights of mixed precision, which are ``gm``'s own parameters."""
+    return _weights.cast_low_parameters(gm)
 
 
 float32_state_dict = _weights.float32_state_dict

@@ -96,12 +96,10 @@ class ConvertInfo:
     policy: Any                          # autocastfx.core.policy.Policy
     capture: str
     plan: Any                            # autocastfx.core.plan.CastPlan (None for a piecewise tree)
-    masters: dict[str, nn.Parameter]
     absorbed: list[str]
     options: ConvertOptions
     extra_totals: dict[str, Any] = dataclasses.field(default_factory=dict)
-    # id() of each parameter of the model convert() was given -> its name: lets an optimizer built over the
-    # original model be re-pointed to the converted module's parameters and masters
+    # id() of each parameter of the model convert() was given -> its names: a tied weight's other names
     source_params: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict, repr=False)  # all names
     # the model's class and its plain attributes (a config, sizes): the converted module answers the model's
     # own methods and attributes through them (modes._add_model_surface)

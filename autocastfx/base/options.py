@@ -9,7 +9,7 @@ import torch
 
 LOW_DTYPES = (torch.float16, torch.bfloat16)
 # the options a saved file records (autocastfx.save): the rest (dtype, policy) are written on their own
-SAVED = ("pad_multiple", "master_weights", "keep_io_types", "memory_format")
+SAVED = ("pad_multiple", "keep_io_types", "memory_format")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,7 +20,6 @@ class ConvertOptions(collections.abc.Mapping):
                      (core.devices); read by the plan, padding's cost model, the weights, the blocks' run
     ``policy``       the frozen ``autocastfx.Policy``: op classes and overrides (core.plan, padding, capture)
     ``pad_multiple`` 1 turns padding off (core.padding)
-    ``master_weights`` False: float32 weights cast in the graph instead of low weights + masters (core.plan)
     ``keep_io_types`` outputs in the model's dtypes (core.plan, rewrite)
     ``memory_format`` "auto", "channels_last" or "preserve" (core.layout)
     ``blocks``       "auto", a list of names, or None: converted block by block (tree)
@@ -30,7 +29,6 @@ class ConvertOptions(collections.abc.Mapping):
     dtype: torch.dtype = torch.float16
     policy: Any = None
     pad_multiple: int = 8
-    master_weights: bool = True
     keep_io_types: bool = True
     memory_format: str = "auto"
     blocks: Any = "auto"
@@ -46,7 +44,7 @@ class ConvertOptions(collections.abc.Mapping):
         blocks = (self.blocks if isinstance(self.blocks, (str, type(None), bool, list, tuple))
                   else getattr(self.blocks, "__name__", type(self.blocks).__name__))
         return (f"dtype={str(self.dtype).removeprefix('torch.')}, pad_multiple={self.pad_multiple}, "
-                f"master_weights={self.master_weights}, keep_io_types={self.keep_io_types}, "
+                f"keep_io_types={self.keep_io_types}, "
                 f"memory_format={self.memory_format}, blocks={blocks}")
 
     # the mapping view: the fields by name

@@ -10,11 +10,10 @@ the step went from 47.8 ms to 27.6 ms with the model and input in channels_last)
 - ``"channels_last"``: channels_last wherever there are 2-D convolutions, on any device (the CPU tests use it);
 - ``"preserve"``: layouts are left as they are.
 
-In channels_last the pass converts each graph input that reaches a convolution once, at the start, stores
-every 2-D convolution's weight in the module channels_last once (``store_weights``, after the float32
-masters are made: they keep NCHW, as do their gradients and the optimizer's state, so a fused optimizer
-never pairs a gradient with a parameter of another layout; the step's copies between the two are stride
-aware), and then lets the layout flow: elementwise ops, batch norm, pooling, ``F.pad``, ``cat``
+In channels_last the pass converts each graph input that reaches a convolution once, at the start, gives
+every 2-D convolution's float32 weight channels_last strides in place (``store_weights``: the same Parameter,
+shared with the model, as ``model.to(memory_format=torch.channels_last)`` does; its gradient follows its
+layout, so a fused optimizer pairs them right), and then lets the layout flow: elementwise ops, batch norm, pooling, ``F.pad``, ``cat``
 and casts (``.to(dtype)`` keeps the memory format) all keep channels_last. A conversion back to NCHW is
 inserted only where it is needed, found by running the graph once on the example inputs:
 
@@ -196,8 +195,7 @@ def _is_nhwc(v: Any) -> bool:
 
 
 def store_weights(gm: fx.GraphModule, plan: LayoutPlan) -> None:
-    """Store the convolution weights the plan names channels_last in the module (tied names together). Called
-    after the masters are made, which stay NCHW (module docstring)."""
+    """Give the convolution weights the plan names channels_last strides, in place (module docstring)."""
     if plan.memory_format != "channels_last":
         return
     params = dict(gm.named_parameters(remove_duplicate=False))
@@ -226,12 +224,10 @@ def _conv_weights(gm: fx.GraphModule) -> list[str]:
 
 
 def _set_param(gm: fx.GraphModule, params: dict[str, nn.Parameter], p: nn.Parameter, value: torch.Tensor) -> None:
-    """Replace parameter ``p`` under every name it has (tied weights stay tied) by a Parameter of ``value``."""
-    new = nn.Parameter(value, requires_grad=p.requires_grad)
-    for alias, q in params.items():
-        if q is p:
-            owner, _, attr = alias.rpartition(".")
-            setattr(gm.get_submodule(owner), attr, new)
+    """``p`` holds ``value`` (the same values in another layout) from now on: the same Parameter object, so the
+    model that shares it and an optimizer built over it keep it."""
+    with torch.no_grad():
+        p.data = value
 
 
 def _convert_inputs(gm: fx.GraphModule) -> list[str]:

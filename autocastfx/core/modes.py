@@ -18,6 +18,7 @@ releases; the rewrite here is the same idea on flags, with no pattern matching.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 from . import calls as _calls, weights as _weights
 from ..base import keys as K
+from ..base.meta import is_converted
 
 _aten = torch.ops.aten
 
@@ -291,6 +293,21 @@ def _run_as(module: nn.Module, other: nn.Module, args: tuple, kwargs: dict) -> A
 
 
 _NONE = object()
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps")
+
+
+def _without_autocast():
+    """An ``autocast(enabled=False)`` region for each device type whose autocast the caller left on, else a null
+    context: the converted module already says the dtype of every op, and an ambient autocast would cast its
+    plan over again (a module converted to bfloat16 run in float16). The caller's own code around the module,
+    the loss among it, still autocasts."""
+    on = [d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
+    if not on:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for d in on:
+        stack.enter_context(torch.autocast(d, enabled=False))
+    return stack
 
 
 class _Switchable:
@@ -319,6 +336,8 @@ class _Switchable:
         return set_mode(self, False)
 
     def __call__(self, *args, **kwargs):
+        if "_autocastfx_fsdp_checked" not in self.__dict__ and hasattr(self, "_get_fsdp_state"):
+            _check_fsdp_param_dtype(self)  # once, at the first call after fully_shard
         # the mode, read where torch.compile traces: it guards on it, so that a compiled module runs the program
         # of the mode it is in (the programs' code holds the mode as constants, which nothing else guards on)
         if self.training:
@@ -338,7 +357,8 @@ class _Switchable:
         if info is not None and self.__dict__.get("_compiled_call_impl") is not None:
             _calls.mark_free_dims(info.free_dims, args, kwargs)  # gm.compile(): sizes free to vary left free
         try:
-            return super().__call__(*args, **kwargs)
+            with _without_autocast():  # the program gm.code shows, whatever autocast the caller has on
+                return super().__call__(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - re-raised below unless a clearer error says what went wrong
             if info is not None and isinstance(e, (TypeError, RuntimeError, ValueError)):
                 _calls.check(info.call_signature, args, kwargs, e)  # a call of another shape: said so
@@ -346,17 +366,15 @@ class _Switchable:
                 _calls.model_check(info.checks, args, kwargs, e, self.training)  # the model's own checks
             raise
 
-    # the float32 model's state dict: masters under the model's own names (see weights.py)
+    # the model's own names for its tied weights in the state dict (see weights.py)
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
         out = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-        _weights.masters_into_state_dict(self, out, prefix, keep_vars)
         _weights.model_names_into_state_dict(self, out, prefix)
         return out
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         _weights.model_names_from_state_dict(self, state_dict, prefix)
-        _weights.masters_from_state_dict(self, state_dict, prefix, bool(local_metadata.get("assign_to_params_buffers")))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
@@ -376,8 +394,38 @@ class _Switchable:
         tied = [names for names in _weights.aliases(self)[1].values() if len(names) > 1]
         out = super()._apply(fn, recurse)
         _weights.retie(self, tied)  # to_empty from meta makes a new Parameter per module: tied weights stay tied
-        _weights.apply_to_masters(self, fn)
         return out
+
+
+def _check_fsdp_param_dtype(unit: nn.Module) -> None:
+    """ValueError where FSDP2 would hand this unit's graph a low-precision copy of a parameter the plan reads in
+    float32 (``fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=...))`` over a group that holds a norm's
+    weight): the graph casts the weights it reads low itself, and a float32 reader would get rounded values."""
+    low_read = set(_weights.low_read_names(unit))
+    nested = [m for name, m in unit.named_modules() if name and is_converted(m)]
+    inner = {id(p) for m in nested for p in m.parameters()}
+    names = {id(p): n for n, p in unit.named_parameters(remove_duplicate=False)}
+    for m in unit.modules():
+        get = getattr(m, "_get_fsdp_state", None)
+        if get is None or any(m is x for x in nested):
+            continue
+        policy = getattr(get(), "_mp_policy", None)
+        dtype = getattr(policy, "param_dtype", None)
+        if dtype is None or dtype == torch.float32:
+            continue
+        fsdp_children = [c for c in m.modules() if c is not m and hasattr(c, "_get_fsdp_state")]
+        theirs = {id(p) for c in fsdp_children for p in c.parameters()}
+        for p in m.parameters():
+            name = names.get(id(p))
+            if id(p) in inner or id(p) in theirs or name is None or name in low_read:
+                continue
+            raise ValueError(
+                f"fully_shard gathers {name!r} as {str(dtype).removeprefix('torch.')} (its MixedPrecisionPolicy's "
+                "param_dtype), but the converted graph reads it in float32: it would compute with a rounded copy. "
+                "The graph already casts each weight it reads low, so shard with "
+                "MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32) (or no policy), or use "
+                "autocastfx.shard(gm), which gathers only the weights the graph reads low in the low dtype")
+    unit.__dict__["_autocastfx_fsdp_checked"] = True
 
 
 _BASES: dict[type, type] = {}

@@ -2,7 +2,7 @@
 
 Each pass is a function of its own file; this one only says in which order they run and why. The graph module
 comes from capture (a model's training and eval programs merged into one graph, every value's TensorInfo
-recorded); what comes back is the plan, the masters and what the passes decided, for ``ConvertInfo``.
+recorded); what comes back is the plan and what the passes decided, for ``ConvertInfo``.
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from . import modes as _modes
 from . import padding as _padding
 from . import plan as _plan
 from . import rewrite as _rewrite
-from . import weights as _weights
 from .propagate import placeholder_values, propagate
 
 
@@ -29,7 +28,6 @@ from .propagate import placeholder_values, propagate
 class Passed:
     """What the passes decided, for the converted module's ConvertInfo and report."""
     plan: _plan.CastPlan
-    masters: dict[str, nn.Parameter]
     absorbed: list[str]
     layout: _layout.LayoutPlan
     padding: _padding.PadPlan | None
@@ -57,15 +55,13 @@ def run_passes(gm: fx.GraphModule, model: nn.Module, args: tuple, kwargs: dict, 
     # a block's float32 inputs the plan may take low (not under Policy.widest: a float32 input stays float32)
     free = _free_inputs(gm, args, kwargs, dtype) if entry_casts and not options.keep_io_types \
         and not policy.widest else frozenset()
-    plan = _plan.build_plan(gm, policy, dtype, master_weights=options.master_weights,
-                            keep_io_types=options.keep_io_types, free_inputs=free)
+    plan = _plan.build_plan(gm, policy, dtype, keep_io_types=options.keep_io_types, free_inputs=free)
     _inputs_as_planned(gm, plan, free)
-    masters = _weights.store_low(gm, plan.low_params, dtype)
-    _layout.store_weights(gm, layout)  # after the masters, which keep NCHW like their gradients
+    _layout.store_weights(gm, layout)
     _rewrite.apply_plan(gm, plan)  # the casts: nodes of the graph
     if entry_casts:
         _rewrite.entry_casts(gm)
-    return Passed(plan=plan, masters=masters, absorbed=absorbed, layout=layout, padding=pad_plan)
+    return Passed(plan=plan, absorbed=absorbed, layout=layout, padding=pad_plan)
 
 
 def _free_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict, low: torch.dtype) -> frozenset[str]:

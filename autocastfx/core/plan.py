@@ -38,12 +38,11 @@ class NodePlan:
 
 @dataclasses.dataclass
 class CastPlan:
-    """The printable result of planning. ``casts``: (value, to_low) pairs; ``low_params``: parameter names."""
+    """The printable result of planning. ``casts``: (value, to_low) pairs."""
     dtype: torch.dtype
     nodes: dict[str, NodePlan]
     reqs: dict[str, list[Req]]
     casts: list[tuple[str, bool]]
-    low_params: list[str]
     unclassified: list[str]
     before: tuple[int, int]      # (elements cast, casts) with the naive rule
     after: tuple[int, int]       # (elements cast, casts) after the min-cut
@@ -260,7 +259,6 @@ class _Planning:
     gm: fx.GraphModule
     policy: Policy
     low: torch.dtype
-    master_weights: bool
     keep_io_types: bool
     free_inputs: frozenset[str]
     params: dict[str, nn.Parameter]                 # the graph module's parameters, tied names included
@@ -276,7 +274,6 @@ class _Planning:
     promote: set[str] = dataclasses.field(default_factory=set)             # PROMOTE ops (for the naive rule)
     widen: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (value, reader): never rounded there
     inputs: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # call node -> its float inputs
-    param_nodes: dict[int, list[fx.Node]] = dataclasses.field(default_factory=dict)  # id(param) -> its get_attrs
     # values an epsilon keeps from zero that the low dtype would round to zero
     guarded: set[str] = dataclasses.field(default_factory=set)
     io_label: bool = FP32            # the first float input's label: the outputs keep it with keep_io_types
@@ -286,31 +283,28 @@ class _Planning:
         self.reqs.setdefault(u.name, []).append(r)
 
 
-def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, master_weights: bool,
-               keep_io_types: bool, free_inputs: frozenset[str] = frozenset()) -> CastPlan:
+def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, keep_io_types: bool, free_inputs: frozenset[str] = frozenset()) -> CastPlan:
     """The cast plan of ``gm``: a label (low or float32) for every float value, by a min-cut over the casts.
     ``free_inputs``: placeholders whose dtype the plan chooses too (a block's inputs, which the model around it
     delivers in the dtype chosen, cast once there for every block that reads it)."""
     routers, gates = find_routers(gm, policy)
-    st = _Planning(gm, policy, low, master_weights, keep_io_types, free_inputs,
+    st = _Planning(gm, policy, low, keep_io_types, free_inputs,
                    dict(gm.named_parameters(remove_duplicate=False)), routers, gates)
     # 1. every node, in the graph's order: its fixed label or its op class, and what it needs of its inputs
     for node in gm.graph.nodes:
         _plan_node(st, node)
-    # 2. parameters read in float32 are fixed float32; the names of one tied parameter share a label
-    tied = _pin_parameters(st)
-    # 3. the free labels by a min-cut, and the cost of the naive rule to compare with
-    problem = Problem(st.fixed, st.free, st.weight, st.reqs, st.multi, tied, widen=st.widen)
+    # 2. the free labels by a min-cut, and the cost of the naive rule to compare with
+    problem = Problem(st.fixed, st.free, st.weight, st.reqs, st.multi, widen=st.widen)
     order = [n.name for n in gm.graph.nodes]
     before = cast_cost(problem, naive_labels(problem, order, st.inputs, st.promote))
     labels = solve_min_cut(problem)
     after = cast_cost(problem, labels)
-    # 4. the labels onto the nodes, the parameters stored low, and the casts the labels leave
-    low_params = _label_nodes(st, labels, set(problem.free))
+    # 3. the labels onto the nodes, and the casts the labels leave
+    _label_nodes(st, labels)
     casts = _casts(st, labels)
-    # 5. ops on no policy list, which ran in float32, told to the user
+    # 4. ops on no policy list, which ran in float32, told to the user
     _warn_unclassified(st.unclassified)
-    return CastPlan(low, st.nodes, st.reqs, casts, low_params, st.unclassified, before, after, st.weight)
+    return CastPlan(low, st.nodes, st.reqs, casts, st.unclassified, before, after, st.weight)
 
 
 def _plan_node(st: _Planning, node: fx.Node) -> None:
@@ -355,17 +349,12 @@ def _plan_input(st: _Planning, node: fx.Node, info: Any, is_value: bool) -> None
 
 
 def _plan_attr(st: _Planning, node: fx.Node) -> None:
-    """A float get_attr: a parameter is free with master weights (stored low if the min-cut says so), and a
-    parameter without them, a buffer or a constant stays float32."""
+    """A float get_attr: a parameter, a buffer or a constant stays float32 (the graph casts it where a low op
+    reads it)."""
     p = st.params.get(str(node.target))
-    if p is not None and st.master_weights:
-        st.param_nodes.setdefault(id(p), []).append(node)
-        st.free.append(node.name)
-        st.nodes[node.name] = NodePlan(None, None, "parameter")
-    else:
-        st.fixed[node.name] = FP32
-        what = "parameter" if p is not None else "buffer or constant"
-        st.nodes[node.name] = NodePlan(None, FP32, f"{what}, kept float32")
+    st.fixed[node.name] = FP32
+    what = "parameter" if p is not None else "buffer or constant"
+    st.nodes[node.name] = NodePlan(None, FP32, f"{what}, kept float32")
 
 
 def _plan_call(st: _Planning, node: fx.Node, info: Any, is_value: bool) -> None:
@@ -498,50 +487,13 @@ def _require_inputs(st: _Planning, node: fx.Node, fins: list[fx.Node], cls: OpCl
                 st.widen.append((a.name, node.name))
 
 
-def _pin_parameters(st: _Planning) -> list[list[str]]:
-    """Parameters stay free only when every reader takes them in its own label or as LOW: one that some reader
-    needs in float32 is fixed float32 under all its names (a router's weight says why). Returns the groups of
-    names of one parameter that stay free, each to share one label."""
-    tied = []
-    unfree: set[str] = set()
-    for group in st.param_nodes.values():
-        names = [n.name for n in group]
-        pins = [r.consumer for n in names for r in st.reqs.get(n, []) if r.kind == "fixed" and r.label == FP32]
-        widened = [c for u, c in st.widen if u in names]  # read by an op that never rounds it (Policy.widest)
-        if pins or widened:
-            gate = next((c for c in pins if c in st.gates), None)
-            why = (f"weight of the router {gate}, read in float32: kept float32 as stored (not cast up each forward: "
-                   "a low copy would round the gate's scores)" if gate else "parameter read in float32: kept float32"
-                   if pins else f"parameter read by {widened[0]}, which does not round a float32 value "
-                   "(Policy.widest, as autocast): kept float32")
-            for n in names:
-                unfree.add(n)
-                st.fixed[n] = FP32
-                st.nodes[n] = NodePlan(None, FP32, why)
-        elif len(names) > 1:
-            tied.append(names)
-    st.free = [n for n in st.free if n not in unfree]
-    return tied
-
-
-def _label_nodes(st: _Planning, labels: dict[str, bool], free_set: set[str]) -> list[str]:
-    """The min-cut's labels onto the node plans (an FP32_OUT op on a low input takes dtype=float32), and the
-    reasons of the free parameters; returns the names of the parameters stored in low precision."""
+def _label_nodes(st: _Planning, labels: dict[str, bool]) -> None:
+    """The min-cut's labels onto the node plans (an FP32_OUT op on a low input takes dtype=float32)."""
     for name, np_ in st.nodes.items():
         if name in labels:
             np_.label = labels[name]
         if np_.op_class is OpClass.FP32_OUT:
             np_.fp32_out = any(labels.get(i) == LOW for i in st.inputs.get(name, []))
-    low_params: list[str] = []
-    for group in st.param_nodes.values():
-        for n in group:
-            if n.name in free_set:
-                lab = labels[n.name]
-                st.nodes[n.name].reason = ("parameter stored in low precision, float32 master kept" if lab == LOW
-                                           else "parameter, kept float32")
-                if lab == LOW:
-                    low_params.append(str(n.target))
-    return low_params
 
 
 def _casts(st: _Planning, labels: dict[str, bool]) -> list[tuple[str, bool]]:

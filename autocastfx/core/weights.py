@@ -1,9 +1,10 @@
-"""Weights: low-precision parameters in the module, float32 masters beside it.
+"""Weights: the converted module's parameters are the float32 model's, and the graph casts them.
 
-With ``master_weights=True`` a parameter read only by low-precision ops is stored in the module in the low
-dtype (the "FP16 model"); its original float32 tensor, unrounded, is the master copy that the training step
-updates and copies back. Masters live in ``gm.meta["autocastfx"].masters`` (name -> float32 Parameter): they
-are not module parameters, so ``gm.parameters()`` is the low-precision model.
+A converted module holds the model's own float32 parameters and buffers (the same tensors: an optimizer built
+over ``model.parameters()`` trains it, and ``gm.state_dict()`` is the trained float32 model). Each weight a
+low-precision op reads is cast to the low dtype once per forward by a node of the graph, shared by every use, so
+gradients arrive in float32 on the parameters themselves. This file answers questions about those parameters
+over a converted module and the converted blocks inside it, and makes a module converted on meta real.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import contextlib
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from ..base import keys as K
 from ..base.meta import info_of, is_converted, require_info
 
 
@@ -39,44 +41,49 @@ def retie(gm: nn.Module, groups: list[list[str]]) -> None:
                 _set(gm, alias, first)
 
 
-def store_low(gm: fx.GraphModule, names: list[str], dtype: torch.dtype) -> dict[str, nn.Parameter]:
-    """Replace each named parameter (and every alias of it) by a ``dtype`` copy; return the float32 masters."""
-    params, by_id = aliases(gm)
-    masters: dict[str, nn.Parameter] = {}
-    done: set[int] = set()
-    for name in names:
-        p = params[name]
-        if id(p) in done:
-            continue
-        done.add(id(p))
-        names_of_p = by_id[id(p)]
-        low = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
-        for alias in names_of_p:
-            _set(gm, alias, low)
-        masters[names_of_p[0]] = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
-    return masters
-
-
-def master_parameters(gm: nn.Module) -> list[nn.Parameter]:
-    """The float32 master copies of the low-precision parameters, in a stable order: those of ``gm`` and of
-    every converted block or piecewise part inside it."""
-    return [m for _, m in master_pairs(gm)]
-
-
-def master_pairs(gm: nn.Module) -> list[tuple[nn.Parameter, nn.Parameter]]:
-    """(low-precision parameter in the module, float32 master) for every stored-low parameter of ``gm`` and of
-    the converted units inside it."""
+def cast_low_parameters(gm: nn.Module) -> list[nn.Parameter]:
+    """The parameters of ``gm`` and of its converted units that the graphs read only through a cast to the low
+    dtype (the weights of linears, convolutions and matmuls), each once, in a stable order: the float32 tensors
+    mixed precision keeps for them, which the old recipe called master weights."""
     _require(gm)
-    return [(low, master) for _, low, master in named_master_pairs(gm)]
-
-
-def named_master_pairs(gm: nn.Module) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
-    """(qualified name, low-precision parameter, float32 master) over ``gm`` and its converted units."""
-    out = []
-    for prefix, unit in converted_units(gm):
-        params = dict(unit.named_parameters(remove_duplicate=False))
-        out += [(prefix + name, params[name], m) for name, m in unit.meta["autocastfx"].masters.items()]
+    out, seen = [], set()
+    for _, unit in converted_units(gm):
+        for name in low_read_names(unit):
+            p = unit.get_parameter(name)
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
     return out
+
+
+def low_read_names(unit: nn.Module) -> list[str]:
+    """The names of ``unit``'s own parameters that every graph of it reads only through a cast to its low dtype."""
+    info = info_of(unit)
+    graph = getattr(unit, "graph", None)
+    if info is None or graph is None:
+        return []
+    graphs = _graphs_of(unit)
+    params = dict(unit.named_parameters(remove_duplicate=False))
+    verdict: dict[str, bool] = {}
+    for g in graphs:
+        for node in g.nodes:
+            if node.op != "get_attr" or str(node.target) not in params:
+                continue
+            low = bool(node.users) and all(_is_low_cast(u, info.dtype) for u in node.users)
+            verdict[str(node.target)] = verdict.get(str(node.target), True) and low
+    return [n for n, low in verdict.items() if low and info.dtype != torch.float32]
+
+
+def _is_low_cast(node: fx.Node, dtype: torch.dtype) -> bool:
+    decision = node.meta.get("autocastfx")
+    return getattr(decision, "kind", None) == "cast" and getattr(decision, "dtype", None) == dtype
+
+
+def _graphs_of(unit: nn.Module) -> list:
+    programs = getattr(unit, "meta", {}).get(K.PROGRAMS)
+    if programs is not None:
+        return list(programs.graphs.values())
+    return [unit.graph]
 
 
 def converted_units(gm: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -88,39 +95,16 @@ def converted_units(gm: nn.Module) -> list[tuple[str, nn.Module]]:
     return out + ([("", gm)] if is_converted(gm) else [])
 
 
-def all_masters(gm: nn.Module) -> dict[str, nn.Parameter]:
-    """Qualified name -> float32 master, over ``gm`` and its converted units."""
-    return {prefix + n: m for prefix, unit in converted_units(gm) for n, m in unit.meta["autocastfx"].masters.items()}
-
-
 def float32_state_dict(gm: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's own state-dict keys with float32 values: every stored-low weight (of ``gm`` and its converted
-    blocks) as its master, unrounded; buffers and float32 parameters as they are. Loads into the unconverted model
-    (``load_state_dict``, a Hugging Face model's ``from_pretrained`` state) and into a converted one. Tensors are
-    shared with ``gm``, not copied: clone them to keep a snapshot while training goes on."""
+    """``gm.state_dict()``: the model's own keys and float32 values, which load into the unconverted model and into
+    a converted one. Tensors are shared with ``gm``, not copied: clone them to keep a snapshot."""
     _require(gm)
     return dict(gm.state_dict())
 
 
-# -------------------------------------------------------------------------------------- state-dict semantics
-# A converted module's ``state_dict()`` is the float32 model's: under each stored-low weight's names, its master.
-# ``load_state_dict()`` takes such a dict (float32, or bfloat16/float16 values as low-precision checkpoints hold
-# them): the masters are filled from it, upcast where the checkpoint is low, and the low copies are made from the
-# masters. The two hooks below run in the converted module class's ``state_dict``/``_load_from_state_dict``
-# (modes._Switchable), once per converted unit, over the keys under that unit's prefix.
-
-def masters_into_state_dict(unit: nn.Module, out: dict, prefix: str, keep_vars: bool) -> None:
-    """Put ``unit``'s masters in ``out`` in place of their low copies, under every name of each weight."""
-    info = info_of(unit)
-    if info is None or not info.masters:
-        return
-    params, by_id = aliases(unit)
-    for name, master in info.masters.items():
-        value = master if keep_vars else master.detach()
-        for alias in by_id.get(id(params.get(name)), [name]):
-            if prefix + alias in out:
-                out[prefix + alias] = value
-
+# ------------------------------------------------------------------------------- the model's names for tied weights
+# A traced graph reads a tied weight under one name; the converted module class's ``state_dict`` and
+# ``_load_from_state_dict`` (modes._Switchable) run the two hooks below so that its state dict has the model's keys.
 
 def model_names_into_state_dict(unit: nn.Module, out: dict, prefix: str) -> None:
     """Every name the model had for a tied weight, where the converted module keeps fewer (a traced graph reads
@@ -162,114 +146,12 @@ def model_names_from_state_dict(unit: nn.Module, state_dict: dict, prefix: str) 
                 state_dict.pop(prefix + n, None)
 
 
-def masters_from_state_dict(unit: nn.Module, state_dict: dict, prefix: str, assign: bool) -> None:
-    """Fill ``unit``'s masters from the entries of ``state_dict`` under their names (and aliases); the module's
-    own loading then copies the same values into the low copies (rounded as ``master.to(low)`` rounds them, one
-    tensor at a time). With ``assign=True`` the float32 values become the masters and the entries are replaced by
-    their low copies, which loading then takes as they are. A master on the meta device (a module converted on
-    meta, not yet materialised) takes the value only with ``assign=True``, as torch's own loading does."""
-    info = info_of(unit)
-    if info is None or not info.masters:
-        return
-    params, by_id = aliases(unit)
-    for name, master in info.masters.items():
-        low_param = params.get(name)
-        names = by_id.get(id(low_param), [name]) if low_param is not None else [name]
-        key = next((prefix + n for n in names if prefix + n in state_dict), None)
-        if key is None:
-            continue  # torch's loading reports the missing key
-        value = state_dict[key]
-        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.shape != master.shape:
-            continue  # torch's loading reports the mismatch on the low copy
-        with torch.no_grad():
-            if not assign:  # the low copy is made by the module's own loading: copy_ rounds as .to() does
-                if not master.is_meta:
-                    master.copy_(value.detach())
-                continue
-            new = value.detach()
-            new = new if new.dtype == torch.float32 else new.to(torch.float32)
-            _replace_data(master, new)
-            low = _low_like(low_param, master)
-        for n in names:
-            if prefix + n in state_dict:
-                state_dict[prefix + n] = low
-
-
-def _low_like(low_param: torch.Tensor | None, master: torch.Tensor) -> torch.Tensor:
-    """``master`` rounded to ``low_param``'s dtype, in its memory format (channels_last weights stay so)."""
-    if low_param is None:
-        return master
-    out = master.to(low_param.dtype)
-    if out.dim() == 4 and not low_param.is_meta and low_param.is_contiguous(memory_format=torch.channels_last) \
-            and not low_param.is_contiguous():
-        out = out.contiguous(memory_format=torch.channels_last)
-    return out
-
-
-def _replace_data(master: nn.Parameter, new: torch.Tensor) -> None:
-    """``master`` holds ``new`` from now on, the same Parameter object (an optimizer built over it keeps it)."""
-    if torch._has_compatible_shallow_copy_type(master, new):
-        master.data = new
-    else:
-        torch.utils.swap_tensors(master, nn.Parameter(new, requires_grad=master.requires_grad))
-
-
-def apply_to_masters(unit: nn.Module, fn) -> None:
-    """``nn.Module._apply``'s ``fn`` (``.to(device)``, ``.cuda()``, ``to_empty``) over ``unit``'s masters too, which
-    are not module parameters: they follow the module to its device. A dtype change (``.half()``, ``.float()``) is
-    the module's alone: masters stay float32."""
-    info = info_of(unit)
-    if info is None:
-        return
-    for master in info.masters.values():
-        with torch.no_grad():
-            new = fn(master)
-            if new.dtype != torch.float32:
-                new = master.to(device=new.device) if not master.is_meta else torch.empty_like(
-                    master, device=new.device)
-            if new is not master:
-                _replace_data(master, new)
-            if master.grad is not None:
-                g = fn(master.grad)
-                master.grad = g if g.dtype == torch.float32 else master.grad.to(device=g.device)
-
-
 @contextlib.contextmanager
 def float32_weights(gm: nn.Module):
-    """Within the block, every stored-low weight of ``gm`` (and of its converted blocks) is its float32 master,
-    as the unconverted model had it: an initialisation run there over ``gm.named_parameters()`` (by name, as
-    TorchTitan's and GPT-2's are written; the converted module's submodules are not the model's classes, so an
-    initialisation by module type does not apply) writes the masters, unrounded; on leaving, the low copies are
-    made again from them. This is how a module converted on the meta device is initialised after ``gm.to_empty(...)`` when
-    no checkpoint is loaded."""
+    """``gm`` itself, whose parameters are the float32 model's: kept so that an initialisation written
+    ``with float32_weights(gm): init(gm)`` still runs; initialise ``gm.named_parameters()`` directly."""
     _require(gm)
-    swapped = []
-    for _, unit in converted_units(gm):
-        params, by_id = aliases(unit)
-        for name, master in unit.meta["autocastfx"].masters.items():
-            low = params[name]
-            for alias in by_id[id(low)]:
-                _set(unit, alias, master)
-            swapped.append((unit, by_id[id(low)], low, master))
-    try:
-        yield gm
-    finally:
-        with torch.no_grad():
-            for unit, names, low, master in swapped:
-                if low.shape == master.shape:
-                    low.copy_(master)
-                for alias in names:
-                    _set(unit, alias, low)
-
-
-def restore_masters(gm: fx.GraphModule) -> None:
-    """Put the float32 masters back into the module in place of their low-precision copies (in place)."""
-    info = _require(gm)
-    params, by_id = aliases(gm)
-    for name, master in info.masters.items():
-        restored = nn.Parameter(master.detach().clone(), requires_grad=master.requires_grad)
-        for alias in by_id[id(params[name])]:
-            _set(gm, alias, restored)
+    yield gm
 
 
 def _require(gm: nn.Module):
@@ -280,13 +162,13 @@ def materialize(gm: nn.Module, device, state_dict: dict | None = None, *, buffer
                 ) -> nn.Module:
     """A module converted on the meta device, made real on ``device`` (in place; returns ``gm``).
 
-    ``gm.to_empty(device=device)`` (parameters, masters and buffers allocated, uninitialised), keeping the values
+    ``gm.to_empty(device=device)`` (parameters and buffers allocated, uninitialised), keeping the values
     of buffers that were real already (``init_empty_weights(include_buffers=False)`` builds such models); then
     ``buffers`` (a module or a dict: name -> tensor, e.g. a model's rotary tables, which no checkpoint holds)
-    fills the buffers it names; then ``gm.load_state_dict(state_dict, strict=strict)`` fills the masters (float32
-    or low-precision values, upcast) and makes the low copies. Raises ValueError naming every buffer left without
+    fills the buffers it names; then ``gm.load_state_dict(state_dict, strict=strict)`` fills the parameters (float32
+    or low-precision values, upcast). Raises ValueError naming every buffer left without
     a value (a non-persistent buffer that neither was real nor is in ``buffers``): running with it would compute
-    garbage. Without ``state_dict``, initialise the weights inside :func:`float32_weights`."""
+    garbage. Without ``state_dict``, initialise ``gm.named_parameters()`` afterwards."""
     _require(gm)
     kept = {n: b.detach().clone() for n, b in gm.named_buffers(remove_duplicate=False) if not b.is_meta}
     gm.to_empty(device=device)
@@ -324,11 +206,9 @@ def _is_persistent(gm: nn.Module, name: str) -> bool:
 # A converted module converted again for a call of another structure (core.calls.other_call) runs on the first's
 # tensors: the same Parameter objects (so the step's updates reach both), buffers and masters.
 
-def pair_modules(main: nn.Module, other: nn.Module) -> tuple[list, list]:
+def pair_modules(main: nn.Module, other: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
     """What :func:`share_tensors` re-points: (module of ``other``, module of ``main`` at the same name) for every
-    module of ``other`` that holds tensors, and (masters of a unit of ``other``, name there, masters of ``main``'s
-    unit, name there) for every master of ``other``, matched by qualified name (a unit of one capture may list
-    the masters of the blocks inside it); ValueError naming the first that ``main`` lacks."""
+    module of ``other`` that holds tensors; ValueError naming the first that ``main`` lacks."""
     mains = dict(main.named_modules(remove_duplicate=False))
     pairs = []
     for name, m in other.named_modules(remove_duplicate=False):
@@ -338,23 +218,12 @@ def pair_modules(main: nn.Module, other: nn.Module) -> tuple[list, list]:
             raise ValueError(f"the conversion for this call has a module {name!r} that the first conversion "
                              "does not have")
         pairs.append((m, mains[name]))
-    firsts = {prefix + n: (unit.meta["autocastfx"].masters, n) for prefix, unit in converted_units(main)
-              for n in unit.meta["autocastfx"].masters}
-    masters = []
-    for prefix, unit in converted_units(other):
-        ours = unit.meta["autocastfx"].masters
-        for n in ours:
-            if prefix + n not in firsts:
-                raise ValueError(f"the conversion for this call keeps a float32 master of {prefix + n!r}, which "
-                                 "the first stores float32 itself: the two plans store it differently")
-            masters.append((ours, n, *firsts[prefix + n]))
-    return pairs, masters
+    return pairs
 
 
-def share_tensors(main: nn.Module, other: nn.Module, paired: tuple[list, list]) -> None:
-    """Make ``other``'s parameters, buffers and masters ``main``'s own (where they are not already); ValueError
-    where one has no counterpart of the same shape and dtype (its plan stores a weight otherwise)."""
-    pairs, masters = paired
+def share_tensors(main: nn.Module, other: nn.Module, pairs: list[tuple[nn.Module, nn.Module]]) -> None:
+    """Make ``other``'s parameters and buffers ``main``'s own (where they are not already); ValueError where one
+    has no counterpart of the same shape and dtype."""
     for o, m in pairs:
         for kind in ("_parameters", "_buffers"):
             mine, theirs = getattr(o, kind), getattr(m, kind)
@@ -365,11 +234,8 @@ def share_tensors(main: nn.Module, other: nn.Module, paired: tuple[list, list]) 
                 if want is None or want.shape != t.shape or want.dtype != t.dtype:
                     raise ValueError(
                         f"{kind[1:-1]} {leaf!r} of {type(o).__name__} is {_desc(t)} in the conversion for this "
-                        f"call and {_desc(want)} in the first: the two plans store it differently")
+                        f"call and {_desc(want)} in the first")
                 mine[leaf] = want
-    for ours, n, firsts, first_name in masters:
-        if ours[n] is not firsts[first_name]:
-            ours[n] = firsts[first_name]
 
 
 def _desc(t: torch.Tensor | None) -> str:

@@ -15,20 +15,20 @@ How it hooks in (Lightning 2.x):
   (``autocastfx.convert``) the first time it is called, with the inputs it is called with, and the converted
   module takes its place at the attribute (``example_input=`` converts at setup instead); the conversion leaves
   the random number generators as it found them;
-- with the converted module the generated step is built over the real optimizer (``train_step``: its groups are
-  re-pointed to the float32 masters, so the scheduler Lightning steps reaches the updates), with ``accum_steps``
+- with the converted module the generated step is built over the real optimizer (``train_step``: the optimizer holds the
+  converted module's float32 parameters, so the scheduler Lightning steps reaches the updates), with ``accum_steps``
   from ``accumulate_grad_batches`` and ``clip_grad_norm`` from ``gradient_clip_val``: clipped after unscaling,
   inside the step, so ``clip_gradients()`` has nothing left to do;
 - ``backward()`` hands the loss of the converted forward to ``step.after_forward``: scaled backward, and after
-  the last micro-batch of an update the whole update (unscale, overflow check, clip, optimizer step on the
-  masters or skip, masters into the low-precision weights, scale update); when Lightning ends an update early
+  the last micro-batch of an update the whole update (unscale, overflow check, clip, optimizer step or skip,
+  scale update); when Lightning ends an update early
   (an epoch's last, shorter window), so does the step;
 - ``optimizer_step()`` runs the closure (training_step, zero_grad, backward) and Lightning's hooks, and leaves
   the optimizer alone: the step has updated it already;
-- ``state_dict()`` is the step's (loss scale and its history, masters, micro-batch count, random state), which
+- ``state_dict()`` is the step's (loss scale and its history, micro-batch count, random state), which
   Lightning keeps in each checkpoint; the checkpoint's own ``state_dict`` holds the network's weights as the
-  model has them (float32 masters in place of the low-precision copies, tied weights under each name), so it
-  loads into the unconverted LightningModule, and into the converted one (masters included); resuming loads
+  model has them (float32, tied weights under each name), so it loads into the unconverted LightningModule,
+  and into the converted one; resuming loads
   the weights, converts, and restores the step, the random state at the point the checkpoint was written;
 - ``loss_scale``, ``skipped_steps`` and ``grad_norm`` are logged (``LightningModule.log``: every logger) at the
   Trainer's logging interval only: the step keeps them on the device, and only then are they read.
@@ -42,7 +42,6 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from ..core.weights import all_masters
 from ..base.meta import is_converted
 from ..api import convert
 from ..training.factory import train_step
@@ -161,16 +160,9 @@ class MixedPrecision(Precision):
                                     **self.convert_kwargs)
             gm.train(net.training)
             setattr(self.module, self.name, gm)
-            self._adopt(gm)
             if self._optimizer is not None:
                 self._build_step(gm)
         return gm
-
-    def _adopt(self, gm: nn.Module) -> None:
-        """The converted module takes this plugin's checkpoints (the model's names, float32) as they are."""
-        if not getattr(gm, "_loads_model_weights", False):
-            gm.register_load_state_dict_pre_hook(_load_model_weights)
-            gm._loads_model_weights = True
 
     def _build_step(self, gm: nn.Module) -> None:
         trainer = self.module.trainer
@@ -241,41 +233,3 @@ class MixedPrecision(Precision):
             self.step.load_state_dict(state)
         else:
             self._pending = state
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        net = getattr(self.module, self.name, None) if self.module is not None else None
-        if not is_converted(net):
-            return
-        # the network's weights as the model has them: float32 masters in place of the low-precision copies,
-        # under every name (tied weights have several; the converted module keeps one), so that they load into
-        # the unconverted network (a resumed run's, load_from_checkpoint) as its float32 weights
-        weights, prefix, masters = checkpoint["state_dict"], self.name + ".", all_masters(net)
-        for own, names in _model_names(net).items():
-            if prefix + own in weights:
-                value = masters[own].detach().clone() if own in masters else weights[prefix + own]
-                weights.update({prefix + n: value for n in names})
-
-
-def _model_names(gm: nn.Module) -> dict[str, tuple[str, ...]]:
-    """The converted module's name of each of the model's parameters -> every name the model has for it."""
-    own = gm.state_dict(keep_vars=True)
-    out = {}
-    for names in gm.meta["autocastfx"].source_params.values():
-        have = next((n for n in names if n in own), None)
-        if have is not None:
-            out[have] = names
-    return out
-
-
-def _load_model_weights(gm, state_dict, prefix, *args) -> None:
-    """load_state_dict pre-hook of the converted module, so that this plugin's checkpoints load into it too
-    (``trainer.validate(ckpt_path=...)`` after ``fit``): the names of tied weights it keeps under another name
-    are dropped, and each master is set to the loaded weight, as the low-precision copy is."""
-    masters = all_masters(gm)
-    for own, names in _model_names(gm).items():
-        for n in names:
-            if n != own:
-                state_dict.pop(prefix + n, None)
-        if own in masters and prefix + own in state_dict:
-            with torch.no_grad():
-                masters[own].copy_(state_dict[prefix + own])

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..core import rewrite as _rewrite, weights as _weights
+from ..core import rewrite as _rewrite
 from ..api import convert
 from ..base.meta import info_of
 
@@ -32,9 +32,8 @@ def _info(gm):
 
 
 def _float32_copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """The converted module's float32 form: masters back, casts and dtype= arguments out. Names are kept."""
+    """The converted module's float32 form: casts and dtype= arguments out. Names are kept."""
     f32 = copy.deepcopy(gm)
-    _weights.restore_masters(f32)
     for p in f32.parameters():
         p.data = p.data.float()
     _rewrite.undo(f32)

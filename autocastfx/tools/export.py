@@ -4,8 +4,8 @@
 ``torch.export.load(path).module()`` where autocastfx is not installed.
 
 ``save(gm, path)`` / ``load(path)``: the converted module for resuming work: its program (a torch.export
-archive), its float32 masters, and its policy, options and report as JSON. Nothing in the file is unpickled
-as an arbitrary object: tensors load with ``torch.load(weights_only=True)``, everything else is JSON checked
+archive, which holds the float32 parameters), and its policy, options and report as JSON. Nothing in the file is
+unpickled as an arbitrary object: everything but the program is JSON checked
 against the expected schema, and the program is torch.export's own serialized graph of aten operators.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from ..core.policy import OpClass, Policy
 from .report import Report, Row
 
 FORMAT = "autocastfx.save"
-VERSION = 1
+VERSION = 2  # 1 kept float32 masters beside stored-low weights; 2 holds the float32 parameters
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -256,24 +256,21 @@ def _policy_from_data(d: dict) -> Policy:
 
 def save(gm: fx.GraphModule, path: str | os.PathLike, example_inputs: tuple | None = None, *,
          example_kwargs: dict | None = None) -> None:
-    """Save a converted module with its masters, policy, options and report (see the module docstring)."""
+    """Save a converted module with its policy, options and report (see the module docstring)."""
     from .report import report
     info = _info(gm)
     ep = export_program(gm, example_inputs, example_kwargs)
     program = io.BytesIO()
     torch.export.save(ep, program)
-    masters = io.BytesIO()
-    torch.save({k: v.detach().cpu() for k, v in info.masters.items()}, masters)
     meta = {
         "format": FORMAT, "version": VERSION, "torch": torch.__version__,
         "dtype": str(info.dtype).removeprefix("torch."), "capture": info.capture,
         "options": info.options.saved(), "policy": _policy_to_data(info.policy),
-        "masters": sorted(info.masters), "report": report(gm).to_dict(),
+        "report": report(gm).to_dict(),
     }
     with zipfile.ZipFile(os.fspath(path), "w", compression=zipfile.ZIP_STORED) as z:
         z.writestr("meta.json", json.dumps(meta))
         z.writestr("program.pt2", program.getvalue())
-        z.writestr("masters.pt", masters.getvalue())
 
 
 def _check(cond: bool, what: str, path) -> None:
@@ -282,7 +279,7 @@ def _check(cond: bool, what: str, path) -> None:
 
 
 def load(path: str | os.PathLike) -> fx.GraphModule:
-    """Load what :func:`save` wrote: the converted module with masters, policy and report.
+    """Load what :func:`save` wrote: the converted module with its policy and report.
 
     Raises FormatError (a ValueError) for a truncated, tampered or foreign file; never unpickles code.
     """
@@ -290,10 +287,10 @@ def load(path: str | os.PathLike) -> fx.GraphModule:
     try:
         with zipfile.ZipFile(path) as z:
             names = set(z.namelist())
-            _check(names == {"meta.json", "program.pt2", "masters.pt"}, f"unexpected members {sorted(names)}", path)
+            _check(names == {"meta.json", "program.pt2"}, f"unexpected members {sorted(names)}", path)
             bad = z.testzip()
             _check(bad is None, f"member {bad} is corrupt (CRC mismatch)", path)
-            meta_bytes, program, masters_bytes = (z.read(n) for n in ("meta.json", "program.pt2", "masters.pt"))
+            meta_bytes, program = (z.read(n) for n in ("meta.json", "program.pt2"))
     except (zipfile.BadZipFile, EOFError, OSError) as e:
         if isinstance(e, FileNotFoundError):
             raise
@@ -304,37 +301,26 @@ def load(path: str | os.PathLike) -> fx.GraphModule:
         raise FormatError(f"{path}: meta.json is not valid JSON ({e})") from None
     _check(isinstance(meta, dict) and meta.get("format") == FORMAT, "meta.json has no autocastfx format tag", path)
     _check(meta.get("version") == VERSION, f"format version {meta.get('version')!r}, expected {VERSION}", path)
-    schema = {"dtype": str, "capture": str, "options": dict, "policy": dict, "masters": list, "report": dict}
+    schema = {"dtype": str, "capture": str, "options": dict, "policy": dict, "report": dict}
     for key, typ in schema.items():
         _check(isinstance(meta.get(key), typ), f"meta.json field {key!r} missing or not a {typ.__name__}", path)
     _check(meta["dtype"] in _DTYPES, f"dtype {meta['dtype']!r}", path)
-    _check(all(isinstance(n, str) for n in meta["masters"]), "master names are not strings", path)
     try:
         policy = _policy_from_data(meta["policy"])
     except (KeyError, ValueError, TypeError, AttributeError) as e:
         raise FormatError(f"{path}: the saved policy is malformed ({e})") from None
     try:
-        masters = torch.load(io.BytesIO(masters_bytes), weights_only=True, map_location="cpu")
-    except Exception as e:  # noqa: BLE001 - weights_only refuses anything but tensors and plain containers
-        raise FormatError(f"{path}: masters.pt is not a plain tensor file ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:200]})") from None
-    _check(isinstance(masters, dict) and sorted(masters) == sorted(meta["masters"])
-           and all(isinstance(v, torch.Tensor) and v.dtype == torch.float32 for v in masters.values()),
-           "masters.pt does not hold the float32 masters meta.json names", path)
-    try:
         gm = torch.export.load(io.BytesIO(program)).module()
     except Exception as e:  # noqa: BLE001
         raise FormatError(f"{path}: program.pt2 does not load ({type(e).__name__}: {str(e)[:200]})") from None
-    params = dict(gm.named_parameters(remove_duplicate=False))
     low = _DTYPES[meta["dtype"]]
-    for name, m in masters.items():
-        _check(name in params and params[name].shape == m.shape and params[name].dtype == low,
-               f"master {name!r} does not match a {meta['dtype']} parameter of the program", path)
+    floats = {p.dtype for p in gm.parameters() if p.is_floating_point()}
+    _check(floats <= {torch.float32}, f"the program holds {sorted(map(str, floats))} parameters, not the float32 "
+           "ones a save writes", path)
     _check(set(meta["options"]) <= set(SAVED), f"options {sorted(set(meta['options']) - set(SAVED))} are not "
            "options a save records", path)
     report_rows = [Row(**r) for r in meta["report"].get("nodes", [])]
     info = ConvertInfo(dtype=low, policy=policy, capture=meta["capture"], plan=None,
-                       masters={k: nn.Parameter(v, requires_grad=params[k].requires_grad) for k, v in masters.items()},
                        absorbed=[], options=ConvertOptions(dtype=low, policy=policy, **meta["options"]),
                        extra_totals={"saved_report": Report(report_rows, meta["report"].get("totals", {}))})
     gm.meta["autocastfx"] = info

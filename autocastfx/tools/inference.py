@@ -1,18 +1,19 @@
 """A deployment copy of a converted module: eval program, batch norms folded, every weight stored low.
 
-Training keeps float32 masters, batch-norm statistics and float32 norm parameters, and runs batch norms whole in
-float32. None of that is needed to serve the model, and a runtime given the training graph pays for it in file
+Training keeps float32 parameters (cast to the low dtype in the graph), batch-norm statistics and float32 norm
+parameters, and runs batch norms whole in float32. None of that is needed to serve the model, and a runtime given the training graph pays for it in file
 size and in casts. :func:`for_inference` makes the module to ship:
 
-1. the eval program of the converted module, back in float32 (its masters restored, its casts taken out);
+1. the eval program of the converted module, back in float32 (its casts taken out), on copies of its tensors;
 2. each eval batch norm that directly follows a convolution folded into it, in float32 (``w * g / sqrt(v + eps)``,
    ``(b - m) * g / sqrt(v + eps) + beta``), so no float32 batch norm sits between low convolutions and an
    exporter has nothing to fold in a mixed form (torch.onnx's optimizer folds a float32 batch norm into a
    float16 convolution and writes float32 weights beside float16 activations, a file onnxruntime refuses);
 3. converted again with the same dtype and policy (no padding pass: the graph keeps the padding it has), then
-   every floating parameter that is still float32 (norm weights, embeddings the training plan kept float32
-   beside a float32 LayerNorm) stored low as well and cast up where it is read: numerically the weight is
-   rounded once, as a float16 deployment rounds it anyway; no float32 master is kept.
+   every floating parameter stored low: a weight the graph casts to the low dtype is stored in it and its cast
+   removed; one read in float32 too (norm weights, embeddings the plan keeps float32 beside a float32
+   LayerNorm) is cast up where it is read: numerically each weight is rounded once, as a float16 deployment
+   rounds it anyway; no float32 copy is kept.
 
 The result is an ordinary converted module in eval mode: ``report()`` works on it, and it exports to ``.pt2`` or
 ``.onnx`` (``autocastfx.export``) at about half the float32 model's bytes.
@@ -26,7 +27,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..core import modes as _modes, rewrite as _rewrite, weights as _weights
+from ..core import modes as _modes, rewrite as _rewrite
 from ..base import keys as K
 from ..base.meta import require_info
 
@@ -48,22 +49,20 @@ def for_inference(gm: fx.GraphModule, example_inputs: tuple | None = None, *,
     f32 = float32_eval_program(gm)
     folded = fold_batch_norms(f32)
     inf = convert(f32, tuple(example_inputs or ()), example_kwargs=example_kwargs, dtype=info.dtype,
-                  policy=info.policy, pad_multiple=1, master_weights=True,
+                  policy=info.policy, pad_multiple=1,
                   keep_io_types=info.options.get("keep_io_types", True),
                   memory_format=info.options.get("memory_format", "auto"))
     inf.eval()
     stored = store_every_weight_low(inf, info.dtype)
     new = inf.meta["autocastfx"]
-    new.masters = {}
     new.extra_totals["inference"] = {"batch_norms_folded": folded, "weights_stored_low_and_cast_up": stored}
     return inf
 
 
 def float32_eval_program(gm: fx.GraphModule) -> fx.GraphModule:
-    """The converted module's eval program as a plain float32 graph module (masters back, casts out)."""
+    """The converted module's eval program as a plain float32 graph module (casts out), on copies of its tensors."""
     g = copy.deepcopy(gm)
     g.eval()
-    _weights.restore_masters(g)
     programs = g.meta.pop(K.PROGRAMS, None)
     g.meta.pop(K.PROGRAM_KEYS, None)
     if programs is not None:
@@ -199,6 +198,12 @@ class _LowParams(nn.Module):
         return torch.func.functional_call(self.inner, params, args, kwargs)
 
 
+def _casts_to(node: fx.Node, dtype: torch.dtype) -> bool:
+    """Whether ``node`` is a cast the conversion inserted, to ``dtype``."""
+    decision = node.meta.get("autocastfx")
+    return getattr(decision, "kind", None) == "cast" and getattr(decision, "dtype", None) == dtype
+
+
 def store_every_weight_low(gm: fx.GraphModule, dtype: torch.dtype) -> list[str]:
     """Store each float32 parameter that the graph reads (by ``get_attr`` or inside a leaf module) in ``dtype``
     and cast it up where it is read; returns their names."""
@@ -211,9 +216,13 @@ def store_every_weight_low(gm: fx.GraphModule, dtype: torch.dtype) -> list[str]:
                 owner, _, name = str(node.target).rpartition(".")
                 low = nn.Parameter(p.detach().to(dtype), requires_grad=False)
                 setattr(gm.get_submodule(owner), name, low)
-                with gm.graph.inserting_after(node):
-                    up = gm.graph.call_method("to", (node, torch.float32))
-                node.replace_all_uses_with(up, delete_user_cb=lambda u: u is not up)
+                for cast in [u for u in node.users if _casts_to(u, dtype)]:  # read low: the weight itself now
+                    cast.replace_all_uses_with(node)
+                    gm.graph.erase_node(cast)
+                if node.users:  # read in float32 too: cast up there
+                    with gm.graph.inserting_after(node):
+                        up = gm.graph.call_method("to", (node, torch.float32))
+                    node.replace_all_uses_with(up, delete_user_cb=lambda u: u is not up)
                 stored.append(str(node.target))
         elif node.op == "call_module":
             m = gm.get_submodule(str(node.target))

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..core import weights as _weights
 from ..core.flops import node_flops as node_flops_of
 
 _SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", None: "-"}
@@ -65,7 +66,7 @@ class Report:
                      + ", ".join(f"{k} {v}" for k, v in t["nodes_per_dtype"].items()))
         lines.append(f"casts per forward: {t['casts']} ({t['cast_bytes']:,} bytes); naive rule would use "
                      f"{t['casts_naive']} ({t['cast_bytes_naive']:,} bytes)")
-        lines.append(f"parameters stored low: {t['low_parameters']} (float32 masters kept); "
+        lines.append(f"parameters cast low: {t['low_parameters']} (float32 in the module, cast once per forward); "
                      f"model casts absorbed: {t['absorbed_casts']}")
         lines.append(f"matmul/conv FLOPs in low precision: {t['low_flop_share']:.1%} "
                      f"of {t['flops']:,} per forward")
@@ -167,7 +168,7 @@ def report(gm: fx.GraphModule) -> Report:
         "cast_bytes": cast_elems * _CAST_BYTES,
         "casts_naive": plan.before[1],
         "cast_bytes_naive": plan.before[0] * _CAST_BYTES,
-        "low_parameters": len(info.masters),
+        "low_parameters": len(_weights.low_read_names(gm)),
         "absorbed_casts": len(info.absorbed),
         "flops": flops,
         "low_flops": low_flops,

@@ -11,16 +11,13 @@ Later calls with a known signature cost one dictionary lookup.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
-import weakref
 from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_unflatten
 from ..base import keys as K
-from ..base.quiet import warn_user
 
 
 class StepError(ValueError):
@@ -57,50 +54,6 @@ def check_grad_mode() -> None:
     if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
         raise StepError("the training step was called with gradients disabled (inside torch.no_grad() or "
                         "torch.inference_mode()): call it outside those blocks; evaluate with gm(x) instead")
-
-
-# ------------------------------------------------------------------------------------- the user's clipping
-
-class ClippingWarning(UserWarning):
-    """The user's own ``clip_grad_norm_``/``clip_grad_value_`` was given a converted module's parameters, whose
-    gradients the training step owns: it has nothing to clip."""
-
-
-def watch_user_clipping(params) -> None:
-    """Warn when ``torch.nn.utils.clip_grad_norm_`` (or ``clip_grad_value_``) is called on parameters a step owns
-    while none of them has a gradient: the step runs backward, clipping and the update inside one call and frees
-    the gradients, so a loop's own clipping after (or instead of) it is a silent no-op. torch's functions are
-    wrapped once per process; the wrapper passes every call on unchanged and looks only at ``.grad is None``."""
-    import torch.nn.utils as utils
-    import torch.nn.utils.clip_grad as clip_grad
-    for name in ("clip_grad_norm_", "clip_grad_value_"):
-        current = getattr(utils, name)
-        owned = getattr(current, "_autocastfx_owned", None)
-        if owned is None:
-            owned = weakref.WeakValueDictionary()
-            wrapper = _clipping_wrapper(current, owned, name)
-            setattr(utils, name, wrapper)
-            if getattr(clip_grad, name, None) is current:
-                setattr(clip_grad, name, wrapper)
-        for p in params:
-            owned[id(p)] = p
-
-
-def _clipping_wrapper(original, owned, name):
-    @functools.wraps(original)
-    def clip(parameters, *args, **kwargs):
-        if owned:
-            parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            if parameters and all(p.grad is None for p in parameters) \
-                    and any(owned.get(id(p)) is p for p in parameters):
-                warn_user(f"torch.nn.utils.{name} was given a converted module's parameters, but the training step "
-                          "owns their gradients (backward, unscaling, clipping and the update happen inside "
-                          "step(...), which frees them): this call clips nothing. Clip inside the step instead: "
-                          "autocastfx.train_step(gm, loss_fn, optimizer, clip_grad_norm=1.0), which clips the "
-                          "unscaled float32 gradients by their global norm", ClippingWarning)
-        return original(parameters, *args, **kwargs)
-    clip._autocastfx_owned = owned
-    return clip
 
 
 # -------------------------------------------------------------------------------------------- the inputs

@@ -5,8 +5,8 @@ per eager step and 1.6 ms as one graph. The generated step never reads the devic
 skips overflowing updates itself, the scale moves on the device), so the whole of it can be captured once and
 replayed:
 
-    forward, backward, gradients into the float32 masters, unscale and overflow check, clipping, the optimizer
-    step (skipped on the device on overflow), masters copied back, the scale updated
+    forward (the graph casts the float32 parameters), backward, unscale and overflow check, clipping, the
+    optimizer step (skipped on the device on overflow), the scale updated
 
 ``CudaGraphStep(step)`` runs the first calls eagerly on a side stream (real steps: they warm up cuBLAS, cuDNN
 and the optimizer's state), captures the step after the last of them, and from then on copies each batch into
@@ -226,7 +226,7 @@ def _record_graphs(step, device: torch.device, static_inputs: Any,
     them: the step writes it into its own tensor, made with the step, outside the pool, which
     ``stats.grad_norm`` reads whether the last update was replayed or eager."""
     micro = step.micro
-    for p in step.grad_holders:
+    for p in step.all_params:
         p.grad = None
     pool = torch.cuda.graph_pool_handle()
     graphs, outputs = {}, {}
@@ -256,7 +256,7 @@ def _record_graphs(step, device: torch.device, static_inputs: Any,
             "or the loss, or train with the eager step (which has just run this batch).") from e
     finally:
         step.micro = micro
-        for p in step.grad_holders:
+        for p in step.all_params:
             p.grad = None
     return graphs, outputs
 
@@ -497,7 +497,7 @@ def refuse_before_building(model, optimizer, on_overflow: str) -> None:
     kind = "ddp" if ddp else "fsdp" if _is_fsdp(gm) else "local"
     _refuse_what_cannot_be_captured(types.SimpleNamespace(
         parallel=types.SimpleNamespace(kind=kind), on_overflow=on_overflow, fused=fused, optimizer=optimizer,
-        all_params=params, masters=[], gm=gm, state=types.SimpleNamespace(scale=torch.empty(0, device=device))))
+        all_params=params, gm=gm, state=types.SimpleNamespace(scale=torch.empty(0, device=device))))
 
 
 def _is_fsdp(module) -> bool:
@@ -532,7 +532,7 @@ def _refuse_what_cannot_be_captured(step) -> None:
             f"{name} cannot run inside a CUDA graph here: it has no fused kernel that takes found_inf, so the step "
             "reads found_inf on the host to skip an overflowing update, and a replay cannot. Use Adam, AdamW or SGD "
             "(switched to their fused, capturable kernels), or the eager step.")
-    tensors = step.all_params + list(step.masters) + list(step.gm.buffers())
+    tensors = step.all_params + list(step.gm.buffers())
     devices = {t.device for t in tensors} | {step.state.scale.device}
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
         where = ", ".join(sorted(str(d) for d in devices))

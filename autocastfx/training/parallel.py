@@ -1,12 +1,12 @@
-"""TODO"""
+"""The step's answers for a module spread over processes: DistributedDataParallel around a converted module,
+or one sharded with FSDP2's ``fully_shard``; :func:`parallel_for` picks them."""
 from __future__ import annotations
 import contextlib
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from .checks import StepError
-from .step import Local, compiled_module, converted_units
-from .sharding import _local_slice
+from .step import Local, compiled_module
 
 try:  # FSDP2 and DTensor: torch >= 2.6 on every platform with torch.distributed
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -18,8 +18,8 @@ except ImportError:  # pragma: no cover - torch built without distributed
 
 def parallel_for(model: nn.Module) -> Local:
     """The answers for ``model``: DDP around a converted module, an FSDP2-sharded one, or one process; any of
-    them compiled (``torch.compile(gm)``: the step calls the compiled module, and finds the weights and masters
-    in the module it compiled)."""
+    them compiled (``torch.compile(gm)``: the step calls the compiled module, and finds the parameters in the
+    module it compiled)."""
     inner = compiled_module(model)
     if inner is not model:
         parallel = parallel_for(inner)
@@ -37,8 +37,8 @@ def parallel_for(model: nn.Module) -> Local:
 
 
 class DDP(Local):
-    """DistributedDataParallel around a converted module: full masters on every rank, gradients all-reduced by
-    DDP; the step reduces ``found_inf`` and skips DDP's all-reduce on all micro-batches but the last."""
+    """DistributedDataParallel around a converted module: the float32 parameters on every rank, gradients
+    all-reduced by DDP; the step reduces ``found_inf`` and skips DDP's all-reduce on all micro-batches but the last."""
     kind = "ddp"
     distributed = True
 
@@ -55,18 +55,15 @@ class DDP(Local):
 
 
 class FSDP(Local):
-    """A converted module sharded with FSDP2's ``fully_shard`` (by hand, or by :func:`shard`).
-
-    Masters: a stored-low weight's float32 master is cut to the weight's own shard (same mesh, same placements),
-    so optimizer state and gradients are sharded with it; a float32 parameter is its own master. The step works on
-    the shards' local tensors (``_local_tensor``: no copy) and gives the optimizer DTensors, so the optimizer's
-    state is sharded DTensors that ``torch.distributed.checkpoint`` writes and reshards."""
+    """A converted module sharded with FSDP2's ``fully_shard`` (by hand, or by :func:`shard`): each float32
+    parameter's shard is what the optimizer steps. The step's fused kernels work on the shards' local tensors
+    (``_local_tensor``: no copy); the optimizer's state is sharded DTensors that ``torch.distributed.checkpoint``
+    writes and reshards."""
     kind = "fsdp"
     distributed = True
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
-        self._check_group_dtypes(model)
         meshes = []
         for p in model.parameters():
             if isinstance(p, DTensor) and all(p.device_mesh != m for m in meshes):
@@ -81,65 +78,11 @@ class FSDP(Local):
             raise StepError(f"parameters {unsharded[:3]} of the sharded module are not sharded (fully_shard(..., "
                             "ignored_params=...)?): the step needs every trainable parameter under FSDP2")
 
-    @staticmethod
-    def _check_group_dtypes(model: nn.Module) -> None:
-        """FSDP2 gathers each fully_shard group in one dtype and asserts it at the first forward; say it here, with
-        the two ways out, before anything runs."""
-        owner: dict[int, str] = {}
-        names = dict(model.named_modules())
-        for name, m in reversed(list(names.items())):  # innermost first: a parameter belongs to the nearest
-            if isinstance(m, FSDPModule):
-                for pname, p in m.named_parameters():
-                    owner.setdefault(id(p), (name or "the root") + ":" + (f"{name}.{pname}" if name else pname))
-        dtypes: dict[str, dict] = {}
-        for p in model.parameters():
-            if p.requires_grad and id(p) in owner:
-                unit, pname = owner[id(p)].split(":", 1)
-                dtypes.setdefault(unit, {}).setdefault(p.dtype, pname)
-        for unit, seen in dtypes.items():
-            if len(seen) > 1:
-                example = ", ".join(f"{n} is {str(d).replace('torch.', '')}" for d, n in seen.items())
-                raise StepError(
-                    f"the fully_shard group of {unit} holds parameters of several dtypes ({example}): the cast plan "
-                    "stores weights read only by low-precision ops in the low dtype and keeps the others float32, "
-                    "and FSDP2 gathers a group in one dtype. Either shard with autocastfx.shard(gm) (float32 "
-                    "shards as masters, gathered low, norms in a float32 group of their own), or convert with "
-                    "master_weights=False (every parameter float32, cast in the graph) before fully_shard")
-
-    def master_pairs(self, gm) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
-        """(qualified name, sharded low weight, its master cut to the same shard). The full float32 master in
-        ``meta["autocastfx"].masters`` is replaced there by its shard, so that it is freed."""
-        pairs = []
-        for prefix, unit in converted_units(gm):
-            info = unit.meta["autocastfx"]
-            params = dict(unit.named_parameters(remove_duplicate=False))
-            for name, master in list(info.masters.items()):
-                low = params[name]
-                if isinstance(master, DTensor):
-                    pairs.append((prefix + name, low, master))
-                    continue
-                if not isinstance(low, DTensor):
-                    raise StepError(f"the low-precision weight {name!r} is not sharded, but the module is: shard "
-                                    "the root module last, after its blocks")
-                local = _local_slice(master.detach(), low)
-                sharded = nn.Parameter(DTensor.from_local(local, low.device_mesh, low.placements, run_check=False,
-                                                          shape=low.shape, stride=low.stride()),
-                                       requires_grad=master.requires_grad)
-                info.masters[name] = sharded
-                pairs.append((prefix + name, low, sharded))
-        return pairs
-
     def local(self, t):
         return t._local_tensor if isinstance(t, DTensor) else t
 
     def locals(self, ts):
         return [t._local_tensor if isinstance(t, DTensor) else t for t in ts]
-
-    def as_grad(self, master, view):
-        if not isinstance(master, DTensor):
-            return view
-        return DTensor.from_local(view, master.device_mesh, master.placements, run_check=False,
-                                  shape=master.shape, stride=master.stride())
 
     def all_reduce_max(self, t: torch.Tensor) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)

@@ -1,11 +1,11 @@
-"""shard(): FSDP2 over a converted module, each float32 shard its own master; loading full tensors into shards."""
+"""shard(): FSDP2 over a converted module, its weights gathered in the low dtype; full tensors loaded into shards."""
 from __future__ import annotations
 from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from ..core import weights as _weights
-from .step import converted_units
+from ..core.weights import converted_units
 from ..base import keys as K
 from ..base.meta import is_converted
 
@@ -30,19 +30,17 @@ def _local_view(full: torch.Tensor, like) -> torch.Tensor:
 
 
 def shard(gm: nn.Module, mesh=None, reshard_after_forward: bool = True) -> nn.Module:
-    """Shard a converted module with FSDP2, the float32 shard of each parameter being its master (in place;
-    returns ``gm``).
+    """Shard a converted module with FSDP2 (in place; returns ``gm``): each rank holds 1/N of the float32
+    parameters, which its optimizer steps.
 
     Each converted block (a submodule with ``meta["autocastfx"]`` of its own), then the root, gets two FSDP2
-    groups: its stored-low weights, whose float32 masters go back into the module and are gathered as
-    ``MixedPrecisionPolicy(param_dtype=low, reduce_dtype=float32)``, so every rank holds 1/N of the float32
-    weights, gathers half the bytes of a float32 all-gather and reduces gradients in float32; and the
-    parameters the cast plan keeps in float32 (norms, biases read by float32 ops), gathered in float32 and kept
-    gathered through backward (they are small), so the kernels see float32 weights as the plan says.
-
-    The module must have been converted with ``master_weights=True`` (the default): the plan's split between
-    stored-low and float32 parameters is what the two groups are made of. Build the optimizer over
-    ``gm.parameters()`` after this call, then ``train_step(gm, loss_fn, optimizer)``.
+    groups: the weights its graph reads only through a cast to the low dtype, gathered as
+    ``MixedPrecisionPolicy(param_dtype=low, reduce_dtype=float32)`` (half the bytes of a float32 all-gather; the
+    graph's cast of a gathered low weight is then a no-op), and the parameters the cast plan reads in float32
+    (norms, biases read by float32 ops), gathered in float32 and kept gathered through backward (they are
+    small), so the kernels see float32 weights as the plan says. Gradients are reduced in float32 into float32
+    shards. Plain ``fully_shard(gm)`` works too, gathering float32. Build the optimizer over ``gm.parameters()``
+    after this call.
 
     A module converted on the meta device shards on meta (nothing allocated; the mesh is the accelerator's where
     the process group is NCCL's, the CPU's under gloo, or pass ``mesh``); then
@@ -67,13 +65,6 @@ def shard(gm: nn.Module, mesh=None, reshard_after_forward: bool = True) -> nn.Mo
     units = [u for _, u in converted_units(gm)]
     plans = []
     for unit in units:  # every check before anything changes
-        info = unit.meta["autocastfx"]
-        if not info.options.get("master_weights", True):
-            raise ValueError("shard() needs a module converted with master_weights=True (the default): then the "
-                             "plan says which weights are stored low, and those are gathered low while the rest "
-                             "stays float32. With master_weights=False every weight is float32 in the module and "
-                             "cast inside the graph, so FSDP2 would gather float32 (twice the bytes); convert again "
-                             "without master_weights=False")
         plans.append(_owners(unit, units))
     for unit, owners in zip(units, plans):
         _shard_unit(unit, owners, mesh, reshard_after_forward if unit is not gm else None)
@@ -90,8 +81,6 @@ def _shard_unit(unit: nn.Module, owners: "_Owners", mesh, reshard_after_forward)
     low_mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
     # float32 groups are kept gathered through backward (they are small)
     read = _groups(unit, owners.float32, mesh, False, fp32)
-    _weights.restore_masters(unit)  # the float32 masters are the module's parameters again: FSDP2 shards them
-    info.masters.clear()
     if owners.own_float32:
         # FSDP2 gathers a group in one dtype: the unit's own parameters are float32, so the low weights' owners
         # are groups of their own, gathered low
@@ -168,24 +157,23 @@ def _graphs(unit: nn.Module) -> list:
 
 
 class _Owners(NamedTuple):
-    """Who holds a unit's trainable parameters, nested converted blocks left out: the submodules holding float32
-    ones, the submodules holding stored-low ones, and the unit's own float32 parameters' names."""
+    """Who holds a unit's trainable parameters, nested converted blocks left out: the submodules holding ones read
+    in float32, the submodules whose parameters are all read low, and the unit's own parameters' names where
+    one of them is read in float32."""
     float32: list
     low: list
     own_float32: list
 
 
 def _owners(unit: nn.Module, units: list[nn.Module]) -> _Owners:
-    """The unit's parameters by owner and kind. Raises for a submodule that holds both kinds (FSDP2 gathers a
-    group in one dtype) and for a unit that holds both kinds itself."""
-    info = unit.meta["autocastfx"]
+    """The unit's parameters by owner and kind: an owner that holds both kinds counts as float32."""
     nested = {id(m) for m in units if m is not unit}
     inner_params: set[int] = set()
     for m in unit.modules():
         if id(m) in nested:
             inner_params |= {id(p) for p in m.parameters()}
     params, by_id = _weights.aliases(unit)
-    low_ids = {id(params[n]) for n in info.masters}
+    low_ids = {id(params[n]) for n in _weights.low_read_names(unit)}
     owners: dict[int, nn.Module] = {}
     kinds: dict[int, set] = {}
     own: dict[str, list[str]] = {"low": [], "float32": []}
@@ -199,17 +187,10 @@ def _owners(unit: nn.Module, units: list[nn.Module]) -> _Owners:
             continue
         kinds.setdefault(id(owner), set()).add(kind)
         owners[id(owner)] = owner
-    if own["low"] and own["float32"]:
-        raise ValueError(f"the converted module holds both a float32 parameter ({own['float32'][0]!r}) and a "
-                         f"stored-low one ({own['low'][0]!r}) itself, not in submodules: FSDP2 gathers one dtype "
-                         "per group, so shard() cannot keep the float32 one float32. Keep one of them in a "
-                         "submodule of the model (as nn.LayerNorm keeps its weight), or convert with "
-                         "master_weights=False and use fully_shard(gm)")
-    mixed = [i for i, k in kinds.items() if len(k) == 2]
-    if mixed:
-        names = [n for n, m in unit.named_modules() if id(m) in mixed]
-        raise ValueError(f"submodule {names[0]!r} holds both stored-low and float32 parameters; FSDP2 gathers one "
-                         "dtype per group, so shard() cannot keep its float32 ones float32. Convert with "
-                         "master_weights=False and use fully_shard(gm)")
+    # a group is gathered in one dtype: one that holds a parameter read in float32 is gathered in float32 (the
+    # graph casts its low-read weights as it always does)
+    if own["float32"]:
+        own["float32"] += own["low"]
+    kinds = {i: ({"float32"} if "float32" in k else k) for i, k in kinds.items()}
     return _Owners(float32=[m for i, m in owners.items() if kinds[i] == {"float32"}],
                    low=[m for i, m in owners.items() if kinds[i] == {"low"}], own_float32=own["float32"])

@@ -15,15 +15,14 @@ from typing import Callable, Iterator
 
 from .scaling import ScalerConfig
 
-_PARALLEL_NOTE = {"ddp": ", DistributedDataParallel", "fsdp": ", FSDP2 (sharded masters)"}
+_PARALLEL_NOTE = {"ddp": ", DistributedDataParallel", "fsdp": ", FSDP2"}
 
 
 @dataclasses.dataclass(frozen=True)
 class SourceOptions:
     """What the generated source depends on: the options the step was built with, and what it found.
 
-    ``kind`` and ``distributed`` are the ``parallel`` object's (``"local"``, ``"ddp"`` or ``"fsdp"``);
-    ``has_masters`` says whether any weight is stored low with a float32 master; ``fused`` whether the optimizer
+    ``kind`` and ``distributed`` are the ``parallel`` object's (``"local"``, ``"ddp"`` or ``"fsdp"``); ``fused`` whether the optimizer
     skips an overflowing update on the device (else the step reads ``found_inf`` on the host); ``heap`` what the
     step did with the CPU allocator (autocastfx.training.heap), None off the CPU."""
     scaler: ScalerConfig
@@ -33,7 +32,6 @@ class SourceOptions:
     max_retries: int
     kind: str
     distributed: bool
-    has_masters: bool
     fused: bool
     heap: str | None = None
 
@@ -58,8 +56,8 @@ def step_source(o: SourceOptions) -> str:
     """The source of ``train_step(inputs, *targets)`` for these options, ending in a newline.
 
     Its parts, each written only where the options need it: the micro-batch bookkeeping of accumulation, the
-    retry loop, forward and backward, gradients into the masters with the fused unscale and overflow check,
-    clipping, the optimizer step, the copy back into the low-precision weights, the scale update."""
+    retry loop, forward and backward, the fused unscale and overflow check, clipping, the optimizer step, the
+    scale update."""
     lines: list[str] = []
     add = lines.append
     section = itertools.count(1)  # the comments number the parts the options emit
@@ -111,9 +109,9 @@ def _accumulation_head(o: SourceOptions, add: Callable[[str], None]) -> str:
 
 
 def _forward_backward(o: SourceOptions, add: Callable[[str], None], ind: str, section: Iterator[int]) -> None:
-    """The forward with low-precision weights, the loss in float32, and the backward of the scaled loss."""
+    """The forward (the graph casts the weights), the loss in float32, and the backward of the scaled loss."""
     accum = o.accum_steps
-    add(f"{ind}# {next(section)}. forward with low-precision weights; the loss in float32")
+    add(f"{ind}# {next(section)}. forward: the graph casts the float32 parameters; the loss in float32")
     add(f"{ind}out = _call(model, inputs)")
     add(f"{ind}loss = check_loss(loss_fn(out, *targets)).float()  # one float number connected to the weights")
     add(f"{ind}# {next(section)}. backward of loss * scale" + (f" / {accum}" if accum > 1 else ""))
@@ -124,18 +122,13 @@ def _forward_backward(o: SourceOptions, add: Callable[[str], None], ind: str, se
 
 
 def _unscale_and_check(o: SourceOptions, add: Callable[[str], None], ind2: str, section: Iterator[int]) -> None:
-    """The gradients into float32 (the masters' buffer), unscaled and checked for inf/NaN in one fused pass; one
-    decision for every process where there are several; with retry, the host read that decides on a retry."""
-    add(f"{ind2}# {next(section)}. gradients into float32" + (" master .grad," if o.has_masters else ",")
-        + (" unscaled and" if o.scaled else "") + " checked for inf/NaN in one fused pass")
-    fp32_grads = "[p.grad for p in self.fp32_params if p.grad is not None]"
+    """The float32 gradients unscaled and checked for inf/NaN in one fused pass; one decision for every process where there are several; with retry, the host read that decides on a retry."""
+    add(f"{ind2}# {next(section)}. float32 gradients" + (" unscaled and" if o.scaled else "")
+        + " checked for inf/NaN in one fused pass")
+    grads = "[p.grad for p in self.all_params if p.grad is not None]"
     if o.sharded:
-        fp32_grads = f"P.locals({fp32_grads})"  # the shards' local tensors: the kernels below take plain ones
-    if o.has_masters:
-        add(f"{ind2}master_grads = self._grads_to_masters()  # one float32 buffer; low .grad freed at once")
-        add(f"{ind2}grads = master_grads + {fp32_grads}")
-    else:
-        add(f"{ind2}grads = {fp32_grads}")
+        grads = f"P.locals({grads})"  # the shards' local tensors: the kernels below take plain ones
+    add(f"{ind2}grads = {grads}")
     add(f"{ind2}S.found_inf.zero_()")
     add(f"{ind2}torch._amp_foreach_non_finite_check_and_unscale_(grads, S.found_inf, S.inv_scale)")
     if o.distributed:
@@ -154,19 +147,14 @@ def _retry_on_overflow(o: SourceOptions, add: Callable[[str], None], ind: str) -
     add(f"{ind}    S.update_dynamic()")
     add(f"{ind}    for p in self.all_params:")
     add(f"{ind}        p.grad = None")
-    if o.has_masters:
-        add(f"{ind}    del master_grads, grads")
     ind, ind2 = "    ", "        "
     add(f"{ind}with torch.no_grad():")
     return ind, ind2
 
 
 def _update(o: SourceOptions, add: Callable[[str], None], ind2: str, section: Iterator[int]) -> None:
-    """The update: master gradients in place, clipping, the optimizer step (skipped on overflow), the copy back,
-    the gradients freed, and the scale update."""
-    if o.has_masters:
-        add(f"{ind2}for m, g in zip(self.masters, master_grads):")
-        add(f"{ind2}    m.grad = {'P.as_grad(m, g)' if o.sharded else 'g'}")
+    """The update: clipping, the optimizer step (skipped on overflow), the gradients freed, and the scale
+    update."""
     if o.clip is not None:
         _clip(o, add, ind2, section)
     _optimizer_step(o, add, ind2, section)
@@ -185,24 +173,16 @@ def _clip(o: SourceOptions, add: Callable[[str], None], ind2: str, section: Iter
 
 
 def _optimizer_step(o: SourceOptions, add: Callable[[str], None], ind2: str, section: Iterator[int]) -> None:
-    """The optimizer step, skipped on overflow (on the device where the kernel is fused), the masters copied back
-    into the low-precision weights, and every gradient freed."""
-    add(f"{ind2}# {next(section)}. optimizer step on the {'masters' if o.has_masters else 'parameters'}, "
-        "skipped on overflow")
+    """The optimizer step, skipped on overflow (on the device where the kernel is fused), and every gradient
+    freed."""
+    add(f"{ind2}# {next(section)}. optimizer step on the float32 parameters, skipped on overflow")
     if o.fused:
         add(f"{ind2}optimizer.grad_scale, optimizer.found_inf = None, S.found_inf  # fused kernel skips on the device")
         add(f"{ind2}optimizer.step()")
     else:
         add(f"{ind2}if not bool(S.found_inf):  # this optimizer has no fused kernel: one host read to skip")
         add(f"{ind2}    optimizer.step()")
-    if o.has_masters:
-        if o.sharded:
-            add(f"{ind2}torch._foreach_copy_(P.locals(self.lows), P.locals(self.masters))  "
-                "# master shards -> low shards")
-        else:
-            add(f"{ind2}torch._foreach_copy_(self.lows, self.masters)  # masters -> low-precision weights")
-    add(f"{ind2}for p in self.{'grad_holders' if o.has_masters else 'all_params'}:  # gradients freed: "
-        "the next backward writes, not adds")
+    add(f"{ind2}for p in self.all_params:  # gradients freed: the next backward writes, not adds")
     add(f"{ind2}    p.grad = None")
 
 

@@ -1,20 +1,19 @@
-"""The training step: generated Python source, compiled once, that carries out the whole mixed-precision recipe.
+"""The training step: generated Python source, compiled once, that carries out the mixed-precision recipe.
 
-    forward with low-precision weights, the loss in float32
-    backward of loss * scale
-    low-precision gradients into the float32 masters' .grad, unscaled and checked for inf/NaN in one fused pass
-    optional clipping by global norm; the optimizer steps the masters, skipped on the device on overflow
-    masters copied back into the low-precision weights in one fused copy; the scale updated on the device
+    forward (the graph casts the float32 parameters to the low dtype), the loss in float32
+    backward of loss * scale: float32 gradients on the parameters
+    gradients unscaled and checked for inf/NaN in one fused pass
+    optional clipping by global norm; the optimizer step, skipped on the device on overflow
+    the scale updated on the device
 
 ``print(step.code)`` shows exactly what runs: only the branches the options need are generated. The source is
 written by autocastfx.training.source from the step's options alone; this module gathers what the step works on,
 compiles that source and runs it. Around it, ``TrainStep.__call__`` does the host-side work: the first call with a
-new input signature is checked and guarded (autocastfx.checks), and after every call a host copy of the "stuck at
+new input signature is checked and guarded (training.checks), and after every call a host copy of the "stuck at
 min_scale" flag is read.
 
 What depends on how the model is spread over processes, the step asks of a ``parallel`` object: :class:`Local`
-here (one process); autocastfx.distributed answers for DistributedDataParallel and FSDP2, and builds steps through
-``train_step()``. This module imports neither that one nor autocastfx.graphed: both import it.
+here (one process); training.parallel answers for DistributedDataParallel and FSDP2.
 """
 from __future__ import annotations
 
@@ -26,9 +25,7 @@ import torch
 import torch.nn as nn
 
 from ..core import calls as _calls
-from ..core import weights as _weights
 from .checks import InputChecker, StepError, check_grad_mode, check_loss, signature, unique_by_id
-from .checks import watch_user_clipping
 from . import heap as _heap
 from .scaling import HISTORY, LossScaleError, ScalerConfig, ScaleState
 from .source import SourceOptions, step_source
@@ -75,10 +72,8 @@ class Forwarded:
 class Local:
     """What the step asks of the data-parallel wrapper, answered for one process.
 
-    ``master_pairs``: (qualified name, low-precision weight, float32 master) for every stored-low weight, in
-    the module and its converted blocks. ``local``/``locals``: the tensor(s) the step's fused kernels work on (a
-    sharded parameter's local shard; here the tensor itself). ``as_grad``: a master's gradient as the optimizer
-    must see it. ``all_reduce_max``: one overflow decision for every process (emitted into the step only where
+    ``local``/``locals``: the tensor(s) the step's fused kernels work on (a sharded parameter's local shard; here
+    the tensor itself). ``all_reduce_max``: one overflow decision for every process (emitted into the step only where
     ``distributed``). ``sync(last)``: the context a micro-batch's forward and backward run in (gradient sync on
     the last only). Clipping uses torch's ``clip_grad_norm_`` here and under DDP (whole gradients); a sharded
     wrapper adds ``grad_norm``, the norm over every shard."""
@@ -89,18 +84,11 @@ class Local:
         self.model = model
         self.gm = model
 
-    def master_pairs(self, gm) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
-        """(qualified name, low weight, float32 master) over ``gm`` and its converted blocks."""
-        return _weights.named_master_pairs(gm)
-
     def local(self, t):
         return t
 
     def locals(self, ts):
         return ts
-
-    def as_grad(self, master, view):
-        return view
 
     def all_reduce_max(self, t: torch.Tensor) -> None:
         pass
@@ -120,10 +108,6 @@ def compiled_module(model):
     """The module ``torch.compile(module)`` compiled (its ``_orig_mod``), or ``model`` itself."""
     inner = getattr(model, "_orig_mod", None)
     return inner if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule" else model
-
-
-converted_units = _weights.converted_units
-all_masters = _weights.all_masters
 
 
 def _call(model: nn.Module, inputs: Any) -> Any:
@@ -193,7 +177,7 @@ class TrainStep:
     """``step(inputs, *targets) -> loss``; see :func:`train_step`.
 
     The step owns the backward, the division by ``accum_steps``, unscaling, clipping (``clip_grad_norm``), the
-    optimizer step on the float32 masters and the copy back, and frees every gradient after an update: a loop
+    optimizer step on the float32 parameters, and frees every gradient after an update: a loop
     calls it once per micro-batch and writes no ``loss.backward()``, ``clip_grad_norm_`` (it would see no
     gradients), ``optimizer.step()`` or ``zero_grad()``. The learning rate (``group["lr"]`` or an LR scheduler on
     the same optimizer), ``eval()``/``train()`` and checkpoints (``gm.state_dict()``, the float32 model, or
@@ -215,54 +199,20 @@ class TrainStep:
                                 low_max=torch.finfo(info.dtype).max)
         if not isinstance(keep_cpu_memory, bool):
             raise ValueError(f"keep_cpu_memory must be True or False, got {keep_cpu_memory!r}")
-        repointed, device = self._take_weights(info)
+        self.all_params = [p for p in unique_by_id(self.gm.parameters()) if p.requires_grad]
+        _check_optimizer(self.optimizer, self.gm, info)  # raises before anything is changed
+        device = self.all_params[0].device if self.all_params else torch.device("cpu")
         self.state = ScaleState(self.cfg, device, reduce_max=P.all_reduce_max if P.distributed else None)
-        _repoint_optimizer(self.optimizer, repointed)
         self.fused = _use_fused_skip(self.optimizer, P)
-        # float32 master gradients live only inside an update (one buffer per bucket, allocated per update):
-        # between steps the step holds no gradient at all, as autocast + GradScaler with zero_grad(set_to_none=True)
-        local_masters = P.locals(self.masters)  # under FSDP2: this rank's shards
-        limit = BUCKET_ELEMENTS if torch.device(device).type != "cpu" else CPU_BUCKET_ELEMENTS
-        self._buckets = _buckets([m.numel() for m in local_masters], limit)
-        self._grad_views = [spec for lo, hi in self._buckets  # each master's place and layout in its bucket
-                            for spec in _view_specs(local_masters[lo:hi])]
-        self._bucket_numel = [sum(m.numel() for m in local_masters[lo:hi]) for lo, hi in self._buckets]
-        self.all_params = self.lows + self.fp32_params
-        self.grad_holders = self.all_params + self.masters
         self.grad_norm = torch.zeros((), device=device) if clip_grad_norm is not None else None
         self.micro = 0
         self.checker = InputChecker(self.gm, device)  # host-side checks of each new input signature
         inner = compiled_module(self.model)  # torch.compile(gm): the sizes to mark before each call
         self._compiled_free = inner.meta["autocastfx"].free_dims if inner is not self.model \
             and "autocastfx" in getattr(inner, "meta", {}) else ()
-        watch_user_clipping(self.grad_holders)  # a loop's own clip_grad_norm_ on them clips nothing: said so
         self.heap = _cpu_heap(keep_cpu_memory, device)  # last: a step that fails to build changes no process state
         self.code = self._generate()
         self._fn: Callable = self._compile(self.code)
-
-    # ------------------------------------------------------------------------------------------- set-up
-    def _take_weights(self, info) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], torch.device]:
-        """Find the weights the step works on: (name, low weight, float32 master) for the stored-low ones and the
-        float32 parameters that train as they are. Returns the optimizer's groups re-pointed at those (not yet
-        applied) and the device the step's own tensors go on; masters not on their weight's device move there."""
-        P, gm = self.parallel, self.gm
-        repointed = _repointed_groups(gm, self.optimizer, info)  # raises before anything is changed
-        name_of_master = {id(m): n for n, m in all_masters(gm).items()}
-        triples = P.master_pairs(gm)  # FSDP2: each master cut to its weight's shard here
-        pairs = [(lo, m) for _, lo, m in triples]
-        self.names = [n for n, _, _ in triples]
-        self.lows = [lo for lo, _ in pairs]
-        self.masters = [m for _, m in pairs]
-        low_ids = {id(p) for p in self.lows}
-        self.fp32_params = [p for p in unique_by_id(gm.parameters()) if p.requires_grad and id(p) not in low_ids]
-        device = (self.lows + self.fp32_params)[0].device if (self.lows or self.fp32_params) else torch.device("cpu")
-        if P.kind == "fsdp":  # the masters were cut to shards: point the optimizer at those
-            by_name = dict(zip(self.names, self.masters))
-            repointed = [[(p, by_name.get(name_of_master.get(id(t)), t)) for p, t in group] for group in repointed]
-        for lo, m in pairs:
-            if m.device != lo.device:
-                m.data = m.data.to(lo.device)
-        return repointed, device
 
     # ------------------------------------------------------------------------------------- the source
     def _generate(self) -> str:
@@ -270,7 +220,7 @@ class TrainStep:
         return step_source(SourceOptions(
             scaler=self.cfg, accum_steps=self.accum_steps, clip=self.clip, on_overflow=self.on_overflow,
             max_retries=self.max_retries, kind=self.parallel.kind, distributed=self.parallel.distributed,
-            has_masters=bool(self.masters), fused=self.fused, heap=self.heap))
+            fused=self.fused, heap=self.heap))
 
     def _compile(self, code: str) -> Callable:
         """``train_step`` compiled from ``code``, in a namespace that holds what the source names."""
@@ -290,27 +240,6 @@ class TrainStep:
         out = _call(model, inputs)
         self.checker.forwards += 1
         return out
-
-    def _grads_to_masters(self) -> list[torch.Tensor]:
-        """The low-precision gradients as float32, in views of one buffer per bucket allocated for this update
-        (zero where the loss did not reach a parameter). The copy goes bucket by bucket and frees each bucket's low
-        ``.grad`` as soon as it is copied, so at most one bucket is held in both precisions."""
-        local = self.parallel.local
-        device = self.masters[0].device
-        views = []
-        for (lo, hi), numel in zip(self._buckets, self._bucket_numel):
-            flat = torch.empty(numel, dtype=torch.float32, device=device)
-            views += [flat.as_strided(*spec) if spec is not None else torch.empty_like(local(m))
-                      for spec, m in zip(self._grad_views[lo:hi], self.masters[lo:hi])]
-        for lo, hi in self._buckets:
-            have = [(v, local(p.grad)) for v, p in zip(views[lo:hi], self.lows[lo:hi]) if p.grad is not None]
-            if have:
-                torch._foreach_copy_([v for v, _ in have], [g for _, g in have])
-            if len(have) != hi - lo:
-                torch._foreach_zero_([v for v, p in zip(views[lo:hi], self.lows[lo:hi]) if p.grad is None])
-            for p in self.lows[lo:hi]:
-                p.grad = None
-        return views
 
     @property
     def optimizer_params(self) -> list[torch.Tensor]:
@@ -353,12 +282,11 @@ class TrainStep:
         self.state.check()
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything to resume bit for bit: scale state, masters, the module, the optimizer, the RNG. This
+        """Everything to resume bit for bit: scale state, the module, the optimizer, the RNG. This
         process's view (under FSDP2, its shards): ``autocastfx.save_checkpoint`` writes one checkpoint for all
         ranks that loads on any number of them."""
         return {
             "scaler": self.state.state_dict(),
-            "masters": {n: m.detach().clone() for n, m in zip(self.names, self.masters)},
             "model": {k: v.clone() for k, v in self.gm.state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
             "micro": self.micro,
@@ -367,22 +295,14 @@ class TrainStep:
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        missing = {"scaler", "masters", "model", "optimizer"} - set(sd)
+        missing = {"scaler", "model", "optimizer"} - set(sd)
         if missing:
             raise KeyError(f"not a train_step state_dict: missing {sorted(missing)}")
-        if set(sd["masters"]) != set(self.names):
-            raise ValueError(f"the state_dict's masters {sorted(sd['masters'])[:5]} do not match this module's "
-                             f"{self.names[:5]}: was it saved from a step over the same converted model?")
         self.gm.load_state_dict(sd["model"])
-        with torch.no_grad():
-            for n, m in zip(self.names, self.masters):
-                m.copy_(sd["masters"][n])
-            if self.masters:
-                torch._foreach_copy_(self.parallel.locals(self.lows), self.parallel.locals(self.masters))
         _load_optimizer(self.optimizer, sd["optimizer"], self.fused)
         self.state.load_state_dict(sd["scaler"])
         self.micro = sd.get("micro", 0)
-        for p in self.grad_holders:  # gradients of this run's micro-batches are not the checkpoint's
+        for p in self.all_params:  # gradients of this run's micro-batches are not the checkpoint's
             p.grad = None
         self.parallel.drop_unsynced_grads()
         if sd.get("rng") is not None:
@@ -391,48 +311,25 @@ class TrainStep:
             torch.cuda.set_rng_state_all(sd["cuda_rng"])
 
 
-# ---------------------------------------------------------------------- the optimizer, pointed at the masters
-def _repointed_groups(gm, optimizer: torch.optim.Optimizer, info) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """For each optimizer group, (tensor it holds, float32 master or module parameter to hold instead).
-    Raises StepError for a tensor that belongs to neither model, before anything is changed."""
-    gm_params, by_id = _weights.aliases(gm)
-    canonical = {i: names[0] for i, names in by_id.items()}
-    alias = {name: canonical[id(p)] for name, p in gm_params.items()}
-    master_by_name = all_masters(gm)
-    master_ids = {id(m) for m in master_by_name.values()}
-    groups = []
+# ------------------------------------------------------------------------------------------- the optimizer
+def _check_optimizer(optimizer: torch.optim.Optimizer, gm: nn.Module, info) -> None:
+    """StepError for an optimizer entry that is not a parameter of the converted module (a module converted on
+    meta or from a low-precision checkpoint has parameters of its own, not the model's), before anything runs."""
+    own = {id(p) for p in gm.parameters()}
+    names = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
     for g, group in enumerate(optimizer.param_groups):
-        pairs = []
         for i, p in enumerate(group["params"]):
-            if id(p) in master_ids:
-                pairs.append((p, p))
+            if id(p) in own:
                 continue
-            name = canonical.get(id(p)) or next(
-                (n for n in info.source_params.get(id(p), ()) if n in alias), None)
-            if name is None and id(p) in info.source_params:
+            if id(p) in info.source_params and not names.intersection(info.source_params[id(p)]):
                 continue  # the model's, but the graph never reads it: no gradient, as in the model itself
-            if name is None:
-                raise StepError(
-                    f"the optimizer holds a tensor of shape {tuple(p.shape)} (param group {g}, entry {i}) that is "
-                    "neither a parameter of the converted module nor of the model it was converted from: build "
-                    "the optimizer over gm.parameters() or over the original model's parameters, after convert() "
-                    "(and after fully_shard() or autocastfx.shard(), which replace the module's parameters)")
-            name = alias.get(name, name)
-            pairs.append((p, master_by_name.get(name, gm_params.get(name))))
-        groups.append(pairs)
-    return groups
-
-
-def _repoint_optimizer(optimizer: torch.optim.Optimizer, groups: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
-    """Point the optimizer's groups at the float32 masters (and the module's float32 parameters)."""
-    for group, pairs in zip(optimizer.param_groups, groups):
-        new = []
-        for p, target in pairs:
-            if target is not p and p in optimizer.state:
-                optimizer.state[target] = optimizer.state.pop(p)
-            if all(target is not q for q in new):
-                new.append(target)
-        group["params"] = new
+            whose = ("a parameter of the model it was converted from, which the converted module does not share "
+                     "(converted on the meta device or from a low-precision checkpoint, or moved with .to())"
+                     if id(p) in info.source_params else "not a parameter of the converted module")
+            raise StepError(
+                f"the optimizer holds a tensor of shape {tuple(p.shape)} (param group {g}, entry {i}) that is "
+                f"{whose}: build the optimizer over gm.parameters() (after fully_shard() or autocastfx.shard(), "
+                "which replace the module's parameters)")
 
 
 def _cpu_heap(keep: bool, device) -> str | None:
@@ -493,50 +390,6 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, sd: dict[str, Any], fused:
             group["fused"] = True
             if "foreach" in group:
                 group["foreach"] = False
-
-
-BUCKET_ELEMENTS = 1 << 24  # 16M elements (32 MiB of float16 gradients): one fused copy per bucket
-# On the CPU a bucket's float32 buffer stays under glibc's largest mmap threshold (32 MiB): a larger allocation is
-# a fresh mmap every update, whose first touch page-faults and zeroes it (ResNet-50, batch 16, 2 cores: one 100 MB
-# buffer per update cost 37 ms a step, 12% of the step); smaller ones are reused from the heap. CUDA's caching
-# allocator reuses any size.
-CPU_BUCKET_ELEMENTS = 1 << 22  # 4M elements: 16 MiB of float32 gradients
-
-
-def _view_specs(masters: list[torch.Tensor]) -> list[tuple | None]:
-    """(shape, stride, offset) of each master's gradient in one flat buffer: the master's own shape and strides,
-    because an optimizer's fused and foreach kernels walk a parameter and its gradient as flat memory, and a
-    gradient laid out unlike its parameter (an NCHW gradient for a channels_last weight) would pair the wrong
-    elements. None for a master that is not dense (never made by autocastfx, but possible after a user's own
-    surgery): its gradient gets a tensor of its own."""
-    specs, offset = [], 0
-    for m in masters:
-        specs.append((tuple(m.shape), m.stride(), offset) if _dense(m) else None)
-        offset += m.numel()
-    return specs
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t`` covers exactly ``t.numel()`` elements of memory with no overlap, in some order of its dims."""
-    expected = 1
-    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1), key=lambda d: d[1]):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _buckets(sizes: list[int], limit: int) -> list[tuple[int, int]]:
-    """Consecutive index ranges whose sizes add up to at most ``limit`` (a larger tensor alone)."""
-    out, start, total = [], 0, 0
-    for i, n in enumerate(sizes):
-        if i > start and total + n > limit:
-            out.append((start, i))
-            start, total = i, 0
-        total += n
-    if sizes:
-        out.append((start, len(sizes)))
-    return out
 
 
 __all__ = ["TrainStep", "Local", "StepStats", "LossScaleError", "StepError", "DYNAMIC"]

@@ -526,13 +526,22 @@ def _fresh_containers(module: nn.Module, memo: dict) -> None:
 
 
 def _reuse(ref: nn.Module, block: nn.Module, codes: dict) -> nn.Module | None:
-    """A copy of the converted block ``ref`` holding ``block``'s weights (float32 masters, low copies, buffers);
-    None where the two do not correspond name for name."""
+    """A copy of the converted block ``ref`` that runs on ``block``'s own parameters and buffers (the same
+    tensors, not copies); None where the two do not correspond name for name, shape and dtype."""
     info = ref.meta["autocastfx"]
     # what a conversion decided is read, never written, after it: the copies share it (the plan, the policy,
-    # the totals); graphs, modules and tensors are copied
+    # the totals); graphs and modules are copied, and the tensors are ``block``'s
     memo = {id(x): x for x in (info.plan, info.policy, info.extra_totals, info.source_params, info.absorbed,
                                info.options)}
+    for mine, theirs in ((ref.named_parameters(remove_duplicate=False), block.named_parameters(remove_duplicate=False)),
+                         (ref.named_buffers(remove_duplicate=False), block.named_buffers(remove_duplicate=False))):
+        mine, theirs = dict(mine), dict(theirs)
+        if set(mine) != set(theirs):
+            return None
+        for n, t in mine.items():
+            if theirs[n].shape != t.shape or theirs[n].dtype != t.dtype or type(theirs[n]) is not type(t):
+                return None
+            memo[id(t)] = theirs[n]
     _fresh_containers(ref, memo)
     # the copy's graph is the same graph: its code is the one already written for ``ref`` (writing the Python of
     # a graph is most of the cost of a GraphModule copy). The copy's own graph writes its code from then on.
@@ -548,24 +557,6 @@ def _reuse(ref: nn.Module, block: nn.Module, codes: dict) -> nn.Module | None:
             del graph.python_code
     if unit.graph is not graph:  # the copy did not take the prepared graph: its code is its own, written again
         unit.recompile()
-    uinfo = unit.meta["autocastfx"]
-    params = dict(unit.named_parameters(remove_duplicate=False))
-    buffers = dict(unit.named_buffers(remove_duplicate=False))
-    theirs = dict(block.named_parameters(remove_duplicate=False))
-    their_buffers = dict(block.named_buffers(remove_duplicate=False))
-    if set(theirs) != set(params) or set(their_buffers) != set(buffers):
-        return None
-    with torch.no_grad():
-        for n, p in theirs.items():
-            if n not in params:
-                return None
-            if n in uinfo.masters:
-                uinfo.masters[n].copy_(p)
-                params[n].copy_(p.to(params[n].dtype))
-            else:
-                params[n].copy_(p)
-        for n, b in their_buffers.items():
-            buffers[n].copy_(b)
     return unit
 
 

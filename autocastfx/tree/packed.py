@@ -162,7 +162,7 @@ def convert_packed(m: nn.RNNBase, a: tuple, k: dict, whole, options, ctx) -> tup
         raise CaptureError(f"its call on the packed sequence did not convert: {_one_line(e)}") from e
     _take_packed_calls(part, stand_in)
     info = part.meta[K.CONVERTED]
-    weights = "weights stored low, float32 masters kept" if info.masters else "weights as the plan casts them"
+    weights = "float32 weights, cast as the plan says"
     plan = (f"converted ({info.capture}) as its call on the packed sequence, torch.{_CALLS[m.mode].__name__}(data, "
             f"batch_sizes, state, weights), low dtype {str(options.dtype).removeprefix('torch.')}; {weights}; "
             "float32 at its boundary")

@@ -11,6 +11,7 @@ import torch.nn as nn
 from ..base import keys as K
 from ..base.errors import _one_line
 from ..base.meta import is_converted
+from ..core import weights as _weights
 
 
 BLOCK_META = K.BLOCK  # gm.meta of a converted block: its name, its inputs' dtypes, whence its plan
@@ -142,9 +143,8 @@ def _describe(units: dict, skipped: dict) -> dict:
     out = {}
     for name, unit in units.items():
         b = unit.meta[BLOCK_META]
-        info = unit.meta["autocastfx"]
         casts = sum(1 for n in unit.graph.nodes if getattr(n.meta.get("autocastfx"), "kind", None) == "cast")
-        out[name] = {"plan": b["plan"], "casts": casts, "low_parameters": len(info.masters),
+        out[name] = {"plan": b["plan"], "casts": casts, "low_parameters": len(_weights.low_read_names(unit)),
                      "inputs": [str(d).removeprefix("torch.") for d in b["inputs"] if d is not None]}
     for name, why in skipped.items():
         out[name] = {"plan": f"stays in the model's code ({why})"}

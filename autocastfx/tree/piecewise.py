@@ -19,7 +19,6 @@ from ..base.options import ConvertOptions
 from ..capture.context import CaptureContext, free_sizes
 from ..core.plan import CastPlan
 from .parts import Conversions
-from ..capture.ownership import own_tensors
 from ..base.quiet import warn_user
 from .packed import convert_packed, has_recurrent, takes_packed
 
@@ -89,16 +88,11 @@ def _piecewise(model, tree, units, skipped, args, kwargs, conv: Conversions, opt
     if need_parts and not parts:
         return None
     _set_modes(tree, model, modes)
-    own = set()
-    for m in tree.modules():
-        if is_converted(m):
-            own |= {id(t) for t in list(m.parameters()) + list(m.buffers())}
-    own_tensors(tree, model, skip=own)
     every = {**units, **parts}
     tree.meta = {"autocastfx": ConvertInfo(
         dtype=options.dtype, policy=options.policy,
-        capture="piecewise", plan=CastPlan(options.dtype, {}, {}, [], [], [], (0, 0), (0, 0), {}),
-        masters={}, absorbed=[], source_params=names_by_id(model), options=options,
+        capture="piecewise", plan=CastPlan(options.dtype, {}, {}, [], [], (0, 0), (0, 0), {}),
+        absorbed=[], source_params=names_by_id(model), options=options,
         extra_totals={"blocks": _describe(every, skipped), "eager": eager})}
     if options.keep_io_types:
         tree.register_forward_hook(_outputs_float32)
