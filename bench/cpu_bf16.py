@@ -18,6 +18,8 @@ Recipes (one model's weights, seed 0, copied into each):
 - autocastfx: ``gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)``; training:
   ``step = autocastfx.train_step(gm, loss_fn, torch.optim.AdamW(gm.parameters(), lr=1e-4))`` and ``step(x, y)``
   (the step switches AdamW to its fused kernel itself); inference: ``gm.eval()`` and ``gm(x)`` under no_grad.
+- autocastfx, plain loop (training only): the same ``gm`` in the loop the float32 row runs (zero_grad, forward,
+  loss, backward, fused AdamW over ``gm.parameters()``), with no ``train_step``: what a user's own loop gets.
 - the heap (``--heap``): the autocastfx step tells glibc once per process to keep freed memory for the next step
   (``keep_cpu_memory=True``, its CPU default). That setting is the process's, so every recipe of the board runs
   under it (``--heap keep``, the default), or none does (``--heap glibc``: the step given ``keep_cpu_memory=False``).
@@ -64,14 +66,18 @@ RECIPES = {  # key -> label
     "fp32": "float32",
     "autocast": "torch.autocast bf16",
     "fx": "autocastfx bf16",
+    "loop": "autocastfx bf16, plain loop",
     "fp32-compile": "float32 compile",
     "autocast-compile": "torch.autocast bf16 compile",
     "fx-compile": "autocastfx bf16 compile",
+    "loop-compile": "autocastfx bf16, plain loop, compile",
 }
-EAGER = ("fp32", "autocast", "fx")
+EAGER = ("fp32", "autocast", "fx", "loop")
+TRAIN_ONLY = ("loop",)  # in eval mode the plain loop's module is the train_step's: one inference row
 # (mode, recipe, against, at least): the project's CPU bfloat16 targets, judged eager against eager and compiled
 # against compiled
-TARGETS = (("train", "fx", "autocast", 1.3), ("train", "fx", "fp32", 2.0), ("infer", "fx", "autocast", 1.3))
+TARGETS = (("train", "fx", "autocast", 1.3), ("train", "fx", "fp32", 2.0), ("infer", "fx", "autocast", 1.3),
+           ("train", "loop", "autocast", 1.0))
 MODES = {"train": "training", "infer": "inference"}
 
 
@@ -151,6 +157,19 @@ def build(mode: str, recipe: str, model: torch.nn.Module, x, y, loss_fn, backend
                 return target(x)
         return infer
 
+    if base == "loop":  # the user's own loop over the converted module: no train_step
+        gm = autocastfx.convert(model, (x,), dtype=BF16)
+        del model
+        opt = _adamw(gm.parameters())
+        fwd = torch.compile(gm, backend=backend) if compiled else gm
+
+        def loop():
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(fwd(x), y)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+        return loop
     ctx = _context(base)
     if mode == "train":
         opt = _adamw(model.parameters())
@@ -413,7 +432,8 @@ def main(argv=None) -> int:
         boards[mode] = {}
         for w in ws:
             log(f"{w.name}, {MODES[mode]}:")
-            boards[mode][w] = measure(w, mode, recipes, args, log)
+            boards[mode][w] = measure(w, mode, [r for r in recipes if mode == "train"
+                                                or r.removesuffix("-compile") not in TRAIN_ONLY], args, log)
     text, misses = report(args, mline, boards, time.perf_counter() - t0)
     print("\n" + text, flush=True)
     if args.markdown:
