@@ -51,7 +51,8 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
     """Rewrite ``model`` into an explicit mixed-precision ``torch.fx.GraphModule``; ``model`` is not modified.
 
     ``dtype``: ``torch.float16`` (the default, ``None``), ``torch.bfloat16``, or ``"auto"``: the one that pays on
-    the model's device (float16 on CUDA, bfloat16 on a CPU with native bfloat16); the report says which and why,
+    the model's device (float16 on CUDA, bfloat16 on a CPU with native bfloat16, float32 compute on a CPU with
+    neither native bfloat16 nor float16: no casts, the model's dtypes kept); the report says which and why,
     and an explicit dtype with no fast kernels on the device is warned about (``autocastfx.SlowDtypeWarning``).
     See the README for the other options. Raises ValueError for bad options, TypeError for a model that is not
     an ``nn.Module``, and ``autocastfx.CaptureError`` when the model cannot be captured.
@@ -61,11 +62,10 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
                          "its graph casts each weight to the low dtype once per forward (gm.parameters() are the "
                          "masters). For a module that stores its weights low for deployment, use "
                          "autocastfx.for_inference(gm)")
-    device = _device_of(model, example_inputs, example_kwargs)
-    dtype, note = _devices.resolve(dtype, device)
-    if dtype is None:
-        dtype = torch.float16
     args, kwargs = _check_inputs(model, example_inputs, example_kwargs, dtype, pad_multiple)
+    dtype, note = _devices.resolve(dtype, _device_of(model, args, kwargs))
+    if dtype == torch.float32:  # "auto" where no low dtype pays: the model's dtypes, no low copies, no padding
+        pad_multiple = 1
     policy = policy if policy is not None else Policy.default()
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be an autocastfx.Policy, got {type(policy).__name__}")
@@ -360,8 +360,8 @@ def _one_recompile(gm: fx.GraphModule):
 def _check_inputs(model, example_inputs, example_kwargs, dtype, pad_multiple):
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}")
-    if dtype not in LOW_DTYPES:
-        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+    if not (dtype is None or (isinstance(dtype, str) and dtype == "auto") or dtype in LOW_DTYPES):
+        raise ValueError(f"dtype must be {_devices.ACCEPTED}, got {dtype!r}")
     if not isinstance(pad_multiple, int) or isinstance(pad_multiple, bool) or pad_multiple < 1:
         raise ValueError(f"pad_multiple must be a positive int (1 turns padding off), got {pad_multiple!r}")
     if example_inputs is None and example_kwargs is None:

@@ -33,9 +33,12 @@ ms/step) and warmed up; then ``--repeats`` rounds go round-robin over the recipe
 steps per round, the starting recipe rotating from round to round, so slow drifts of the machine (turbo, a
 neighbour) fall on every recipe alike. ms/step is the median of every timed step. "x float32" and "x autocast"
 divide the float32 or autocast row's ms/step by the row's; compiled rows are divided by the compiled float32 and
-autocast rows. Every output is checked: a non-finite loss or output fails the row, and a row that fails (building,
-compiling or running) reads ``failed: <first line of the error>`` while the board goes on. Exit status 1 when an
-eager row failed (a compiled row may fail on a CPU for reasons of its compiler's), 0 otherwise, PASS or MISS alike.
+autocast rows. The machine line names the CPU (model, torch's capability string, avx2, avx512f, avx512_bf16,
+avx512_fp16 and the amx flags); on a CPU without native bfloat16 (no avx512_bf16 or amx_bf16) the board says that
+its bfloat16 rows measure emulated kernels, for which the targets are not set. Every output is checked: a
+non-finite loss or output fails the row, and a row that fails (building, compiling or running) reads ``failed:
+<first line of the error>`` while the board goes on. Exit status 1 when an eager row failed (a compiled row may
+fail on a CPU for reasons of its compiler's), 0 otherwise, PASS or MISS alike.
 """
 from __future__ import annotations
 
@@ -46,7 +49,6 @@ import dataclasses
 import datetime
 import gc
 import os
-import platform
 import statistics
 import sys
 import time
@@ -58,6 +60,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import autocastfx  # noqa: E402
 import autocastfx.training.heap  # noqa: E402
+from autocastfx.core import devices  # noqa: E402
 from models import GPT2, ResNet50, lm_loss  # noqa: E402
 
 LR = 1e-4
@@ -340,29 +343,32 @@ def targets(mode: str, boards: dict) -> tuple[list[str], int]:
 
 
 def machine(threads: int) -> str:
-    name, flags = None, set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and name is None:
-                    name = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = set(value.split())
-    except OSError:
-        pass
-    name = name or platform.processor() or platform.machine()
-    have = ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16"))
-    cap = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", lambda: "?")()
-    return (f"CPU: {name} ({os.cpu_count()} logical CPUs); {have}; torch {torch.__version__} (CPU capability {cap}, "
-            f"oneDNN {'yes' if torch.backends.mkldnn.is_available() else 'no'}); "
+    """The machine line: the CPU's model, its capability string and features (autocastfx.core.devices), torch,
+    the threads and the date."""
+    flags = devices.cpu_features()
+    have = ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in devices.SHOWN_FLAGS) if flags else \
+        "CPU flags unreadable"
+    cap = torch.backends.cpu.get_cpu_capability()
+    return (f"CPU: {devices.cpu_model()} ({os.cpu_count()} logical CPUs); {have}; torch {torch.__version__} (CPU "
+            f"capability {cap}, oneDNN {'yes' if torch.backends.mkldnn.is_available() else 'no'}); "
             f"{threads} thread{'s' * (threads != 1)}; "
             f"{datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}")
 
 
+def emulated_note() -> str | None:
+    """What to say of the bfloat16 rows on a CPU without native bfloat16 (None where it has it, or its flags
+    cannot be read)."""
+    if devices.native_on_cpu(BF16) is not False:
+        return None
+    return ("bfloat16 is not native on this CPU (no avx512_bf16 or amx_bf16): its bfloat16 rows measure emulated "
+            "kernels, tens of times slower than float32's, and the targets (set for native bfloat16) do not "
+            "apply; convert(dtype='auto') computes in float32 here")
+
+
 def report(args, mline: str, boards: dict, seconds: float) -> tuple[str, int]:
+    note = emulated_note()
     out, misses = [f"### CPU bfloat16 scoreboard{' (quick: tiny models, not a measurement)' if args.quick else ''}",
-                   "", mline, "",
+                   "", mline, "", *([f"**{note}.**", ""] if note else []),
                    f"`python bench/cpu_bf16.py{''.join(' ' + a for a in args.argv)}`, {seconds:.0f} s. "
                    f"{args.repeats} rounds x {args.steps} timed steps a recipe, round-robin, after the first call and "
                    f"{args.warmup} warm-up step{'s' * (args.warmup != 1)}; ms/step: the median; compiled rows' "
@@ -423,6 +429,8 @@ def main(argv=None) -> int:
     def log(s):
         print(s, file=sys.stderr, flush=True)
     log(mline)
+    if emulated_note():
+        log(f"note: {emulated_note()}")
 
     t0 = time.perf_counter()
     boards: dict[str, dict] = {}

@@ -8,7 +8,6 @@ overhead-bound step time (one thread, a model whose kernels cost almost nothing)
 import argparse
 import datetime
 import os
-import platform
 import sys
 import time
 
@@ -19,17 +18,14 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from measure import (Runner, accumulation_cast_bytes, convert_blocks_scaling, convert_hf_scaling, convert_scaling,
                      interleaved_step_times)  # noqa: E402
+from autocastfx.core import devices  # noqa: E402
 from models import GPT2, Bottleneck, ResNet50, TinyMLP, ViT, ListStack, lm_loss, transformer_stack  # noqa: E402
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {datetime.date.today()}"
+    """The machine line: the CPU (autocastfx.core.devices.cpu_summary: model, capability, features, whether its
+    bfloat16 and float16 are native), cores, torch and the date."""
+    return f"{devices.cpu_summary()}; {os.cpu_count()} cores, torch {torch.__version__}, {datetime.date.today()}"
 
 
 def workloads(quick):

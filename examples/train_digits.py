@@ -1,7 +1,11 @@
 """Train a small CNN on scikit-learn's digits (1,797 real 8x8 images, shipped with scikit-learn: no download),
-once in float32 and once converted by autocastfx with its generated, loss-scaled training step.
+once in float32 and once converted by autocastfx with its generated training step.
 
-    python examples/train_digits.py [--epochs 12] [--dtype fp16|bf16] [--plot loss.png]
+    python examples/train_digits.py [--epochs 12] [--dtype auto|fp16|bf16] [--plot loss.png]
+
+``--dtype auto`` (the default) takes the dtype that pays on this machine and prints why: bfloat16 on a CPU with
+AVX512-BF16 or AMX, float16 on one with AVX512-FP16, float32 compute elsewhere (on an AVX2 CPU bfloat16 and
+float16 run emulated, tens of times slower than float32); fp16 and bf16 force one.
 """
 import argparse
 import time
@@ -71,11 +75,32 @@ def train(name, model, step_fn, x_tr, y_tr, epochs, batch):
     return [float(v) for v in losses], time.perf_counter() - t0
 
 
+def _speed_note(chosen):
+    if chosen == torch.float32:
+        return "float32 compute, as the baseline: no low dtype runs natively on this CPU"
+    return (f"{str(chosen)[6:]}: fast with native instructions (AVX512-BF16/AMX for bfloat16, or a tensor-core "
+            "GPU), tens of times slower than float32 where a CPU emulates it")
+
+
+def print_scale(step, scaled):
+    stats = step.stats.summary()
+    history = step.stats.history()
+    if not scaled:
+        print(f"loss scaling: off, float16 gradients need it and these are not ({stats['steps']} steps, "
+              f"{stats['skipped']} skipped)")
+        return
+    changes = [(i, s) for i, (s, _) in enumerate(history) if i == 0 or s != history[i - 1][0]]
+    print(f"loss scale: {stats['scale']:g} after {stats['steps']} steps, {stats['skipped']} skipped; "
+          "changes (step, scale): " + ", ".join(f"({i}, {s:g})" for i, s in changes)
+          + ("  [init_scale='auto': the first update runs at scale 1, then the scale moves to the largest power "
+             "of two its gradients allow]" if changes and changes[0][1] == 1 else ""))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
+    ap.add_argument("--dtype", choices=["auto", "fp16", "bf16"], default="auto")
     ap.add_argument("--plot", default="digits_loss.png", help="loss-curve PNG (needs matplotlib)")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -98,27 +123,26 @@ def main():
     fp32_losses, fp32_time = train("float32", fp32, fp32_step, x_tr, y_tr, args.epochs, args.batch)
 
     # mixed precision: one call to convert, one to train_step
-    dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
+    dtype = {"auto": "auto", "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     gm = autocastfx.convert(mixed_source, (x_tr[: args.batch],), dtype=dtype)
+    chosen = gm.meta["autocastfx"].dtype
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[chosen]
+    print(f"autocastfx dtype: {str(chosen)[6:]} ({autocastfx.report(gm).totals.get('dtype_choice') or 'asked for'})\n")
     opt_mixed = torch.optim.AdamW(mixed_source.parameters(), lr=3e-3, weight_decay=1e-4)
-    step = autocastfx.train_step(gm, F.cross_entropy, opt_mixed)
-    mixed_losses, mixed_time = train(args.dtype, gm, step, x_tr, y_tr, args.epochs, args.batch)
+    # float16 gradients need loss scaling; bfloat16's range and float32's do not
+    step = autocastfx.train_step(gm, F.cross_entropy, opt_mixed,
+                                 loss_scale="dynamic" if chosen == torch.float16 else None)
+    mixed_losses, mixed_time = train(f"{name} ({args.dtype})", gm, step, x_tr, y_tr, args.epochs, args.batch)
 
     acc32, accmp = accuracy(fp32, x_te, y_te), accuracy(gm, x_te, y_te)
-    print(f"\ntest accuracy: float32 {acc32:.2f}%   autocastfx {args.dtype} {accmp:.2f}%   "
+    print(f"\ntest accuracy: float32 {acc32:.2f}%   autocastfx {name} {accmp:.2f}%   "
           f"(difference {accmp - acc32:+.2f} points)")
-    print(f"train time on this machine: float32 {fp32_time:.1f}s, {args.dtype} {mixed_time:.1f}s "
-          "(a CPU runs float16 slowly; on a tensor-core GPU the low-precision run is the fast one)\n")
+    print(f"train time on this machine: float32 {fp32_time:.1f}s, autocastfx {name} {mixed_time:.1f}s "
+          f"({_speed_note(chosen)})\n")
     print(autocastfx.report(gm))
     print("\nthe generated training step:\n")
     print(step.code)
-    stats = step.stats.summary()
-    history = step.stats.history()
-    changes = [(i, s) for i, (s, _) in enumerate(history) if i == 0 or s != history[i - 1][0]]
-    print(f"loss scale: {stats['scale']:g} after {stats['steps']} steps, {stats['skipped']} skipped; "
-          "changes (step, scale): " + ", ".join(f"({i}, {s:g})" for i, s in changes)
-          + ("  [init_scale='auto': the first update runs at scale 1, then the scale moves to the largest power "
-             "of two its gradients allow]" if changes and changes[0][1] == 1 else ""))
+    print_scale(step, chosen == torch.float16)
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -128,7 +152,7 @@ def main():
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(fp32_losses, label=f"float32 (test {acc32:.1f}%)", alpha=0.8)
-    ax.plot(mixed_losses, label=f"autocastfx {args.dtype} (test {accmp:.1f}%)", alpha=0.8)
+    ax.plot(mixed_losses, label=f"autocastfx {name} (test {accmp:.1f}%)", alpha=0.8)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_yscale("log")

@@ -1,9 +1,13 @@
-"""The README's demo runs end to end (one epoch here) and reports both accuracies."""
+"""The README's demo runs end to end (one epoch here), says which dtype it chose and why, and reports both
+accuracies."""
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from autocastfx.core import devices
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -14,7 +18,14 @@ def test_train_digits_runs(tmp_path):
                            "--plot", str(tmp_path / "loss.png")], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert "test accuracy: float32" in out and "autocastfx fp16" in out
+    # dtype="auto": what it chose on this CPU and why (float32 compute where no low dtype is native)
+    chosen = out.split("autocastfx dtype: ", 1)[1].split()[0]
+    assert chosen in ("float32", "bfloat16", "float16")
+    assert f"autocastfx dtype: {chosen} (auto: {chosen} on this CPU: " in out
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[chosen]
+    assert "test accuracy: float32" in out and f"autocastfx {short}" in out
+    if devices.cpu_features():
+        assert chosen == str(devices.choose(torch.device("cpu"))[0]).removeprefix("torch.")
     assert "def train_step(inputs, *targets):" in out and "casts per forward" in out
     acc = [float(tok.rstrip("%")) for tok in out.split("test accuracy:")[1].split("\n")[0].split() if tok.endswith("%")]
     assert len(acc) == 2 and acc[1] > 80.0  # one epoch already learns the digits

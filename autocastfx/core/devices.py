@@ -1,18 +1,30 @@
-"""Which low dtype pays on which device: ``convert(dtype="auto")``.
+"""Which dtype pays on which device: ``convert(dtype="auto")``.
 
 CUDA GPUs run float16 and bfloat16 on tensor cores (float16 by default: the seed documents' recipe, with loss
 scaling). On a CPU only the dtypes its instruction set computes natively are fast: bfloat16 with AVX512-BF16 or
 AMX-BF16, float16 with AVX512-FP16 or AMX-FP16. Elsewhere the kernels convert element by element and run far
 slower than float32: on a 2-core AVX512-BF16 machine without float16 hardware, a 512x512 matmul ran 17.9
 GFLOP/s in float32, 34.8 in bfloat16 and 2.7 in float16, and 2048x2048 ones under 1 GFLOP/s in float16 against
-98 in float32 (docs/benchmarks.md).
+98 in float32 (docs/benchmarks.md); on a 2-core AVX2 machine (no AVX-512), 69 GFLOP/s in float32 and about 1.3
+in both bfloat16 and float16. There ``"auto"`` computes in float32: the converted module keeps the model's
+dtypes. Where the flags cannot be read (no /proc/cpuinfo, or another architecture's), one small matmul per
+dtype, timed once per process, decides instead.
 """
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 from ..base.quiet import warn_user
+
+# the flags that make a low dtype native on a CPU (Linux's names)
+NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
+ACCEPTED = ("torch.float16 or torch.bfloat16 (None: float16, the default) or 'auto' (the dtype that pays on the "
+            "model's device, float32 compute where no low dtype does)")
+PROBE_SIZE = 256   # the probe's square matmul: big enough for the kernels to show, quick when emulated (~30 ms)
+PROBE_GAIN = 1.25  # a low dtype measured at least this much faster than float32 is chosen
 
 
 class SlowDtypeWarning(UserWarning):
@@ -32,35 +44,106 @@ def cpu_features() -> frozenset[str]:
     return frozenset()
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_model() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), else what ``platform`` knows, else ``"unknown"``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def cpu_summary() -> str:
+    """One line naming this CPU: model, torch's kernel capability, which of ``SHOWN_FLAGS`` it has, and whether
+    its bfloat16/float16 matmuls are native or emulated."""
+    flags = cpu_features()
+    if flags:
+        have = [f for f in SHOWN_FLAGS if f in flags]
+        shown = f"flags {' '.join(have) or 'none of ' + ' '.join(SHOWN_FLAGS)}"
+    else:
+        shown = "flags unreadable"
+    kinds = []
+    for dtype in NATIVE_FLAGS:
+        native = native_on_cpu(dtype)
+        kinds.append(f"{_name(dtype)} {'unknown' if native is None else 'native' if native else 'emulated'}")
+    return (f"CPU: {cpu_model()}; torch capability {torch.backends.cpu.get_cpu_capability()}; {shown}; "
+            f"{', '.join(kinds)}")
+
+
 def native_on_cpu(dtype: torch.dtype) -> bool | None:
     """Whether this CPU computes ``dtype`` natively (None: its flags cannot be read)."""
     flags = cpu_features()
     if not flags:
         return None
-    want = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}[dtype]
-    return any(f in flags for f in want)
+    return any(f in flags for f in NATIVE_FLAGS[dtype])
+
+
+@functools.lru_cache(maxsize=1)
+def measured_rates() -> dict[torch.dtype, float]:
+    """GFLOP/s of one ``PROBE_SIZE`` square matmul on this CPU in float32, bfloat16 and float16 (best of three
+    runs after one warm-up), measured once per process."""
+    n = PROBE_SIZE
+    gen = torch.Generator().manual_seed(0)  # the caller's random state is left alone
+    rates = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
+        torch.mm(a, b)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - t0)
+        rates[dtype] = 2 * n ** 3 / max(best, 1e-9) / 1e9
+    return rates
 
 
 def choose(device: torch.device) -> tuple[torch.dtype, str]:
-    """``dtype="auto"``: the low dtype for ``device`` and why."""
+    """``dtype="auto"``: the compute dtype for ``device`` (a low one, or float32 where none pays) and why."""
     if device.type == "cuda":
         return torch.float16, "float16 on CUDA: tensor cores, the widest support (loss-scaled)"
-    if device.type == "cpu":
-        bf16 = native_on_cpu(torch.bfloat16)
-        if bf16:
-            return torch.bfloat16, "bfloat16 on this CPU: native (AVX512-BF16/AMX), about 2x float32's matmul speed"
-        if native_on_cpu(torch.float16):
-            return torch.float16, "float16 on this CPU: native (AVX512-FP16/AMX-FP16)"
-        return torch.bfloat16, ("bfloat16 on this CPU: no native low-precision matmul here, and bfloat16's "
-                                "converted kernels are the faster of the two; float32 may be faster still")
-    return torch.bfloat16, f"bfloat16 on {device.type}"
+    if device.type != "cpu":
+        return torch.bfloat16, f"bfloat16 on {device.type}"
+    if not cpu_features():
+        return _choose_by_probe()
+    if native_on_cpu(torch.bfloat16):
+        return torch.bfloat16, "bfloat16 on this CPU: native (AVX512-BF16/AMX), about 2x float32's matmul speed"
+    if native_on_cpu(torch.float16):
+        return torch.float16, "float16 on this CPU: native (AVX512-FP16/AMX-FP16)"
+    have = "AVX-512 without BF16/FP16" if "avx512f" in cpu_features() else (
+        "AVX2 without AVX-512" if "avx2" in cpu_features() else "no AVX2")
+    return torch.float32, (
+        f"float32 on this CPU: {have}, no native bfloat16 (avx512_bf16, amx_bf16) nor float16 (avx512_fp16, "
+        "amx_fp16) instructions, so bfloat16 and float16 matmuls and convolutions run emulated, tens of times "
+        "slower than float32 (a 512x512 matmul on a 2-core AVX2 machine: 69 GFLOP/s in float32, about 1.3 in "
+        "bfloat16 and float16); no casts, parameters kept float32, no padding")
+
+
+def _choose_by_probe() -> tuple[torch.dtype, str]:
+    """``choose`` on a CPU whose flags cannot be read: the fastest dtype of ``measured_rates``."""
+    rates = measured_rates()
+    low = max((torch.bfloat16, torch.float16), key=lambda d: rates[d])
+    told = ", ".join(f"{_name(d)} {r:.1f}" for d, r in rates.items())
+    measured = f"its flags cannot be read; a {PROBE_SIZE}x{PROBE_SIZE} matmul measured GFLOP/s: {told}"
+    if rates[low] >= PROBE_GAIN * rates[torch.float32]:
+        return low, f"{_name(low)} on this CPU: {measured}"
+    return torch.float32, (f"float32 on this CPU: {measured}; no low dtype is faster, so no casts, parameters "
+                           "kept float32, no padding")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def slow_note(dtype: torch.dtype, device: torch.device) -> str | None:
     """What to say when ``dtype`` has no fast kernels on ``device``, else None."""
     if device.type != "cpu" or native_on_cpu(dtype) is not False:
         return None
-    name = str(dtype).removeprefix("torch.")
+    name = _name(dtype)
     other = torch.bfloat16 if dtype == torch.float16 else torch.float16
     better = "; bfloat16 is native here" if native_on_cpu(other) and other == torch.bfloat16 else ""
     return (f"{name} has no fast kernels on this CPU (no native {name} instructions): its matmuls and "
@@ -70,11 +153,12 @@ def slow_note(dtype: torch.dtype, device: torch.device) -> str | None:
 
 
 def resolve(dtype, device: torch.device) -> tuple[torch.dtype, str | None]:
-    """(the low dtype to convert to, what the report says of the choice). ``None`` is float16, the default;
-    ``"auto"`` chooses by device; an explicit dtype with no fast kernels on the device is warned about."""
+    """(the dtype to convert to, what the report says of the choice). ``None`` is float16, the default;
+    ``"auto"`` chooses by device, float32 compute included; an explicit dtype with no fast kernels on the device
+    is warned about."""
     if isinstance(dtype, str):
         if dtype != "auto":
-            raise ValueError(f"dtype must be torch.float16, torch.bfloat16 or 'auto', got {dtype!r}")
+            raise ValueError(f"dtype must be {ACCEPTED}, got {dtype!r}")
         chosen, why = choose(device)
         return chosen, f"auto: {why}"
     if dtype is None:

@@ -128,7 +128,8 @@ def _only_changes_dtype(node: fx.Node, device: str) -> bool:
 
 
 def apply_plan(gm: fx.GraphModule, plan: CastPlan) -> None:
-    """Insert the planned casts, switch the fp32_out ops to ``dtype=torch.float32``, record decisions."""
+    """Insert the planned casts, switch the fp32_out ops to ``dtype=torch.float32``, record decisions; a
+    float32-compute plan (``plan.dtype`` float32) gets neither where its values already are float32."""
     graph = gm.graph
     low = plan.dtype
     by_name = {n.name: n for n in graph.nodes}
@@ -142,6 +143,8 @@ def apply_plan(gm: fx.GraphModule, plan: CastPlan) -> None:
     for value_name, to_low in plan.casts:
         value = by_name[value_name]
         target = low if to_low else torch.float32
+        if low == torch.float32 and value.meta[K.INFO].dtype == torch.float32:
+            continue  # float32 compute: both labels are float32, and so is this value already
         readers = {r.consumer for r in plan.reqs[value_name]
                    if (r.kind == "same" and label.get(r.consumer) == to_low)
                    or (r.kind == "fixed" and r.label == to_low)}
@@ -164,7 +167,8 @@ def apply_plan(gm: fx.GraphModule, plan: CastPlan) -> None:
             continue
         np_: NodePlan | None = plan.nodes.get(node.name)
         dtype = None if np_ is None or np_.label is None else (low if np_.label == LOW else torch.float32)
-        if np_ is not None and np_.fp32_out:
+        fp32_out = np_ is not None and np_.fp32_out and low != torch.float32  # float32 inputs need no dtype=
+        if fp32_out:
             module = gm.get_submodule(node.target) if node.op == "call_module" else None
             dims = global_pool_dims(node, module)
             if dims is not None:  # adaptive average pooling to 1x1 is a mean, which takes dtype=
@@ -180,11 +184,11 @@ def apply_plan(gm: fx.GraphModule, plan: CastPlan) -> None:
         reason = np_.reason
         if np_.op_class in (OpClass.FOLLOW, OpClass.PROMOTE, OpClass.NORM) and np_.label is not None:
             reason += f" -> {_SHORT[dtype]} (min-cut)"
-        if np_.fp32_out:
+        if fp32_out:
             reason += " -> dtype=torch.float32 on a low input"
         node.meta["autocastfx"] = Decision(kind, None if np_.op_class is None else np_.op_class.value, dtype,
                                            reason, tuple(casts_in.get(node.name, ())),
-                                           added_dtype_kwarg=np_.fp32_out)
+                                           added_dtype_kwarg=fp32_out)
     graph.lint()
     gm.recompile()
 

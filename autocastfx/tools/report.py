@@ -62,18 +62,12 @@ class Report:
             return "\n".join(lines)
         if t.get("options"):
             lines.append(f"options: {t['options']}")
-        lines.append(f"captured by {t['capture']}; low dtype {t['dtype']}; nodes per dtype: "
-                     + ", ".join(f"{k} {v}" for k, v in t["nodes_per_dtype"].items()))
-        lines.append(f"casts per forward: {t['casts']} ({t['cast_bytes']:,} bytes); naive rule would use "
-                     f"{t['casts_naive']} ({t['cast_bytes_naive']:,} bytes)")
-        lines.append(f"parameters cast low: {t['low_parameters']} (float32 in the module, cast once per forward); "
-                     f"model casts absorbed: {t['absorbed_casts']}")
-        lines.append(f"matmul/conv FLOPs in low precision: {t['low_flop_share']:.1%} "
-                     f"of {t['flops']:,} per forward")
+        lines += _summary(t)
         if t.get("shapes", "fake") != "fake":
             lines.append(f"shapes and dtypes learnt from a {t['shapes']}")
         if t.get("dtype_choice"):
-            lines.append(f"low dtype: {t['dtype_choice']}")
+            lines.append(f"{'compute dtype float32 (' if t['dtype'] == 'fp32' else 'low dtype: '}"
+                         f"{t['dtype_choice']}{')' if t['dtype'] == 'fp32' else ''}")
         if t.get("weights_from"):
             lines.append(f"weights: {t['weights_from']}")
         if t.get("unclassified"):
@@ -108,6 +102,24 @@ class Report:
                                    ("reshape_copies", "reshape copy")):
                     lines += [f"  {label}: {v}" for v in lay[key]]
         return "\n".join(lines)
+
+
+def _summary(t: dict[str, Any]) -> list[str]:
+    """The totals' lines on dtypes, casts, parameters and FLOPs; for a float32-compute conversion (``"auto"``
+    where no low dtype pays), what it kept float32 instead."""
+    per_dtype = ", ".join(f"{k} {v}" for k, v in t["nodes_per_dtype"].items())
+    if t["dtype"] == "fp32":
+        return [f"captured by {t['capture']}; compute dtype float32, no low dtype; nodes per dtype: {per_dtype}",
+                f"casts per forward: {t['casts']} ({t['cast_bytes']:,} bytes)",
+                f"parameters: float32, read as they are (no casts); model casts absorbed: "
+                f"{t['absorbed_casts']}",
+                f"matmul/conv FLOPs: {t['flops']:,} per forward, all in float32"]
+    return [f"captured by {t['capture']}; low dtype {t['dtype']}; nodes per dtype: {per_dtype}",
+            f"casts per forward: {t['casts']} ({t['cast_bytes']:,} bytes); naive rule would use "
+            f"{t['casts_naive']} ({t['cast_bytes_naive']:,} bytes)",
+            f"parameters cast low: {t['low_parameters']} (float32 in the module, cast once per forward); "
+            f"model casts absorbed: {t['absorbed_casts']}",
+            f"matmul/conv FLOPs in low precision: {t['low_flop_share']:.1%} of {t['flops']:,} per forward"]
 
 
 def _cut(s: str, w: int) -> str:
@@ -156,7 +168,7 @@ def report(gm: fx.GraphModule) -> Report:
             per_dtype[_SHORT[d.dtype]] = per_dtype.get(_SHORT[d.dtype], 0) + 1
         if node_flops:
             flops += node_flops
-            if d.dtype == info.dtype:
+            if d.dtype == info.dtype and info.dtype != torch.float32:  # float32 compute: no low FLOPs
                 low_flops += node_flops
     plan = info.plan
     totals = {
