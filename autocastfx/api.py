@@ -48,7 +48,9 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
             dtype: torch.dtype | str | None = None, policy: Policy | None = None, pad_multiple: int = 8,
             master_weights: bool = False, keep_io_types: bool = True, memory_format: str = "auto",
             blocks: Any = "auto") -> fx.GraphModule:
-    """Rewrite ``model`` into an explicit mixed-precision ``torch.fx.GraphModule``; ``model`` is not modified.
+    """Rewrite ``model`` into an explicit mixed-precision ``torch.fx.GraphModule`` that shares ``model``'s
+    parameters and buffers (the same tensors, as ``torch.compile(model)`` does: training either trains both, and
+    either's ``state_dict()`` is the trained float32 model); ``model``'s modules and code are not changed.
 
     ``dtype``: ``torch.float16`` (the default, ``None``), ``torch.bfloat16``, or ``"auto"``: the one that pays on
     the model's device (float16 on CUDA, bfloat16 on a CPU with native bfloat16, float32 compute on a CPU with

@@ -28,7 +28,7 @@ from .report import Report, Row
 
 FORMAT = "autocastfx.save"
 VERSION = 2  # 1 kept float32 masters beside stored-low weights; 2 holds the float32 parameters
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class FormatError(ValueError):

@@ -48,12 +48,15 @@ def for_inference(gm: fx.GraphModule, example_inputs: tuple | None = None, *,
         example_inputs, example_kwargs = example_inputs_of(gm)
     f32 = float32_eval_program(gm)
     folded = fold_batch_norms(f32)
-    inf = convert(f32, tuple(example_inputs or ()), example_kwargs=example_kwargs, dtype=info.dtype,
+    float32 = info.dtype == torch.float32  # converted for float32 compute ("auto" where no low dtype paid)
+    inf = convert(f32, tuple(example_inputs or ()), example_kwargs=example_kwargs,
+                  dtype="auto" if float32 else info.dtype,
                   policy=info.policy, pad_multiple=1,
                   keep_io_types=info.options.get("keep_io_types", True),
                   memory_format=info.options.get("memory_format", "auto"))
     inf.eval()
-    stored = store_every_weight_low(inf, info.dtype)
+    low = inf.meta["autocastfx"].dtype
+    stored = store_every_weight_low(inf, low) if low != torch.float32 else []
     new = inf.meta["autocastfx"]
     new.extra_totals["inference"] = {"batch_norms_folded": folded, "weights_stored_low_and_cast_up": stored}
     return inf
@@ -216,13 +219,14 @@ def store_every_weight_low(gm: fx.GraphModule, dtype: torch.dtype) -> list[str]:
                 owner, _, name = str(node.target).rpartition(".")
                 low = nn.Parameter(p.detach().to(dtype), requires_grad=False)
                 setattr(gm.get_submodule(owner), name, low)
-                for cast in [u for u in node.users if _casts_to(u, dtype)]:  # read low: the weight itself now
-                    cast.replace_all_uses_with(node)
-                    gm.graph.erase_node(cast)
-                if node.users:  # read in float32 too: cast up there
+                casts = [u for u in node.users if _casts_to(u, dtype)]
+                if len(casts) < len(node.users):  # read in float32 too: cast up there
                     with gm.graph.inserting_after(node):
                         up = gm.graph.call_method("to", (node, torch.float32))
-                    node.replace_all_uses_with(up, delete_user_cb=lambda u: u is not up)
+                    node.replace_all_uses_with(up, delete_user_cb=lambda u: u is not up and u not in casts)
+                for cast in casts:  # read low: the stored weight itself now
+                    cast.replace_all_uses_with(node)
+                    gm.graph.erase_node(cast)
                 stored.append(str(node.target))
         elif node.op == "call_module":
             m = gm.get_submodule(str(node.target))

@@ -32,7 +32,8 @@ from .source import SourceOptions, step_source
 
 
 class _DynamicDefault(str):
-    """The default ``loss_scale``: "dynamic" for float16, off for bfloat16 (whose range needs no scaling)."""
+    """The default ``loss_scale``: "dynamic" for float16, off for bfloat16 and float32 compute (whose range needs
+    no scaling)."""
 
 
 DYNAMIC = _DynamicDefault("dynamic")
@@ -157,7 +158,7 @@ def _checked_options(info, loss_fn, optimizer, loss_scale, init_scale, on_overfl
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise ValueError(f"clip_grad_norm must be > 0 or None, got {clip_grad_norm!r}")
     if isinstance(loss_scale, _DynamicDefault):
-        mode = "off" if info.dtype == torch.bfloat16 else "dynamic"
+        mode = "dynamic" if info.dtype == torch.float16 else "off"
     elif loss_scale is None:
         mode = "off"
     elif loss_scale == "dynamic":

@@ -93,7 +93,8 @@ def _quiet_run(tree: nn.Module, low: torch.dtype | None = None, inputs: Any = No
     """The one run: eval mode, no gradients, the RNG as it was before. With ``low``, the model's own code
     between the blocks runs under torch.autocast, so that a block's low output is taken by the float32 code
     after it (the converted model's plan casts there instead); the blocks themselves run without it."""
-    auto = torch.autocast(_device_type(inputs), dtype=low) if low is not None else contextlib.nullcontext()
+    auto = torch.autocast(_device_type(inputs), dtype=low) if low is not None and low != torch.float32 \
+        else contextlib.nullcontext()
     with torch.random.fork_rng(devices=[]), torch.no_grad(), auto, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*[Mm]ismatch dtype.*")
         flags = [(m, m.training) for m in tree.modules()]
