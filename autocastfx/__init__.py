@@ -17,11 +17,12 @@ from .tools.report import Report, report
 from .core.rewrite import Decision
 from .training.scaling import LossScaleError
 from .training.step import StepStats, TrainStep
+from .training.heap import keep_cpu_memory
 
 __all__ = ["convert", "report", "master_parameters", "Policy", "OpClass", "Report", "CastPlan", "Decision",
            "ConvertInfo", "CaptureError", "train_step", "TrainStep", "StepStats", "LossScaleError", "StepError",
            "export", "save", "load", "FormatError", "ExportCheckError", "ExportError", "for_inference", "calibrate",
            "grad_histogram", "GradHistogram", "CudaGraphStep", "shard", "save_checkpoint", "load_checkpoint",
            "checkpoint_blocks", "compile_blocks", "float32_state_dict", "float32_weights", "materialize",
-           "SlowDtypeWarning"]
+           "SlowDtypeWarning", "keep_cpu_memory"]
 __version__ = "0.1.0"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
 import itertools
 import warnings
 from typing import Any
@@ -92,10 +91,7 @@ def _convert_any(model: nn.Module, args: tuple, kwargs: dict, options: ConvertOp
         # shapes alone, for the device of the real example inputs (the CPU where they are on meta too): the
         # parameters and buffers stay on meta, for gm.to_empty(device=...) and gm.load_state_dict(...)
         ctx = ctx.replace(meta_device=_device_of(model, args, kwargs))
-    # a conversion makes many small objects and frees few: cyclic collections only cost time (with blocks, most
-    # of a copied block's cost)
-    with _no_gc():
-        return _convert_model(model, args, kwargs, options, ctx)
+    return _convert_model(model, args, kwargs, options, ctx)
 
 
 def _conversions() -> Conversions:
@@ -329,19 +325,6 @@ def _keep_non_persistent(gm: nn.Module, model: nn.Module) -> None:
                 continue
             if attr in mod._buffers:
                 mod._non_persistent_buffers_set.add(attr)
-
-
-@contextlib.contextmanager
-def _no_gc():
-    """The cyclic garbage collector off for the duration (and back on only if it was on): a graph of thousands
-    of nodes, each with its dicts and proxies, set off collections that were a fifth of convert()'s time."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 @contextlib.contextmanager

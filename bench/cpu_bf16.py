@@ -20,9 +20,9 @@ Recipes (one model's weights, seed 0, copied into each):
   (the step switches AdamW to its fused kernel itself); inference: ``gm.eval()`` and ``gm(x)`` under no_grad.
 - autocastfx, plain loop (training only): the same ``gm`` in the loop the float32 row runs (zero_grad, forward,
   loss, backward, fused AdamW over ``gm.parameters()``), with no ``train_step``: what a user's own loop gets.
-- the heap (``--heap``): the autocastfx step tells glibc once per process to keep freed memory for the next step
-  (``keep_cpu_memory=True``, its CPU default). That setting is the process's, so every recipe of the board runs
-  under it (``--heap keep``, the default), or none does (``--heap glibc``: the step given ``keep_cpu_memory=False``).
+- the heap (``--heap``): ``autocastfx.keep_cpu_memory()`` tells glibc once per process to keep freed memory for the
+  next step. That setting is the process's, so every recipe of the board runs under it (``--heap keep``, the
+  default), or none does (``--heap glibc``: glibc's defaults).
 - each of the three compiled: ``torch.compile(model)`` (the autocast context around the compiled call) and
   ``torch.compile(gm)`` given to ``train_step``, or called in eval mode. The optimizer stays eager in every row.
 
@@ -150,8 +150,7 @@ def build(mode: str, recipe: str, model: torch.nn.Module, x, y, loss_fn, backend
         del model
         target = torch.compile(gm, backend=backend) if compiled else gm
         if mode == "train":
-            step = autocastfx.train_step(target, loss_fn, torch.optim.AdamW(gm.parameters(), lr=LR),
-                                         keep_cpu_memory=autocastfx.training.heap.kept())  # as --heap set it
+            step = autocastfx.train_step(target, loss_fn, torch.optim.AdamW(gm.parameters(), lr=LR))
             return lambda: step(x, y)
         gm.eval()
 
@@ -400,7 +399,7 @@ def main(argv=None) -> int:
     ap.add_argument("--heap", choices=("keep", "glibc"), default="keep",
                     help="keep: freed memory kept for the next step, for every recipe (what the autocastfx step does "
                          "on the CPU, process-wide: autocastfx.training.heap); glibc: glibc's defaults for every "
-                         "recipe (the step given keep_cpu_memory=False)")
+                         "recipe")
     ap.add_argument("--markdown", default=None, help="write the result as Markdown to this file")
     args = ap.parse_args(argv)
     args.argv = argv
@@ -422,7 +421,7 @@ def main(argv=None) -> int:
             setattr(torch._dynamo.config, name, value)
     recipes = list(EAGER) + ([] if args.no_compile else [r + "-compile" for r in EAGER])
     if args.heap == "keep":  # process-wide: before any recipe runs, so every recipe runs under it
-        autocastfx.training.heap.keep_freed_memory()
+        autocastfx.keep_cpu_memory()
     mline = machine(args.threads) + "; " + (autocastfx.training.heap.status() if args.heap == "keep" else
                                             "glibc's malloc at its defaults") + ", every recipe alike"
 

@@ -1,6 +1,6 @@
-"""The CPU step keeps freed memory for the next step (autocastfx.training.heap), checked by its effect: the page
-faults a process takes to allocate and fill 64 MiB again after freeing it, the last two of six times. Each case runs in a fresh process, since
-glibc's setting is process-wide."""
+"""autocastfx.keep_cpu_memory() keeps freed CPU memory for the next step (autocastfx.training.heap), and nothing
+else does: checked by the effect, the page faults a process takes to allocate and fill 64 MiB again after freeing
+it, the last two of six times. Each case runs in a fresh process, since glibc's setting is process-wide."""
 import os
 import subprocess
 import sys
@@ -18,9 +18,10 @@ from autocastfx.training import heap
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
 x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+if sys.argv[1] == "keep":
+    autocastfx.keep_cpu_memory()
 gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
-step = autocastfx.train_step(gm, nn.functional.cross_entropy, torch.optim.AdamW(gm.parameters()),
-                             keep_cpu_memory=sys.argv[1] == "keep")
+step = autocastfx.train_step(gm, nn.functional.cross_entropy, torch.optim.AdamW(gm.parameters()))
 step(x, y)
 faults = []
 for _ in range(6):
@@ -43,7 +44,7 @@ def _run(mode, **env):
 
 
 @pytest.mark.skipif(torch.__config__.show().find("jemalloc") >= 0, reason="torch built with jemalloc")
-def test_the_cpu_step_keeps_freed_memory_and_says_so():
+def test_keep_cpu_memory_keeps_freed_memory_and_a_step_alone_leaves_the_allocator_be():
     kept, faults, doc = _run("keep")
     assert kept and "freed CPU memory kept for the next step" in doc
     # 64 MiB again from the heap: no fresh page (16,384 of them otherwise) once the heap has room for it whole (a
@@ -51,7 +52,7 @@ def test_the_cpu_step_keeps_freed_memory_and_says_so():
     assert faults < 1000, faults
 
     kept, faults, doc = _run("leave")
-    assert not kept and "CPU memory left to the allocator (keep_cpu_memory=False)" in doc
+    assert not kept and "autocastfx.keep_cpu_memory() not called" in doc  # convert() and a step changed nothing
     if not _huge_pages_always():  # else 64 MiB of fresh memory is 32 faults of 2 MiB pages
         assert faults > 16_000 * 0.9, faults  # glibc's default: fresh pages every time, each faulted in
 
@@ -71,10 +72,3 @@ def test_the_users_allocator_settings_stand():
     assert not kept and "glibc.malloc tunables in GLIBC_TUNABLES" in doc
     kept, faults, doc = _run("keep", GLIBC_TUNABLES="glibc.pthread.rseq=0")  # not the allocator's: kept
     assert kept, doc
-
-
-def test_keep_cpu_memory_must_be_a_bool():
-    gm = autocastfx.convert(torch.nn.Linear(4, 4), (torch.randn(2, 4),), dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="keep_cpu_memory must be True or False"):
-        autocastfx.train_step(gm, torch.nn.functional.mse_loss, torch.optim.SGD(gm.parameters(), lr=0.1),
-                              keep_cpu_memory="yes")

@@ -1,9 +1,9 @@
-"""TODO"""
+"""Warnings and logs: torch's own internal warnings set off by the way autocastfx drives it are hidden for the
+call that sets them off, and autocastfx's warnings point at the user's line (:func:`warn_user`)."""
 from __future__ import annotations
 import contextlib
 import os
 import sys
-import io
 import logging
 import warnings
 
@@ -32,14 +32,15 @@ def torch_internal_warnings_off():
 
 @contextlib.contextmanager
 def _quiet():
+    """Meanwhile, torch.export's and fake tensors' loggers speak only of errors (a failing capture logs a traceback
+    per op that raises; the raised error says it all). Nothing else of the process is touched."""
     loggers = [logging.getLogger(n) for n in ("torch.fx.experimental.symbolic_shapes", "torch._export",
                                                "torch.export", "torch._dynamo", "torch._subclasses.fake_tensor")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:  # fake tensors log a traceback for each op that raises: the raised error is enough
         lg.setLevel(logging.CRITICAL if lg.name == "torch._subclasses.fake_tensor" else logging.ERROR)
     try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            yield
+        yield
     finally:
         for lg, lv in zip(loggers, levels):
             lg.setLevel(lv)

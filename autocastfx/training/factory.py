@@ -10,8 +10,7 @@ from .step import DYNAMIC, TrainStep
 
 def train_step(gm, loss_fn, optimizer, *, loss_scale=DYNAMIC, init_scale="auto", growth_factor=2.0,
                backoff_factor=0.5, growth_interval=2000, min_scale=1.0, hysteresis=1, on_overflow="skip",
-               max_retries=8, accum_steps=1, clip_grad_norm=None, cuda_graph: bool = False,
-               keep_cpu_memory: bool = True):
+               max_retries=8, accum_steps=1, clip_grad_norm=None, cuda_graph: bool = False):
     """A generated, loss-scaled training step for a converted module (see training.step): the optional faster
     path beside a plain loop, which trains the same float32 parameters.
 
@@ -36,10 +35,6 @@ def train_step(gm, loss_fn, optimizer, *, loss_scale=DYNAMIC, init_scale="auto",
     ``accum_steps``: call the step once per micro-batch; the update happens on every ``accum_steps``-th call
     (under DDP and FSDP2 gradients are synchronised on that call only).
     ``clip_grad_norm``: clip by the global norm (over every shard of every rank).
-    ``keep_cpu_memory``: on the CPU, glibc is told once per process to keep freed memory for the next step
-    instead of handing it back and faulting it in again (``autocastfx.training.heap``: 5-10% of a ResNet-50 step
-    here; the process's resident memory stays at its peak). False leaves the allocator alone; the step's docstring
-    (``print(step.code)``) says which.
     ``cuda_graph=True``: the step captured and replayed as one CUDA graph (``training.graphed.CudaGraphStep``;
     one process: DDP and FSDP2 are refused before anything changes).
     """
@@ -56,7 +51,7 @@ def train_step(gm, loss_fn, optimizer, *, loss_scale=DYNAMIC, init_scale="auto",
     step = TrainStep(gm, loss_fn, optimizer, parallel=parallel, loss_scale=loss_scale, init_scale=init_scale,
                      growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval,
                      min_scale=min_scale, hysteresis=hysteresis, on_overflow=on_overflow, max_retries=max_retries,
-                     accum_steps=accum_steps, clip_grad_norm=clip_grad_norm, keep_cpu_memory=keep_cpu_memory)
+                     accum_steps=accum_steps, clip_grad_norm=clip_grad_norm)
     return graphed.CudaGraphStep(step) if cuda_graph else step
 
 

@@ -1,11 +1,11 @@
-"""Freed CPU memory kept for the next step: glibc told not to hand it back to the system.
+"""``autocastfx.keep_cpu_memory()``: glibc told to keep freed memory for the next step, an explicit, process-wide
+deployment setting that nothing in autocastfx makes by itself.
 
 A training step on the CPU allocates and frees the same few hundred megabytes every step (activations, the
 gradients of both precisions). glibc's malloc gives a free block at the top of its heap back to the system once it
 exceeds its trim threshold, and serves every allocation above its mmap threshold (32 MiB at most) with fresh pages:
-the next step faults each of those pages in again, zeroed by the kernel. On ResNet-50 (batch 16, 96 px, bf16, 2
-threads) that is 16,000-34,000 page faults a step, 5-10% of the step's time, for torch.autocast and autocastfx
-alike (docs/benchmarks.md). The CUDA caching allocator keeps freed blocks for this reason, and PyTorch's CPU
+the next step faults each of those pages in again, zeroed by the kernel: thousands of page faults a step, for
+torch.autocast and autocastfx alike (docs/benchmarks.md has the measurements). The CUDA caching allocator keeps freed blocks for this reason, and PyTorch's CPU
 launcher (``python -m torch.backends.xeon.run_cpu``) preloads jemalloc or tcmalloc for it.
 
 :func:`keep_freed_memory` does the same in-process: ``mallopt(M_TRIM_THRESHOLD)`` and ``mallopt(M_MMAP_THRESHOLD)``
@@ -13,13 +13,14 @@ raised, so freed memory stays in the heap and the next step reuses it without a 
 one setting), so it is done once, and only where it means something: glibc is the allocator (no jemalloc, tcmalloc
 or mimalloc preloaded) and the user set none of ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``,
 ``MALLOC_TOP_PAD_`` or a ``glibc.malloc.*`` tunable in ``GLIBC_TUNABLES`` (their choice stands). glibc before
-2.33 or so takes an mmap threshold of 32 MiB at most: that is used there (the step's buckets are 16 MiB).
+2.33 or so takes an mmap threshold of 32 MiB at most: that is used there. The same effect without any code:
+``MALLOC_TRIM_THRESHOLD_=2147483647 MALLOC_MMAP_THRESHOLD_=1073741824 python train.py`` (or preload jemalloc or
+tcmalloc, as ``torch.backends.xeon.run_cpu`` does).
 
 What it costs: the process's resident memory stays at its peak instead of shrinking between steps (nothing is
 allocated that was not already used; a later step reuses it), in processes forked after it too (DataLoader
-workers). Threads other than the main one allocate from arenas of at most 64 MiB, whose larger blocks are still
-mapped afresh. The training step does it on the CPU unless given ``keep_cpu_memory=False``; its generated source
-says so in its docstring.
+workers), and it cannot be undone. Threads other than the main one allocate from arenas of at most 64 MiB, whose
+larger blocks are still mapped afresh. The training step's docstring says which state the process is in.
 """
 from __future__ import annotations
 
@@ -106,7 +107,18 @@ def status() -> str:
     if _state["kept"]:
         return (f"freed CPU memory kept for the next step (glibc's trim threshold raised, mmap threshold "
                 f"{_state['mmap'] // 2 ** 20} MiB)")
-    return f"CPU memory left to the allocator ({_state['why'] or 'not asked'})"
+    return f"CPU memory left to the allocator ({_state['why'] or 'autocastfx.keep_cpu_memory() not called'})"
 
 
-__all__ = ["keep_freed_memory", "kept", "why_not", "status"]
+def keep_cpu_memory() -> bool:
+    """Tell glibc, once for this process, to keep freed memory for the next training step instead of handing it
+    back to the system (see the module docstring: process-wide, irreversible, inherited by forked workers).
+
+    Returns:
+        True if freed memory is kept now; False where it is not (another allocator is preloaded, the environment
+        sets glibc's malloc options, or the C library is not glibc): ``status()`` says why.
+    """
+    return keep_freed_memory()
+
+
+__all__ = ["keep_cpu_memory", "keep_freed_memory", "kept", "why_not", "status"]

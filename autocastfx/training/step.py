@@ -186,8 +186,7 @@ class TrainStep:
 
     def __init__(self, model, loss_fn, optimizer, *, loss_scale=DYNAMIC, init_scale="auto", growth_factor=2.0,
                  backoff_factor=0.5, growth_interval=2000, min_scale=1.0, hysteresis=1, on_overflow="skip",
-                 max_retries=8, accum_steps=1, clip_grad_norm=None, parallel: Local | None = None,
-                 keep_cpu_memory: bool = True):
+                 max_retries=8, accum_steps=1, clip_grad_norm=None, parallel: Local | None = None):
         parallel, info = _parallel_and_info(model, parallel)
         mode, init_scale = _checked_options(info, loss_fn, optimizer, loss_scale, init_scale, on_overflow,
                                             max_retries, accum_steps, clip_grad_norm)
@@ -198,8 +197,6 @@ class TrainStep:
         self.clip, self.max_retries = clip_grad_norm, max_retries
         self.cfg = ScalerConfig(mode, init_scale, growth_factor, backoff_factor, growth_interval, min_scale, hysteresis,
                                 low_max=torch.finfo(info.dtype).max)
-        if not isinstance(keep_cpu_memory, bool):
-            raise ValueError(f"keep_cpu_memory must be True or False, got {keep_cpu_memory!r}")
         self.all_params = [p for p in unique_by_id(self.gm.parameters()) if p.requires_grad]
         _check_optimizer(self.optimizer, self.gm, info)  # raises before anything is changed
         device = self.all_params[0].device if self.all_params else torch.device("cpu")
@@ -211,7 +208,7 @@ class TrainStep:
         inner = compiled_module(self.model)  # torch.compile(gm): the sizes to mark before each call
         self._compiled_free = inner.meta["autocastfx"].free_dims if inner is not self.model \
             and "autocastfx" in getattr(inner, "meta", {}) else ()
-        self.heap = _cpu_heap(keep_cpu_memory, device)  # last: a step that fails to build changes no process state
+        self.heap = _heap.status() if torch.device(device).type == "cpu" else None  # said in the step's docstring
         self.code = self._generate()
         self._fn: Callable = self._compile(self.code)
 
@@ -331,18 +328,6 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, gm: nn.Module, info) -> N
                 f"the optimizer holds a tensor of shape {tuple(p.shape)} (param group {g}, entry {i}) that is "
                 f"{whose}: build the optimizer over gm.parameters() (after fully_shard() or autocastfx.shard(), "
                 "which replace the module's parameters)")
-
-
-def _cpu_heap(keep: bool, device) -> str | None:
-    """On the CPU: glibc told to keep freed memory (unless ``keep`` is False), and the state in words for the
-    step's docstring; None on other devices, whose allocators cache already."""
-    if torch.device(device).type != "cpu":
-        return None
-    if keep:
-        _heap.keep_freed_memory()
-    elif not _heap.kept():  # another step of this process may have asked already: the setting is process-wide
-        return "CPU memory left to the allocator (keep_cpu_memory=False)"
-    return _heap.status()
 
 
 def _use_fused_skip(opt: torch.optim.Optimizer, parallel: Local) -> bool:
