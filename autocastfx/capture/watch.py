@@ -1,6 +1,7 @@
 """What the model's code reads while it is captured: modules' ``training`` flags, attributes of blocks."""
 from __future__ import annotations
 import contextlib
+import threading
 import torch.nn as nn
 from ..base.meta import is_converted
 
@@ -22,30 +23,43 @@ def watch_training(reads: list | None):
         yield
 
 
+_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def watch_reads(callback):
-    """Meanwhile ``callback(module, name)`` is called for every attribute read of every module. The first watcher
-    puts a ``__getattribute__`` on ``nn.Module`` that calls the callbacks it holds (on the function itself, no
-    module state); each watcher adds its callback there and takes it out when it ends, in any order (watchers in
-    two threads may end in either order), and the last one out gives ``nn.Module`` its own lookup back."""
-    installed = nn.Module.__dict__.get("__getattribute__")
-    if installed is None or not hasattr(installed, "watchers"):
-        watchers: list = []
+    """Meanwhile ``callback(module, name)`` is called for every attribute read of a module made by this thread.
 
-        def getattribute(self, name):
-            for w in watchers:
-                w(self, name)
-            return object.__getattribute__(self, name)
+    The first watcher puts a ``__getattribute__`` on ``nn.Module`` that calls the callbacks of the reading thread
+    only (each watcher is keyed by the thread that started it, so another thread's reads are neither recorded nor
+    changed); the last one out, in any order and from any thread, gives ``nn.Module`` its own lookup back. The
+    install and removal hold a lock. Every thread's module attribute reads pay one Python call meanwhile."""
+    me = threading.get_ident()
+    with _LOCK:
+        installed = nn.Module.__dict__.get("__getattribute__")
+        if installed is None or not hasattr(installed, "watchers"):
+            watchers: dict[int, list] = {}
 
-        getattribute.watchers = watchers
-        nn.Module.__getattribute__ = installed = getattribute
-    installed.watchers.append(callback)
+            def getattribute(self, name):
+                mine = watchers.get(threading.get_ident())
+                if mine:
+                    for w in mine:
+                        w(self, name)
+                return object.__getattribute__(self, name)
+
+            getattribute.watchers = watchers
+            nn.Module.__getattribute__ = installed = getattribute
+        installed.watchers.setdefault(me, []).append(callback)
     try:
         yield
     finally:
-        installed.watchers.remove(callback)
-        if not installed.watchers and nn.Module.__dict__.get("__getattribute__") is installed:
-            del nn.Module.__getattribute__
+        with _LOCK:
+            mine = installed.watchers.get(me, [])
+            mine.remove(callback)
+            if not mine:
+                installed.watchers.pop(me, None)
+            if not installed.watchers and nn.Module.__dict__.get("__getattribute__") is installed:
+                del nn.Module.__getattribute__
 
 
 def _outer_units(model: nn.Module) -> dict[str, nn.Module]:

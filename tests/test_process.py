@@ -1,0 +1,97 @@
+"""autocastfx leaves the process as it found it: converting in one thread changes nothing another thread sees
+(its modules' attribute reads, its prints), and after convert() and a training step torch's functions, nn.Module's
+methods, the garbage collector and the user's optimizer are the objects they were, holding the tensors they held."""
+import gc
+import sys
+import threading
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autocastfx
+
+
+class _Flagged(nn.Module):
+    """Reads its training flag in forward, so its capture watches attribute reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        h = self.a(x).relu()
+        if self.training:
+            h = h * 1.0
+        return self.b(self.drop(h))
+
+
+def test_a_conversion_in_one_thread_leaves_another_threads_reads_and_prints_alone(capsys):
+    """While the main thread converts (its capture watches which training flags the model reads), a second thread
+    reads attributes of its own module and prints: every read returns the module's own value, none is seen by
+    the conversion, and every line it printed reaches sys.stdout."""
+    other = nn.Linear(3, 3)
+    stop, reads, errors = threading.Event(), [0], []
+
+    def worker():
+        while not stop.is_set():
+            try:
+                assert other.in_features == 3 and other.training is True
+                reads[0] += 1
+                print(f"worker line {reads[0]}")
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+    seen = []
+    from autocastfx.capture import watch
+    original = watch.watch_reads
+
+    def recording(callback):  # the conversion's watchers, wrapped to see what they are given
+        return original(lambda m, n: (seen.append(m), callback(m, n)))
+
+    watch.watch_reads = recording
+    t = threading.Thread(target=worker)
+    t.start()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            gm = autocastfx.convert(_Flagged(), (torch.randn(4, 8),), dtype=torch.bfloat16)
+    finally:
+        stop.set()
+        t.join()
+        watch.watch_reads = original
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("worker line")]
+    assert not errors, errors
+    assert reads[0] > 0 and len(printed) == reads[0]
+    assert not any(m is other for m in seen)
+    assert "__getattribute__" not in nn.Module.__dict__
+    assert gm(torch.randn(2, 8)).shape == (2, 4)
+
+
+def test_after_convert_and_a_step_torch_and_the_optimizer_are_as_they_were():
+    """No patch is left behind: torch's clipping functions, nn.Module's attribute lookup, the garbage collector's
+    state, sys.stdout/stderr and the optimizer (the same object, holding the same parameters) are unchanged after
+    convert() and a generated training step."""
+    import torch.nn.utils as utils
+    torch.manual_seed(0)
+    model = _Flagged()
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # torch wraps its class's step once, at the first one made
+    before = {"clip_norm": utils.clip_grad_norm_, "clip_value": utils.clip_grad_value_,
+              "getattribute": nn.Module.__dict__.get("__getattribute__"), "gc": gc.isenabled(),
+              "stdout": sys.stdout, "stderr": sys.stderr, "adamw_step": torch.optim.AdamW.step}
+    params = [list(g["params"]) for g in opt.param_groups]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    step = autocastfx.train_step(gm, F.cross_entropy, opt)
+    step(x, y)
+    after = {"clip_norm": utils.clip_grad_norm_, "clip_value": utils.clip_grad_value_,
+             "getattribute": nn.Module.__dict__.get("__getattribute__"), "gc": gc.isenabled(),
+             "stdout": sys.stdout, "stderr": sys.stderr, "adamw_step": torch.optim.AdamW.step}
+    assert after == before
+    assert step.optimizer is opt
+    assert [list(g["params"]) for g in opt.param_groups] == params  # the same tensors: not re-pointed
+    assert {id(p) for p in gm.parameters()} == {id(p) for p in model.parameters()}
