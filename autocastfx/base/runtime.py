@@ -1,4 +1,5 @@
-"""TODO"""
+"""What the generated code of a converted module calls at run time (its result type rebuilt), and the no-op
+``recompile`` a conversion's passes run under."""
 from __future__ import annotations
 from typing import Any
 

@@ -1,4 +1,5 @@
-"""TODO"""
+"""The model captured in both modes: its training and its eval program, merged into one graph where they differ
+(``merge``), which every pass sees once; ``capture`` is the entry, the rest the merge's node matching."""
 from __future__ import annotations
 
 

@@ -1,4 +1,5 @@
-"""TODO"""
+"""FLOPs of the low-precision candidates (matmuls, convolutions), per node, counted by torch's own
+``FlopCounterMode`` on the node's recorded shapes: what the report's low-precision share is made of."""
 from __future__ import annotations
 import torch
 import torch.fx as fx

@@ -11,7 +11,7 @@ padded layer feeds another through such a chain, the padded channels (all zeros)
 nor the next pad is emitted. Parameters keep their true shapes, so ``state_dict()``, the float32 masters and
 every optimizer see only true values: padded slices cannot drift away from zero.
 
-Padding must never slow a step down, so a gate decides op by op (``autocastfx.hardware``): the cost model
+Padding must never slow a step down, so a gate decides op by op (``autocastfx.core.cost``): the cost model
 (default) leaves the RGB stem's 3 input channels alone in NCHW and pads them to 4 in channels_last, leaves
 memory-bound ops (a 10-class head) alone and pads compute-bound ones whose alignment costs tensor-core
 throughput (a 50257-word vocabulary); ``gate="trial"`` times the candidates on the CUDA device instead;
@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from . import cost as _hw
+from . import cost
 from ..base.meta import TensorInfo
 from .flops import node_flops
 from .policy import PAD_GATES, op_name
@@ -54,7 +54,7 @@ class PadDecision:
     flops: int = 0             # FLOPs of the op, unpadded
     extra_flops: int = 0
     extra_elements: int = 0    # more weight, input and output elements the padded op reads and writes
-    rules: tuple[str, ...] = ()  # the gate's rules that decided (autocastfx.hardware.RULES), or "trial"/"always"
+    rules: tuple[str, ...] = ()  # the gate's rules that decided (cost.RULES), or "trial"/"always"
 
 
 @dataclasses.dataclass
@@ -107,9 +107,9 @@ def _weight_param(gm: fx.GraphModule, node: fx.Node):
 
 def plan_padding(gm: fx.GraphModule, multiple: int, max_growth: float = DEFAULT_MAX_GROWTH, *,
                  gate: str | None = None, layout: str = "contiguous", dtype: torch.dtype = torch.float16,
-                 hardware: _hw.Hardware | None = None,
-                 timer: Callable[[_hw.TrialCase], float] | None = None, cache: dict | None = None) -> PadPlan:
-    """Decide, op by op, which dims pad (see the module docstring and ``autocastfx.hardware``).
+                 hardware: cost.Hardware | None = None,
+                 timer: Callable[[cost.TrialCase], float] | None = None, cache: dict | None = None) -> PadPlan:
+    """Decide, op by op, which dims pad (see the module docstring and ``autocastfx.core.cost``).
 
     ``gate``: ``"model"`` (the cost model, the default), ``"trial"`` (time every candidate on the CUDA device
     the model is on, or with ``timer``; the cost model where there is neither) or ``"always"`` (every
@@ -119,22 +119,22 @@ def plan_padding(gm: fx.GraphModule, multiple: int, max_growth: float = DEFAULT_
     gate = DEFAULT_GATE if gate is None else gate
     if gate not in PAD_GATES:
         raise ValueError(f"pad_gate must be one of {', '.join(map(repr, PAD_GATES))}, got {gate!r}")
-    device = _hw.model_device(gm)
-    hw, why = (hardware, "given") if hardware is not None else _hw.target(device)
+    device = cost.model_device(gm)
+    hw, why = (hardware, "given") if hardware is not None else cost.target(device)
     if gate == "trial" and timer is None:
         if device is not None and device.type == "cuda":
-            timer = _hw.time_on_device
+            timer = cost.time_on_device
         else:
             gate, why = "model", why + "; a timed trial needs a CUDA device, so the cost model decided"
     plan = PadPlan(multiple, [], gate=gate, target="" if gate == "always" else f"{hw.name} ({why})")
 
-    def decide(site: _hw.Site, node: fx.Node, winfo: TensorInfo, x: TensorInfo | None) -> _hw.Verdict:
+    def decide(site: cost.Site, node: fx.Node, winfo: TensorInfo, x: TensorInfo | None) -> cost.Verdict:
         if gate == "always":
             return _growth_gate(site, multiple, max_growth)
         if gate == "trial":
-            return _hw.trial_gate(site, lambda o, i: _trial_case(node, winfo, x, o, i, site, dtype, device),
+            return cost.trial_gate(site, lambda o, i: _trial_case(node, winfo, x, o, i, site, dtype, device),
                                   multiple, max_growth, timer, cache)
-        return _hw.model_gate(site, multiple, max_growth, hw)
+        return cost.model_gate(site, multiple, max_growth, hw)
 
     for node in gm.graph.nodes:
         kind = "conv" if op_name(node) in _CONV else "linear" if op_name(node) == "linear" else None
@@ -152,7 +152,7 @@ def plan_padding(gm: fx.GraphModule, multiple: int, max_growth: float = DEFAULT_
             continue
         x = node.args[0].meta.get(K.INFO) if isinstance(node.args[0], fx.Node) else None
         x = x if isinstance(x, TensorInfo) else None
-        site = _hw.Site(kind, c_out, c_in, _arg(node, 6, "groups", 1) if kind == "conv" else 1,
+        site = cost.Site(kind, c_out, c_in, _arg(node, 6, "groups", 1) if kind == "conv" else 1,
                         layout if kind == "conv" else "contiguous", flops, (x.numel if x else 0) + out_info.numel)
         verdict = decide(site, node, winfo, x)
         d.rules, d.reason, d.action = verdict.rules, verdict.reason, "skip"
@@ -166,10 +166,10 @@ def plan_padding(gm: fx.GraphModule, multiple: int, max_growth: float = DEFAULT_
     return plan
 
 
-def _growth_gate(site: _hw.Site, multiple: int, max_growth: float) -> _hw.Verdict:
+def _growth_gate(site: cost.Site, multiple: int, max_growth: float) -> cost.Verdict:
     """``gate="always"``: every misaligned dim pads, within ``max_growth`` (one dim alone when both are over)."""
     if site.kind == "conv" and site.groups != 1:
-        return _hw.Verdict(site.out, site.inp, ("grouped",),
+        return cost.Verdict(site.out, site.inp, ("grouped",),
                            f"skip: grouped convolution (groups={site.groups}) keeps its group structure")
     c_out, c_in = site.out, site.inp
     p_out, p_in = _up(c_out, multiple), _up(c_in, multiple)
@@ -182,16 +182,16 @@ def _growth_gate(site: _hw.Site, multiple: int, max_growth: float) -> _hw.Verdic
     choice = next(((o, i) for o, i in ((p_out, p_in), (p_out, c_in), (c_out, p_in))
                    if (o, i) != (c_out, c_in) and (o * i) / (c_out * c_in) <= max_growth), None)
     if choice is None:
-        return _hw.Verdict(c_out, c_in, ("growth_cap",), over)
+        return cost.Verdict(c_out, c_in, ("growth_cap",), over)
     o, i = choice
     reason = f"pad {dims(o, i)}: tensor-core alignment (+{(o * i) / (c_out * c_in) - 1:.0%} FLOPs)"
     if (o, i) != (p_out, p_in):
         reason += f"; the rest skipped ({over})"
-    return _hw.Verdict(o, i, ("always",), reason)
+    return cost.Verdict(o, i, ("always",), reason)
 
 
-def _trial_case(node: fx.Node, winfo: TensorInfo, x: TensorInfo | None, out: int, inp: int, site: _hw.Site,
-                dtype: torch.dtype, device: torch.device | None) -> _hw.TrialCase:
+def _trial_case(node: fx.Node, winfo: TensorInfo, x: TensorInfo | None, out: int, inp: int, site: cost.Site,
+                dtype: torch.dtype, device: torch.device | None) -> cost.TrialCase:
     """What the trial times for this node padded to (out, inp): its true shapes and arguments, on the device."""
     dev = device or torch.device("cuda")
     label = str(dev)
@@ -203,7 +203,7 @@ def _trial_case(node: fx.Node, winfo: TensorInfo, x: TensorInfo | None, out: int
                                                                     (5, "dilation", 1)))
         conv_args = tuple(tuple(a) if isinstance(a, list) else a for a in conv_args)
     first = isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder"
-    return _hw.TrialCase(site.kind, tuple(x.shape) if x else (), tuple(winfo.shape), out, inp, conv_args,
+    return cost.TrialCase(site.kind, tuple(x.shape) if x else (), tuple(winfo.shape), out, inp, conv_args,
                          _arg(node, 2, "bias") is not None, dtype, site.layout, label, input_grad=not first)
 
 

@@ -2,7 +2,7 @@
 
 A module converted with ``convert(..., blocks="auto")`` (the default) keeps its blocks (the repeated children of
 its ``nn.ModuleList``s) as converted modules of their own, each called from the root's graph as a
-``call_module`` node (see :mod:`autocastfx.blocks`). Two things are done to them one by one, as TorchTitan does
+``call_module`` node (see :mod:`autocastfx.tree.blocks`). Two things are done to them one by one, as TorchTitan does
 to a transformer's layers:
 
 - :func:`checkpoint_blocks`: each block's forward runs inside ``torch.utils.checkpoint.checkpoint(...,
@@ -15,7 +15,7 @@ to a transformer's layers:
 How the checkpoint is put in: the block's class is swapped for a subclass whose ``__call__`` runs the block's
 own ``__call__`` (its hooks, its forward, its compiled code where :func:`compile_blocks` compiled it) under the
 checkpoint. The root's graph calls the block module as before, so nothing in the root changes. The subclass is
-made the way autocastfx.modes makes the converted module's class (a GraphModule keeps its generated
+made the way autocastfx.core.modes makes the converted module's class (a GraphModule keeps its generated
 ``forward`` on a class of its own per instance), so ``copy.deepcopy`` (GraphModule's deepcopy rebuilds the
 instance's class over the first class in its MRO that is not a ``GraphModuleImpl``: the subclass),
 ``state_dict``, ``train()``/``eval()`` (a converted block switches its own graphs) and FSDP2's ``fully_shard``
@@ -61,7 +61,7 @@ def _is_impl(c: type) -> bool:
 
 def _base(m: nn.Module) -> type:
     """The class to subclass: for a GraphModule, the first class of its MRO that is not the per-instance
-    ``GraphModuleImpl`` (as GraphModule.__new__ and autocastfx.modes.install take it); else the module's class."""
+    ``GraphModuleImpl`` (as GraphModule.__new__ and autocastfx.core.modes.install take it); else the module's class."""
     if isinstance(m, fx.GraphModule):
         return next(c for c in type(m).__mro__ if not _is_impl(c))
     return type(m)
