@@ -1,4 +1,5 @@
-"""The generated training step: masters, scaling, skipping, clipping, accumulation, resume, no host syncs."""
+"""The generated training step: the float32 parameters, scaling, skipping, clipping, accumulation, resume, no host
+syncs."""
 import copy
 import math
 
@@ -88,7 +89,10 @@ def inject(gm, when, value=float("inf")):
 def test_code_has_only_the_branches_asked_for():
     _, _, step, _, _ = setup(loss_scale=128.0)
     assert "update_dynamic" not in step.code and "clip" not in step.code and "attempt" not in step.code
-    assert "_amp_foreach_non_finite_check_and_unscale_" in step.code and "_foreach_copy_" in step.code
+    assert "_amp_foreach_non_finite_check_and_unscale_" in step.code
+    # the optimizer steps the module's own float32 parameters: no float32 copies to fill, nothing copied back
+    assert "_foreach_copy_" not in step.code and "master" not in step.code
+    assert "grads = [p.grad for p in self.all_params if p.grad is not None]" in step.code
     _, _, step, _, _ = setup(clip_grad_norm=1.0, hysteresis=2)
     assert "update_dynamic" in step.code and "clip_grad_norm_" in step.code and "hysteresis 2" in step.code
     _, _, step, _, _ = setup(on_overflow="retry")
@@ -98,31 +102,31 @@ def test_code_has_only_the_branches_asked_for():
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
-def test_static_scale_one_equals_hand_written_master_loop(opt):
+def test_static_scale_one_equals_hand_written_float32_parameter_loop(opt):
     gm, o, step, x, y = setup(opt, loss_scale=1.0)
-    # the reference: a plain FP32-master loop over a copy, same optimizer settings (fused, as the step uses)
+    # the reference: a plain loop over an untouched copy (taken before any step), backward into the float32
+    # parameters' own .grad, the same optimizer settings (fused, as the step uses)
     gm_ref = copy.deepcopy(gm)
-    lows = [lo for lo, _ in autocastfx.core.weights.master_pairs(gm_ref)]
-    masters = [m for m in autocastfx.master_parameters(gm_ref)]
-    others = [p for p in gm_ref.parameters() if p.dtype == torch.float32]
+    assert all(a is not b for a, b in zip(gm.parameters(), gm_ref.parameters()))
     cls, kw = (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-4)) if opt == "sgd" else \
         (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.01))
-    ref_opt = cls(masters + others, fused=True, **kw)
+    ref_opt = cls(gm_ref.parameters(), fused=True, **kw)
     for i in range(3):
         xb, yb = data(seed=i)
         step((xb,), yb)
-        for p in lows + others:
-            p.grad = None
+        ref_opt.zero_grad(set_to_none=True)
         F.cross_entropy(gm_ref(xb), yb).backward()
-        for lo, m in zip(lows, masters):
-            m.grad = lo.grad.float()
+        assert all(p.grad.dtype == torch.float32 for p in gm_ref.parameters())  # the graph's casts backpropagate
         ref_opt.step()
-        with torch.no_grad():
-            for lo, m in zip(lows, masters):
-                lo.copy_(m)
-    for a, b in zip(autocastfx.master_parameters(gm), masters):
+    # the master weights are the module's own float32 parameters: the ones the graph casts to float16
+    masters = autocastfx.master_parameters(gm)
+    own = {id(p) for p in gm.parameters()}
+    assert masters and all(id(m) in own and m.dtype == torch.float32 for m in masters)
+    assert {id(m) for m in masters} == {id(gm.fc1.weight), id(gm.fc1.bias), id(gm.fc2.weight), id(gm.fc2.bias)}
+    for a, b in zip(masters, autocastfx.master_parameters(gm_ref)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     for (n, a), (_, b) in zip(gm.named_parameters(), gm_ref.named_parameters()):
+        assert a.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)
 
 
@@ -340,13 +344,14 @@ def test_clipping_bounds_the_update_by_the_global_norm():
 
 
 def test_optimizer_over_original_or_converted_parameters_and_scheduler():
-    gm, o, step, x, y = setup("sgd")  # built over the ORIGINAL model's parameters
-    opt_params = {id(p) for g in o.param_groups for p in g["params"]}
-    assert all(id(m) in opt_params for m in autocastfx.master_parameters(gm))
+    gm, o, step, x, y = setup("sgd")  # built over the ORIGINAL model's parameters: they are gm's, not re-pointed
+    opt_params = [p for g in o.param_groups for p in g["params"]]
+    assert [id(p) for p in opt_params] == [id(p) for p in gm.parameters()]
+    assert all(any(m is p for p in opt_params) for m in autocastfx.master_parameters(gm))
     assert all(p.dtype == torch.float32 for g in o.param_groups for p in g["params"])
     sched = torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.0)
     step(x, y)
-    sched.step()  # lr is now 0: the next step leaves the masters where they are (apart from momentum)
+    sched.step()  # lr is now 0: the next step leaves the parameters where they are (apart from momentum)
     for g in o.param_groups:
         g["momentum"] = 0.0
     m1 = [m.clone() for m in autocastfx.master_parameters(gm)]
@@ -354,7 +359,7 @@ def test_optimizer_over_original_or_converted_parameters_and_scheduler():
     assert all(torch.equal(a, b) for a, b in zip(m1, autocastfx.master_parameters(gm)))
 
 
-def test_batchnorm_model_trains_and_low_weights_follow_masters():
+def test_batchnorm_model_trains_and_the_low_weights_are_made_from_the_parameters():
     torch.manual_seed(0)
     model = TinyResNet()
     x = torch.randn(4, 3, 8, 8)
@@ -364,8 +369,22 @@ def test_batchnorm_model_trains_and_low_weights_follow_masters():
     step = autocastfx.train_step(gm, F.cross_entropy, o)
     losses = [float(step(x, y)) for _ in range(8)]
     assert losses[-1] < losses[0]
-    for lo, m in autocastfx.core.weights.master_pairs(gm):
-        assert lo.dtype == torch.float16 and torch.equal(lo, m.half())
+    # the module stores nothing low: every parameter and buffer is float32 (or integer), the model's own tensor,
+    # trained in place (the running statistics too)
+    assert all(p.dtype == torch.float32 for p in gm.parameters())
+    assert all(not b.is_floating_point() or b.dtype == torch.float32 for b in gm.buffers())
+    assert {id(t) for t in gm.parameters()} == {id(t) for t in model.parameters()}
+    assert {id(t) for t in gm.buffers()} <= {id(t) for t in model.buffers()}
+    assert int(model.bn.num_batches_tracked) == 8
+    # the float16 weights the kernels read are cast from the trained parameters at each forward, never stale: a
+    # fresh conversion of a model holding the trained state gives the same outputs, bit for bit
+    assert autocastfx.master_parameters(gm) and all(m.dtype == torch.float32 for m in autocastfx.master_parameters(gm))
+    fresh = TinyResNet()
+    fresh.load_state_dict(gm.state_dict())
+    gm2 = autocastfx.convert(fresh, (x,), pad_multiple=1)
+    gm.eval(), gm2.eval()
+    with torch.no_grad():
+        assert torch.equal(gm(x), gm2(x))
 
 
 def test_bf16_defaults_to_no_scaling():
@@ -380,16 +399,24 @@ def test_bf16_defaults_to_no_scaling():
     assert "loss scale dynamic" in step.code
 
 
-def test_master_weights_false():
+def test_parameters_are_the_models_and_master_weights_true_is_refused():
     torch.manual_seed(0)
     x, y = data()
-    gm = autocastfx.convert(MLP(), (x,), pad_multiple=1, master_weights=False)
+    model = MLP()
+    with pytest.raises(ValueError, match="master_weights=True is gone.*for_inference"):
+        autocastfx.convert(model, (x,), pad_multiple=1, master_weights=True)
+    gm = autocastfx.convert(model, (x,), pad_multiple=1, master_weights=False)  # the only choice, accepted
+    assert all(a is b for a, b in zip(gm.parameters(), model.parameters()))
     o = torch.optim.Adam(gm.parameters(), lr=1e-2)
     step = autocastfx.train_step(gm, F.cross_entropy, o)
     assert "master" not in step.code.split('"""')[2]
+    sd = step.state_dict()
+    assert sorted(sd) == ["cuda_rng", "micro", "model", "optimizer", "rng", "scaler"]  # no masters beside "model"
+    assert all(v.dtype == torch.float32 for v in sd["model"].values())
     w0 = gm.fc1.weight.clone()
     step(x, y)
     assert not torch.equal(w0, gm.fc1.weight) and gm.fc1.weight.dtype == torch.float32
+    assert model.fc1.weight is gm.fc1.weight  # the model object is trained too
 
 
 def test_bad_arguments():
@@ -406,14 +433,14 @@ def test_bad_arguments():
         autocastfx.train_step(gm, F.cross_entropy, o, on_overflow="retry", accum_steps=2)
     with pytest.raises(ValueError, match="backoff_factor"):
         autocastfx.train_step(gm, F.cross_entropy, o, backoff_factor=2.0)
-    with pytest.raises(ValueError, match="neither a parameter"):
+    with pytest.raises(autocastfx.StepError, match="not a parameter of the converted module.*gm.parameters"):
         autocastfx.train_step(gm, F.cross_entropy, torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1))
     step = autocastfx.train_step(gm, F.cross_entropy, torch.optim.SGD(gm.parameters(), lr=0.1))
     with pytest.raises(KeyError, match="state_dict"):
         step.load_state_dict({"scaler": {}})
 
 
-def test_parameter_without_gradient_gets_zero_master_gradient():
+def test_parameter_without_gradient_is_left_alone():
     class Partial(nn.Module):
         def __init__(self):
             super().__init__()
@@ -501,11 +528,11 @@ def test_model_that_computes_its_own_loss_trains_with_zero_targets(as_dict):
     ids = torch.randint(0, 50, (4, 8))
     batch = {"input_ids": ids, "attention_mask": torch.ones(4, 8), "labels": ids.roll(1, 1)}
     model = TinyHF(as_dict=as_dict)
+    ref = copy.deepcopy(model)  # the same training in float32, from the same start: copied before gm trains model
     gm = autocastfx.convert(model, example_kwargs=batch)
     loss_fn = (lambda out: out["loss"]) if as_dict else (lambda out: out.loss)
     step = autocastfx.train_step(gm, loss_fn, torch.optim.AdamW(gm.parameters(), lr=1e-2))
     losses = [float(step(batch)) for _ in range(15)]
-    ref = copy.deepcopy(model)  # the same training in float32
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     ref_losses = []
     for _ in range(15):
@@ -598,7 +625,7 @@ def test_auto_scale_state_resumes():
 
 
 def _train(model, inputs, y, init_scale, n):
-    gm = autocastfx.convert(model, inputs, pad_multiple=1)
+    gm = autocastfx.convert(copy.deepcopy(model), inputs, pad_multiple=1)  # gm trains its model: each run a copy
     step = autocastfx.train_step(gm, _flat_ce, torch.optim.AdamW(gm.parameters(), lr=1e-3), init_scale=init_scale)
     losses = [float(step(inputs, y)) for _ in range(n)]
     return int(step.stats.skipped), losses[-1]
