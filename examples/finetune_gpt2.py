@@ -175,7 +175,7 @@ class Run:
         self.global_step = 0
 
     def save(self, path: Path, batches: Batches, args) -> None:
-        torch.save({"train_step": self.step.state_dict(),       # weights, masters, optimizer, loss scale, RNG
+        torch.save({"train_step": self.step.state_dict(),       # float32 weights, optimizer, loss scale, RNG
                     "scheduler": self.scheduler.state_dict(),
                     "global_step": self.global_step,
                     "batches": batches.state_dict(),
@@ -423,7 +423,7 @@ def loss_curve(losses: list[float], first_step: int | None, points: int = 10) ->
 
 def check_resume(config, args, example, train_data, val, device, out_dir: Path, first: dict) -> dict:
     """Build everything again, load the mid-run checkpoint, train to the end and compare with the run that had
-    no break. Equal bits are expected: the checkpoint carries the weights, the float32 masters, AdamW's moments
+    no break. Equal bits are expected: the checkpoint carries the float32 weights, AdamW's moments
     and step counts, the loss scale and its counters, the schedule, the data position and the RNG state that
     dropout draws from, and every kernel here is deterministic (on CUDA once deterministic algorithms are on)."""
     print(f"\nresume check: a fresh model, conversion, optimizer, schedule and step from {out_dir / CHECKPOINT}")

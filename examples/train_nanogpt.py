@@ -218,7 +218,7 @@ def build(cfg: GPTConfig, args, example, state=None):
     opt = gm.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95))  # the model's own method, on gm
     step = autocastfx.train_step(gm, lambda out: out[1], opt,  # the model returns its loss: out = (logits, loss)
                                  accum_steps=args.accum, clip_grad_norm=args.clip)
-    # train_step re-pointed the optimizer's groups from gm's bfloat16 weights to their float32 masters
+    # the optimizer holds gm's parameters, the model's own float32 tensors (the graph casts them to bfloat16)
     assert all(p.dtype == torch.float32 for g in opt.param_groups for p in g["params"])
     if state is not None:
         step.load_state_dict(state["step"])  # optimizer moments, loss-scale state, RNG: bit for bit
