@@ -167,14 +167,14 @@ def test_transformed_optimizer_steps_bit_identically_under_a_scheduler(opt):
         for i in range(4):
             step(*batch(i))
             sched.step()
-        runs.append([p.detach().clone() for p in list(gm.parameters()) + step.masters])
+        runs.append([p.detach().clone() for p in list(gm.parameters())])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     # and the schedule matters: without it the weights differ
     gm, step = make(opt)
     graphed.make_capturable(step.optimizer, "cpu")
     for i in range(4):
         step(*batch(i))
-    assert not all(torch.equal(a, b) for a, b in zip(runs[1], list(gm.parameters()) + step.masters))
+    assert not all(torch.equal(a, b) for a, b in zip(runs[1], list(gm.parameters())))
 
 
 def test_settings_a_replay_reads_follow_and_baked_ones_are_guarded():
@@ -306,7 +306,7 @@ def test_load_keeps_the_tensors_a_graph_holds_and_resumes_bit_for_bit():
     assert all(x is y for x, y in zip(held, state_tensors(b_step))) and b_step.optimizer.param_groups[0]["lr"] is lr
     for x in batches[4:]:
         b_step(*x)
-    for p, q in zip(list(gm_ref.parameters()) + ref.masters, list(gm_b.parameters()) + b_step.masters):
+    for p, q in zip(gm_ref.parameters(), gm_b.parameters()):
         assert torch.equal(p, q)
     assert float(b_step.stats.scale) == float(ref.stats.scale) and int(b_step.stats.steps) == 8
 
@@ -449,7 +449,7 @@ def fake_cuda(monkeypatch):
 
 
 def cpu_weights(gm, step):
-    return [p.detach().clone() for p in list(gm.parameters()) + step.masters]
+    return [p.detach().clone() for p in list(gm.parameters())]
 
 
 EMULATED = {
@@ -571,7 +571,7 @@ def test_a_host_read_in_the_loss_fails_the_capture_with_its_cause(fake_cuda):
         gstep(*batch(1))
     assert gstep.graph is None and int(step.stats.steps) == 2, "the eager call ran; the failed capture did not"
     assert fake_cuda["set"] == [fake_cuda["current"]], "the stream before the capture is restored"
-    assert all(p.grad is None for p in step.grad_holders)
+    assert all(p.grad is None for p in step.all_params)
 
 
 def test_emulated_shape_change_raises_and_recapture_takes_the_new_shape(fake_cuda):
@@ -623,7 +623,8 @@ def cuda_batches(name, n, size=8, seed=1):
 
 
 def cuda_steps(name, count, make_opt=None, loss_fn=flat_ce, **kw):
-    """``count`` identical (gm, step) pairs converted from one CUDA model."""
+    """``count`` identical (gm, step) pairs converted from copies of one CUDA model (a converted module trains its
+    model's own tensors: each pair gets a copy of its own)."""
     from small_models import example
     model, inputs = example(name, batch=8)
     model = model.cuda()
@@ -631,13 +632,13 @@ def cuda_steps(name, count, make_opt=None, loss_fn=flat_ce, **kw):
     make_opt = make_opt or (lambda ps: torch.optim.AdamW(ps, lr=2.0**-10, weight_decay=2.0**-6))
     out = []
     for _ in range(count):
-        gm = autocastfx.convert(model, inputs)
+        gm = autocastfx.convert(copy.deepcopy(model), inputs)
         out.append((gm, autocastfx.train_step(gm, loss_fn, make_opt(gm.parameters()), **kw)))
     return out
 
 
 def weights(gm, step):
-    return [p.detach().clone() for p in list(gm.parameters()) + step.masters]
+    return [p.detach().clone() for p in list(gm.parameters())]
 
 
 def opt_state(step):
@@ -886,7 +887,7 @@ def test_a_failed_capture_names_its_cause_and_leaves_the_eager_step_usable():
                                            r"captur.*\.item\(\)"):
         gstep(*data[0])
     assert torch.cuda.current_stream() == before
-    assert gstep.graph is None and all(p.grad is None for p in step.grad_holders)
+    assert gstep.graph is None and all(p.grad is None for p in step.all_params)
     for x, t in data[1:]:
         step(x, t)
     torch.cuda.synchronize()
@@ -894,7 +895,7 @@ def test_a_failed_capture_names_its_cause_and_leaves_the_eager_step_usable():
 
 
 def test_train_step_with_cuda_graph_refuses_before_touching_the_optimizer():
-    """cuda_graph=True on a CPU model: refused before the optimizer is re-pointed to masters or made fused."""
+    """cuda_graph=True on a CPU model: refused before the optimizer is made fused or capturable."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     gm = autocastfx.convert(model, (torch.randn(4, 8),))
