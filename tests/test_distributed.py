@@ -45,6 +45,9 @@ def _worker(rank, init_file, out_dir, accum):
         p.register_hook(hook)
         for i in range(4 * accum):
             step(*_batch(rank, i))
+        # DDP all-reduced float32 gradients into the model's own float32 parameters (gm's: no copies beside them)
+        assert all(q.dtype == torch.float32 for q in gm.parameters())
+        assert all(a is b for a, b in zip(gm.parameters(), model.parameters()))
         torch.save({"masters": [m.detach() for m in autocastfx.master_parameters(gm)],
                     "params": {n: q.detach() for n, q in gm.named_parameters()},
                     "scale": float(step.stats.scale), "skipped": int(step.stats.skipped),
@@ -85,5 +88,8 @@ def test_ddp_ranks_agree_on_skips_scale_and_weights(accum):
     for i in range(4):
         xs, ys = zip(*[_batch(rk, j) for j in range(i * accum, (i + 1) * accum) for rk in range(WORLD)])
         step(torch.cat(xs), torch.cat(ys))
+    assert len(r[0]["masters"]) == len(autocastfx.master_parameters(gm)) == 4  # the weights the graph casts low
     for a, b in zip(r[0]["masters"], autocastfx.master_parameters(gm)):
         torch.testing.assert_close(a, b, rtol=5e-3, atol=5e-4)
+    for n, q in gm.named_parameters():
+        torch.testing.assert_close(r[0]["params"][n], q.detach(), rtol=5e-3, atol=5e-4, msg=n)
