@@ -192,9 +192,9 @@ def mark_free_dims(free: tuple, args: tuple, kwargs: dict) -> None:
 # --------------------------------------------------------------------------- calls of another structure
 # A graph is captured for one call's structure: which inputs are given and which are None. A call of another
 # structure (the targets given where the example had none, a mask left out) is converted for that call on first
-# use, from the model on meta, and kept beside the first: its parameters, buffers and masters are the first's own
-# tensors (one set of weights, which the step trains), its mode follows the first's. Where it cannot be (no model
-# kept, a structure whose plan stores a weight in another dtype), the call is refused naming both calls.
+# use, from the model on meta, and kept beside the first: its parameters and buffers are the first's own
+# tensors (one set of weights, which training trains), its mode follows the first's. Where it cannot be (no model
+# kept, a conversion that fails), the call is refused naming both calls.
 
 class OtherCalls:
     """The conversions for other calls of one converted module, by call key. Not copied (a copy converts again

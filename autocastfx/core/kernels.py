@@ -93,8 +93,8 @@ CUDA_RULES: tuple[KernelRule, ...] = (
 # Step-level rule, not a graph op: the fused optimizers take parameters and gradients of one dtype.
 FUSED_OPTIMIZER_RULE = KernelRule(
     "_fused_adamw_", False, (0, 1),
-    f"{_H100}: torch._fused_adamw_ with float32 params and float16 grads raises; the step gives the float32 "
-    "masters float32 gradients", _ops("_fused_adamw_ _fused_adam_ _fused_sgd_ _fused_adagrad_"))
+    f"{_H100}: torch._fused_adamw_ with float32 params and float16 grads raises; the float32 parameters get "
+    "float32 gradients (the graph's cast of each weight has a float32 backward)", _ops("_fused_adamw_ _fused_adam_ _fused_sgd_ _fused_adagrad_"))
 
 RULES_BY_OP: dict[str, KernelRule] = {r.op: r for r in CUDA_RULES}
 for _name in _RNN_OPS:  # the graph-level call (aten.lstm.input / .data): input or data, hx, params, and the

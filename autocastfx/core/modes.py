@@ -511,7 +511,7 @@ def mode_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 # node with its argument noted per mode; anything else is added, marked as belonging to its program alone.
 # Outputs that differ are joined by a ``by_mode`` node. Every pass of the conversion (padding, layout, the cast
 # plan, the weights) runs once on the union, so both programs share one plan, one set of parameters and
-# buffers, and one set of masters. :func:`install` then cuts the union into one graph per mode, and
+# buffers. :func:`install` then cuts the union into one graph per mode, and
 # ``gm.train()``/``gm.eval()`` swap graphs.
 
 TRAIN, EVAL, GIVEN = "train", "eval", "given"

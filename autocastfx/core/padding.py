@@ -8,8 +8,8 @@ exactly the unpadded one, forward and backward.
 
 Padding persists across a chain of zero-preserving ops (ReLU, GELU, SiLU, dropout, max pooling, ...): when a
 padded layer feeds another through such a chain, the padded channels (all zeros) flow on and neither the slice
-nor the next pad is emitted. Parameters keep their true shapes, so ``state_dict()``, the float32 masters and
-every optimizer see only true values: padded slices cannot drift away from zero.
+nor the next pad is emitted. Parameters keep their true shapes, so ``state_dict()`` and every optimizer see only
+true values: padded slices cannot drift away from zero.
 
 Padding must never slow a step down, so a gate decides op by op (``autocastfx.core.cost``): the cost model
 (default) leaves the RGB stem's 3 input channels alone in NCHW and pads them to 4 in channels_last, leaves

@@ -44,7 +44,7 @@ def retie(gm: nn.Module, groups: list[list[str]]) -> None:
 def cast_low_parameters(gm: nn.Module) -> list[nn.Parameter]:
     """The parameters of ``gm`` and of its converted units that the graphs read only through a cast to the low
     dtype (the weights of linears, convolutions and matmuls), each once, in a stable order: the float32 tensors
-    mixed precision keeps for them, which the old recipe called master weights."""
+    mixed precision keeps for them: its master weights."""
     _require(gm)
     out, seen = [], set()
     for _, unit in converted_units(gm):
@@ -88,7 +88,7 @@ def _graphs_of(unit: nn.Module) -> list:
 
 def converted_units(gm: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name prefix, module) for the converted units inside ``gm`` (submodules with ``meta["autocastfx"]`` of
-    their own, each planned and holding its masters apart), innermost first, then ``("", gm)`` where ``gm`` is
+    their own, each planned apart), innermost first, then ``("", gm)`` where ``gm`` is
     converted itself."""
     out = [(name + ".", m) for name, m in gm.named_modules() if name and is_converted(m)]
     out.reverse()  # named_modules() is pre-order: reversed, a block comes before any block that holds it
@@ -204,7 +204,7 @@ def _is_persistent(gm: nn.Module, name: str) -> bool:
 
 # ------------------------------------------------------------- one set of tensors for two conversions of a model
 # A converted module converted again for a call of another structure (core.calls.other_call) runs on the first's
-# tensors: the same Parameter objects (so the step's updates reach both), buffers and masters.
+# tensors: the same Parameter objects (so training either trains both) and buffers.
 
 def pair_modules(main: nn.Module, other: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
     """What :func:`share_tensors` re-points: (module of ``other``, module of ``main`` at the same name) for every

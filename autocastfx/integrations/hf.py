@@ -13,11 +13,11 @@ How it hooks in (transformers 5.x):
   (``loss_fn=lambda out: out.loss``: the model's own ``labels=`` loss; ``accum_steps`` from
   ``gradient_accumulation_steps``; ``clip_grad_norm`` from ``max_grad_norm``, which the Trainer's own clipping
   then leaves alone); the Trainer keeps a stand-in optimizer whose ``step()`` and ``zero_grad()`` do nothing,
-  because the generated step has already updated the float32 masters, skipped an overflowing update and
+  because the generated step has already updated the float32 parameters, skipped an overflowing update and
   freed the gradients; the learning-rate scheduler drives the real optimizer;
 - ``training_step()`` runs the generated step on the batch (forward, scaled backward, and on the last
   micro-batch the update);
-- checkpoints hold the step's state (masters, loss scale and its history) in ``autocastfx_step.pt`` beside the
+- checkpoints hold the step's state (loss scale and its history) in ``autocastfx_step.pt`` beside the
   optimizer's, and resuming loads it;
 - ``log()`` adds ``loss_scale``, ``skipped_steps`` and ``grad_norm`` to each training log: the step keeps them
   on the device and they are read only when the Trainer logs.
@@ -150,8 +150,8 @@ class Trainer(transformers.Trainer):
             path = os.path.join(checkpoint, STEP_FILE)
             if not os.path.exists(path):
                 raise FileNotFoundError(f"{checkpoint} has no {STEP_FILE}: it was not written by "
-                                        "autocastfx.integrations.hf.Trainer, so its float32 masters and loss "
-                                        "scale are missing")
+                                        "autocastfx.integrations.hf.Trainer, so its loss scale state is "
+                                        "missing")
             self.step.load_state_dict(torch.load(path, weights_only=False))
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:

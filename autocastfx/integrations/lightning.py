@@ -78,7 +78,7 @@ class MixedPrecision(Precision):
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
         self.dtype = dtype
-        self.precision = "16-mixed" if dtype == torch.float16 else "bf16-mixed"  # float32 masters: mixed
+        self.precision = "16-mixed" if dtype == torch.float16 else "bf16-mixed"  # float32 parameters, low compute: mixed
         self.attribute = attribute
         self.convert_kwargs = dict(convert_kwargs or {})
         self.step_kwargs = dict(step_kwargs or {})

@@ -23,7 +23,7 @@ at the same qualified name, inside the same container, then the model around the
   were converted for stay the ones they get), recursing into those that do not capture; the report and one
   warning say what stayed eager and why.
 
-Each converted unit (a block, the root) keeps its own plan, masters and report section; the training step,
+Each converted unit (a block, the root) keeps its own plan and report section; the training step,
 ``shard()`` (FSDP2: each block a unit of its own) and checkpoints work over the tree.
 """
 from __future__ import annotations

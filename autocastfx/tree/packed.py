@@ -9,7 +9,7 @@ layer is converted, by the per-graph conversion every part goes through, as a st
 (:class:`_PackedLSTM`, :class:`_PackedRNN`): a module that holds the layer's parameters under their own names and
 whose forward is that one call on ``(data, batch_sizes, h0[, c0])``. The policy classifies the op ``low`` as it
 classifies ``aten.lstm.input``: the plan casts the data and the state to the low dtype and stores every weight and
-bias low with a float32 master, one dtype for the whole call (kernels.py's ``_cudnn_rnn`` rule), and ``self.training``
+bias low (each cast from its float32 parameter), one dtype for the whole call (kernels.py's ``_cudnn_rnn`` rule), and ``self.training``
 gives the call's ``train`` flag per mode. The converted part then takes the model's own call through
 :class:`PackedCall`: it unpacks the sequence, makes the zero initial state where none is given (or orders the
 given one by the sequence's sorting, as the layer does), calls the graph, and packs its output as the layer
