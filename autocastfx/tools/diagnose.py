@@ -69,9 +69,9 @@ class _Probe(fx.Interpreter):
 
 def calibrate(gm: fx.GraphModule, batches: Iterable, *, margin: float = 4.0, max_rel_error: float = 0.05,
               rounds: int = 3) -> fx.GraphModule:
-    """A re-planned copy of ``gm`` with the nodes that overflow the low dtype, or lose more than
-    ``max_rel_error`` relative error in it, moved to float32. ``batches``: input tuples like convert()'s
-    ``example_inputs``. ``margin``: headroom on the largest value seen (4: values over 65504/4 move)."""
+    """A re-planned copy of ``gm`` (sharing its parameters and buffers) with the nodes that overflow the low dtype,
+    or lose more than ``max_rel_error`` relative error in it, moved to float32. ``batches``: input tuples like
+    convert()'s ``example_inputs``. ``margin``: headroom on the largest value seen (4: values over 65504/4 move)."""
     info = _info(gm)
     batches = [b if isinstance(b, tuple) else (b,) for b in batches]
     if not batches:
@@ -112,8 +112,8 @@ def calibrate(gm: fx.GraphModule, batches: Iterable, *, margin: float = 4.0, max
         ex_args, ex_kwargs = batches[0], {}
         current = convert(gm, ex_args, example_kwargs=ex_kwargs or None, dtype=info.dtype, policy=policy,
                           **info.options.saved())
-    if current is gm:
-        current = copy.deepcopy(gm)
+    if current is gm:  # nothing moved: a copy that shares gm's tensors, as a conversion of gm does
+        current = copy.deepcopy(gm, {id(t): t for t in [*gm.parameters(), *gm.buffers()]})
     for node in current.graph.nodes:
         if node.name in moved and "autocastfx" in node.meta:
             node.meta["autocastfx"] = dataclasses.replace(node.meta["autocastfx"], reason=moved[node.name])
