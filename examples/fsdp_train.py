@@ -26,8 +26,8 @@ its own shards and reads its slices of the weights.
 
 ``--weights PATH`` is the state dict to start from (``torch.save`` of the unconverted model's ``state_dict()``);
 without it rank 0 writes the model's own initialisation (seed 0) to a temporary file first, standing in for a
-pretrained checkpoint. ``--sharding fully_shard`` uses FSDP2's own ``fully_shard`` (every parameter float32 in the
-module: ``convert(..., master_weights=False)``) and ``--sharding ddp`` DistributedDataParallel, for comparison.
+pretrained checkpoint. ``--sharding fully_shard`` uses FSDP2's own ``fully_shard`` (every parameter gathered in
+float32; the graph casts the weights it reads low) and ``--sharding ddp`` DistributedDataParallel, for comparison.
 ``--checkpoint DIR`` writes a distributed checkpoint (``autocastfx.save_checkpoint``) at the end, and
 ``--resume`` reads it in place of the weights; it loads on any number of processes.
 """
@@ -156,14 +156,13 @@ def batch(step: int, rank: int, world: int, args) -> tuple[torch.Tensor, torch.T
 
 # ------------------------------------------------------------------------------------------------ the run
 def per_rank_bytes(step) -> dict[str, int]:
-    """Bytes this process holds for parameters, float32 masters and optimizer state (local shards only)."""
+    """Bytes this process holds for the float32 parameters and the optimizer state (local shards only)."""
     def nbytes(t):
         t = getattr(t, "_local_tensor", t)
         return t.numel() * t.element_size()
     opt = sum(nbytes(v) for st in step.optimizer.state.values() for v in st.values()
               if torch.is_tensor(v) and v.dim() > 0)
-    return {"parameters": sum(nbytes(p) for p in step.gm.parameters()),
-            "masters": sum(nbytes(m) for m in step.masters), "optimizer": opt}
+    return {"parameters": sum(nbytes(p) for p in step.gm.parameters()), "optimizer": opt}
 
 
 def main(argv=None):
@@ -213,8 +212,7 @@ def train(args, rank, world, device, cuda):
         model = build_model(args)  # shapes only, whatever the model's size
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        gm = autocastfx.convert(model, (ids.to(device),), dtype=dtype,
-                                master_weights=args.sharding != "fully_shard")
+        gm = autocastfx.convert(model, (ids.to(device),), dtype=dtype)
     del model
     # memory-mapped: a rank reads the pages of its own slices, never a whole weight
     weights = torch.load(path, mmap=True, weights_only=True) if path else None

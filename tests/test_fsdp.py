@@ -123,21 +123,20 @@ def rank_batch(i, rank):
     return x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
 
 
-def converted(master_weights=True, norm=nn.RMSNorm):
+def converted(norm=nn.RMSNorm):
     torch.manual_seed(0)
     model = TinyLlama(norm=norm)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return autocastfx.convert(model, (global_batch(0)[0][:PER_RANK],), master_weights=master_weights)
+        return autocastfx.convert(model, (global_batch(0)[0][:PER_RANK],))
 
 
 def block_tree(norm=nn.RMSNorm, widest=True):
     """A module tree as block conversion makes it: each decoder layer a converted GraphModule of its own (its own
-    plan and masters), called by the root's graph as a submodule (call_module), the root's own layers float32.
-    ``widest=False``: the min-cut policy, under which a hand-written RMSNorm's gain is stored low with the
-    layer's other weights (every weight of a block one dtype: the case plain fully_shard takes with masters);
-    under the default policy the gain stays float32 (autocast's widest-type rule) and plain fully_shard is
-    refused for it (tested in the refusals)."""
+    plan), called by the root's graph as a submodule (call_module), the root's own layers float32.
+    ``widest=False``: the min-cut policy instead of the default. Either way every parameter is float32 in the
+    module (the graph casts the linears' weights to float16, the norms' gains multiply in float32), so plain
+    fully_shard (float32 gathers) takes the tree as it is."""
     import torch.fx as fx
     from autocastfx.core.policy import Policy
     torch.manual_seed(0)
@@ -155,8 +154,7 @@ def block_tree(norm=nn.RMSNorm, widest=True):
     root = fx.GraphModule(model, Tracer().trace(model))
     root.layers = model.layers  # the container kept (fx copies the path to each block as bare modules)
     root.meta["autocastfx"] = autocastfx.ConvertInfo(
-        dtype=torch.float16, policy=Policy.default(), capture="by hand", plan=None, masters={}, absorbed=[],
-        options={"master_weights": True})
+        dtype=torch.float16, policy=Policy.default(), capture="by hand", plan=None, absorbed=[], options={})
     assert [n.op for n in root.graph.nodes].count("call_module") >= 2 and isinstance(root.layers, nn.ModuleList)
     return root
 
@@ -207,23 +205,22 @@ def local_bytes(t):
 
 
 def state_bytes(step):
-    """Parameters + masters + optimizer state held by this process, and the gradients the optimizer reads."""
+    """Parameters (the float32 weights: there are no copies beside them) + optimizer state held by this process."""
     params = sum(local_bytes(p) for p in step.gm.parameters())
-    masters = sum(local_bytes(m) for m in step.masters)
     opt = sum(local_bytes(v) for st in step.optimizer.state.values() for v in st.values()
               if torch.is_tensor(v) and v.dim() > 0)
-    return {"params": params, "masters": masters, "optimizer": opt}
+    return {"params": params, "optimizer": opt}
 
 
 def grad_bytes_at_update(step):
-    """Wrap optimizer.step to record the bytes of every gradient alive when it runs (float32 master gradients and
-    any low-precision .grad still held)."""
+    """Wrap optimizer.step to record the bytes of every gradient alive when it runs (the parameters' float32
+    .grad)."""
     seen = []
     opt = step.optimizer
     inner = opt.step
 
     def recording(*a, **k):
-        held = {id(p): p.grad for p in list(step.gm.parameters()) + step.masters if p.grad is not None}
+        held = {id(p): p.grad for p in step.gm.parameters() if p.grad is not None}
         seen.append(sum(local_bytes(g) for g in held.values()))
         return inner(*a, **k)
     opt.step = recording
@@ -328,23 +325,21 @@ def full(t):
 
 
 def optimizer_state_by_name(step, key):
-    from autocastfx.training.checkpoints import _named_state
-    _, name_of = _named_state(step)
+    name_of = {id(p): n for n, p in step.gm.named_parameters()}
     return {name_of[id(p)]: full(step.optimizer.state[p][key]) for p in step.optimizer_params}
 
 
 def weights_by_name(step):
-    """The float32 weights the optimizer steps, gathered, by parameter name."""
-    from autocastfx.training.checkpoints import _named_state
-    named, _ = _named_state(step)
-    return {n: full(t) for n, t in named.items()}
+    """The float32 weights the optimizer steps (the module's own parameters), gathered, by parameter name."""
+    assert {id(p) for p in step.optimizer_params} == {id(p) for p in step.gm.parameters()}
+    return {n: full(p) for n, p in step.gm.named_parameters()}
 
 
 # ----------------------------------------------------------------------------------------- the ranks
 def _run(rank, mode, steps, out, **kw):
     from torch.distributed.fsdp import fully_shard
-    if mode == "plain":  # the plain recipe (each block, then the root); every parameter float32 in the module
-        gm = converted(master_weights=False)
+    if mode == "plain":  # the plain recipe (each block, then the root): every parameter gathered in float32
+        gm = converted()
         assert isinstance(gm.layers, nn.ModuleList) and all("autocastfx" in b.meta for b in gm.layers)
         for block in gm.layers:
             fully_shard(block)
@@ -373,7 +368,7 @@ def _run(rank, mode, steps, out, **kw):
     with counter:
         for i in range(2, steps):
             losses.append(step(*rank_batch(i, rank)))
-    if mode.startswith("blocks"):  # sharded masters of converted blocks, into a checkpoint
+    if mode.startswith("blocks"):  # sharded float32 weights of converted blocks, into a checkpoint
         autocastfx.save_checkpoint(step, os.path.join(out["dir"], mode))
     out[mode] = {"weights": weights_by_name(step), "aten": (list(set(dtypes.calls)), dtypes.violations), "norm_weights": norm_weights, "losses": [float(v) for v in losses], "syncs": counter.syncs,
                  "bytes": {**state_bytes(step), "grads": max(grads)}, "all_gather": comm.all_gather,
@@ -388,7 +383,7 @@ def _worker(rank, init_file, out_dir):
     torch.manual_seed(0)
     out = {"dir": out_dir}
     try:
-        # 1. the plain recipe (master_weights=False: one dtype per group) and the helper: 20 steps each
+        # 1. the plain recipe (float32 gathers, the graph casts) and the helper (low gathers): 20 steps each
         _run(rank, "plain", STEPS, out)
         _run(rank, "shard", STEPS, out)
         for mode in ("blocks", "blocks_shard"):
@@ -438,7 +433,7 @@ def _worker(rank, init_file, out_dir):
         autocastfx.load_checkpoint(step2, ckpt)
         out["resumed"] = [float(step2(*rank_batch(i, rank))) for i in range(6, 12)]
         out["resumed_w"] = weights_by_name(step2)
-        # the same checkpoint into DistributedDataParallel: replicated weights, masters whole
+        # the same checkpoint into DistributedDataParallel: replicated float32 weights
         gm3 = converted()
         ddp = nn.parallel.DistributedDataParallel(gm3)
         step3 = autocastfx.train_step(ddp, loss_fn, make_opt(gm3.parameters()), accum_steps=2)
@@ -465,24 +460,32 @@ def _worker(rank, init_file, out_dir):
         out["accum_reduce_scatter"] = per_micro
 
         # 6. refusals, before anything changes
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        errors = {}
+        gm = converted()  # a low param_dtype over the root, whose norm, embedding and position table read float32
+        for layer in gm.layers:
+            fully_shard(layer)
+        fully_shard(gm, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32))
+        opt = make_opt(gm.parameters())
+        step = autocastfx.train_step(gm, loss_fn, opt)
+        before = [p._local_tensor.clone() for p in gm.parameters()]
+        try:
+            step(*rank_batch(0, rank))
+        except ValueError as e:
+            errors["low_param_dtype"] = f"{type(e).__name__}: {e}"
+        out["low_param_dtype_unchanged"] = all(torch.equal(b, p._local_tensor) for b, p in zip(before, gm.parameters())) \
+            and not opt.state and int(step.stats.steps) == 0
         gm = converted()
-        fully_shard(gm)
+        fully_shard(gm)  # plain fully_shard: float32 gathers, accepted
         opt = make_opt(gm.parameters())
         groups = [list(g["params"]) for g in opt.param_groups]
-        errors = {}
-        for kw in ({}, {"cuda_graph": True}):
-            try:
-                autocastfx.train_step(gm, loss_fn, opt, **kw)
-            except (ValueError, TypeError) as e:
-                errors[str(kw)] = f"{type(e).__name__}: {e}"
+        try:
+            autocastfx.train_step(gm, loss_fn, opt, cuda_graph=True)
+        except (ValueError, TypeError) as e:
+            errors["{'cuda_graph': True}"] = f"{type(e).__name__}: {e}"
         out["refusals"] = errors
         out["optimizer_untouched"] = [list(g["params"]) for g in opt.param_groups] == groups \
             and not opt.param_groups[0].get("fused")
-        try:
-            autocastfx.shard(converted(master_weights=False))
-        except ValueError as e:
-            out["refusals"]["shard_mw_false"] = str(e)
         try:
             autocastfx.shard(gm)
         except ValueError as e:
@@ -514,7 +517,7 @@ def _worker(rank, init_file, out_dir):
             step2 = autocastfx.train_step(gm2, loss_fn, make_sgd(gm2.parameters()), clip_grad_norm=1.0)
             autocastfx.load_checkpoint(step2, ckpt)
             resumed = [float(step2(*rank_batch(i, rank))) for i in range(3, 6)]
-        out["meta"] = {"on_meta": on_meta, "units": [n for n, _ in autocastfx.training.step.converted_units(gm)],
+        out["meta"] = {"on_meta": on_meta, "units": [n for n, _ in autocastfx.core.weights.converted_units(gm)],
                        "losses": losses, "resumed": resumed, "bytes": state_bytes(step),
                        "weights": weights_by_name(step), "resident": resident,
                        "largest_shard": max(p._local_tensor.numel() for p in gm.parameters()),
@@ -569,31 +572,42 @@ def test_fsdp_matches_one_process_within_float16_noise(ranks):
 
 
 @pytest.mark.parametrize("mode", ["blocks", "blocks_shard"])
-def test_sharded_masters_and_block_trees_match_one_process(ranks, mode):
+def test_sharded_block_trees_match_one_process(ranks, mode):
     build = {"blocks": lambda: block_tree(norm=LlamaRMSNorm, widest=False), "blocks_shard": block_tree}[mode]
     gm, step, losses, _ = one_process(steps=BLOCK_STEPS, build=build)
     ref = weights_by_name(step)
     w0, w1 = ranks[0][mode]["weights"], ranks[1][mode]["weights"]
     assert set(w0) == set(ref), sorted(set(w0) ^ set(ref))
-    if mode == "blocks":  # every block weight is stored low: its float32 master is sharded by the step
-        # the root's own four (embedding, position table, norm, LM head) are float32 in the module
-        assert len(step.masters) == len(ranks[0][mode]["weights"]) - 4 == 14
+    if mode == "blocks":  # the blocks' graphs cast their linears' weights low (the root's hand-made graph none)
+        # the root's own four (embedding, position table, norm, LM head) are read as they are, and so are the
+        # blocks' norm gains (2 a layer), multiplied in float32 before the cast
+        masters = autocastfx.master_parameters(gm)
+        assert len(masters) == len(ranks[0][mode]["weights"]) - 4 - 4 == 10
+        assert all(m.dtype == torch.float32 for m in masters)
+        linears = {id(p) for layer in gm.layers for n, p in layer.named_parameters() if "layernorm" not in n}
+        assert {id(m) for m in masters} == linears
     worst = max(float((w0[n] - ref[n]).abs().max()) for n in ref)
     print(f"{mode}: largest |w_fsdp - w_one_process| after {BLOCK_STEPS} steps: {worst:.2e}")
     for n in ref:
         assert torch.equal(w0[n], w1[n])
         torch.testing.assert_close(w0[n], ref[n], rtol=0, atol=1e-3, msg=f"{mode} {n}")
-    # per rank: half of the one process's state, the masters sharded with their weights
+    # per rank: half of the one process's state, the float32 weights and their optimizer state sharded
     assert sum(ranks[0][mode]["bytes"].values()) <= sum(
         {**state_bytes(step), "grads": 0}.values()) / WORLD * 1.05 + ranks[0][mode]["bytes"]["grads"]
-    # the ranks' checkpoint (masters sharded per block) into a one-process block tree
+    # the ranks' checkpoint (float32 weights sharded per block) into a one-process block tree
     fresh = build()
     loaded = autocastfx.train_step(fresh, loss_fn, make_sgd(fresh.parameters()), clip_grad_norm=1.0)
     autocastfx.load_checkpoint(loaded, os.path.join(ranks[0]["dir"], mode))
     for n, w in weights_by_name(loaded).items():
         assert torch.equal(w, w0[n]), n
-    for lo, m in zip(loaded.lows, loaded.masters):
-        assert torch.equal(lo, m.to(lo.dtype))
+    # the module holds only the loaded float32 weights: its forward casts them, so it computes what a tree
+    # given the same weights by load_state_dict computes
+    assert all(p.dtype == torch.float32 for p in fresh.parameters())
+    same = build()
+    same.load_state_dict(w0)
+    x = global_batch(BLOCK_STEPS)[0]
+    with torch.no_grad():
+        assert torch.equal(fresh(x), same(x))
     assert torch.isfinite(loaded(*global_batch(BLOCK_STEPS)))
 
 
@@ -604,7 +618,10 @@ def test_fsdp_step_has_no_host_sync_and_reduces_found_inf(ranks):
         assert ranks[0][mode]["syncs"] == ["aten._local_scalar_dense.default"] * (STEPS - 2), mode
         code = ranks[0][mode]["code"]
         assert "P.all_reduce_max(S.found_inf)" in code and "FSDP2" in code
-    assert "torch._foreach_copy_(P.locals(self.lows), P.locals(self.masters))" not in ranks[0]["shard"]["code"]
+    for mode in ("plain", "shard", "blocks", "blocks_shard"):  # the optimizer steps the shards themselves
+        code = ranks[0][mode]["code"]
+        assert "_foreach_copy_" not in code and "master" not in code
+        assert "grads = P.locals([p.grad for p in self.all_params if p.grad is not None])" in code
 
 
 def test_retry_on_overflow_and_accumulation_under_fsdp(ranks):
@@ -668,7 +685,7 @@ def test_meta_built_model_is_sharded_loaded_trained_and_resumed(ranks):
     model, largest_weight = sum(w.numel() for w in ref.values()), max(w.numel() for w in ref.values())
     a, b = ranks[0]["meta"], ranks[1]["meta"]
     assert a["on_meta"] and b["on_meta"]
-    assert a["units"] == [n for n, _ in autocastfx.training.step.converted_units(gm)] == ["layers.1.", "layers.0.", ""]
+    assert a["units"] == [n for n, _ in autocastfx.core.weights.converted_units(gm)] == ["layers.1.", "layers.0.", ""]
     # the 2-rank run is the materialised model's run: its losses and weights within float16 noise
     mean = [(x + y) / 2 for x, y in zip(a["losses"], b["losses"])]
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(losses), rtol=0, atol=2e-3)
@@ -678,8 +695,8 @@ def test_meta_built_model_is_sharded_loaded_trained_and_resumed(ranks):
         torch.testing.assert_close(a["weights"][n], ref[n], rtol=0, atol=1e-3, msg=n)
     for r in (a, b):
         assert r["resumed"] == r["losses"][3:]  # the resumed run repeats the uninterrupted one bit for bit
-        held, one_held = r["bytes"]["params"] + r["bytes"]["masters"], one_bytes["params"] + one_bytes["masters"]
-        print(f"per rank: parameters + masters {held} B (one process {one_held} B); peak bytes allocated "
+        held, one_held = r["bytes"]["params"], one_bytes["params"]
+        print(f"per rank: float32 parameters {held} B (one process {one_held} B); peak bytes allocated "
               f"{r['peak']} over {r['resident']} B held before training (one process, training: {one.peak} over "
               f"{one_held} B); largest new float tensor (elements) {r['largest']}: a unit {unit}, the largest "
               f"weight {largest_weight}, the model {model}")
@@ -700,8 +717,7 @@ def test_two_rank_checkpoint_loads_into_one_process_and_trains_on(ranks):
     got = weights_by_name(step)
     for n, w in saved["weights"].items():
         assert torch.equal(got[n], w), n
-    for lo, m in zip(step.lows, step.masters):
-        assert torch.equal(lo, m.to(lo.dtype))
+    assert all(p.dtype == torch.float32 for p in gm.parameters())  # the checkpoint's weights, nothing beside
     got_avg = optimizer_state_by_name(step, "exp_avg")
     for n, v in saved["exp_avg"].items():
         assert torch.equal(got_avg[n], v), n
@@ -735,14 +751,19 @@ def test_shard_gathers_half_the_bytes_of_float32_fsdp(ranks):
 
 
 def test_refusals_before_anything_changes(ranks):
-    errors = ranks[0]["refusals"]
-    assert "several dtypes" in errors["{}"] and "autocastfx.shard" in errors["{}"]
-    assert "master_weights=False" in errors["{}"]
-    assert "FSDP2" in errors["{'cuda_graph': True}"]
-    assert ranks[0]["optimizer_untouched"]
-    assert "master_weights=True" in errors["shard_mw_false"]
-    assert "already sharded" in errors["shard_twice"]
-    assert "after fully_shard() or autocastfx.shard()" in errors["optimizer_before_shard"]
+    for r in ranks:
+        errors = r["refusals"]
+        # fully_shard gathering the root's float32-read parameters (the norm, embedding, position table) in float16:
+        # refused at the first call, before the forward, naming the policy to use and the helper
+        low = errors["low_param_dtype"]
+        assert low.startswith("ValueError: fully_shard gathers") and "as float16" in low, low
+        assert "reads it in float32" in low and "MixedPrecisionPolicy(param_dtype=None" in low
+        assert "autocastfx.shard(gm)" in low
+        assert r["low_param_dtype_unchanged"]
+        assert "FSDP2" in errors["{'cuda_graph': True}"]
+        assert r["optimizer_untouched"]
+        assert "already sharded" in errors["shard_twice"]
+        assert "after fully_shard() or autocastfx.shard()" in errors["optimizer_before_shard"]
 
 
 def test_example_trains_with_torchrun_on_two_processes(tmp_path):
