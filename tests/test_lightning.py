@@ -101,7 +101,10 @@ def test_fit_matches_float32_with_accumulation_clipping_schedule_and_validation(
     assert s["steps"] == 12 and trainer.global_step == 12  # 4 updates an epoch, the short window included
     real = trainer.optimizers[0]
     assert real.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.8 ** 12)  # the scheduler drives the updates
-    diffs = [(m - p).abs() for m, p in zip(autocastfx.master_parameters(ours.model), ref.model.parameters())]
+    ref_params = dict(ref.model.named_parameters())
+    assert all(p.dtype == torch.float32 for p in ours.model.parameters())  # the float32 weights AdamW stepped
+    diffs = [(p - ref_params[n]).abs() for n, p in ours.model.named_parameters()]
+    assert len(diffs) == len(ref_params) == 4
     mean = torch.cat([d.flatten() for d in diffs]).mean()
     print(f"weights: largest difference {max(d.max() for d in diffs):.1e}, mean {mean:.1e}")
     assert all(d.max() < 1e-2 and d.mean() < 1e-4 for d in diffs)  # AdamW moves a weight by up to lr=1e-2 a step
@@ -120,7 +123,8 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     _fit(tmp_path / "part", 2, dropout=0.25, callbacks=[ckpt])
     state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
     assert state["MixedPrecision"]["micro"] == 16 and "scaler" in state["MixedPrecision"]
-    # the checkpoint's weights are the float32 masters: they load into the LightningModule as written
+    # the checkpoint's weights are the converted module's float32 parameters: they load into the LightningModule
+    # as written
     plain = Lit(0.25)
     plain.load_state_dict(state["state_dict"])
     assert all(p.dtype == torch.float32 for p in plain.parameters())
@@ -183,19 +187,25 @@ def test_checkpoints_hold_the_models_float32_weights_and_load_both_ways(tmp_path
     trainer.fit(lit, DataLoader(_data(32, 1), batch_size=8), val)
     path = str(tmp_path / "ckpt" / "last.ckpt")
     weights = torch.load(path, weights_only=False)["state_dict"]
-    masters = lit.model.meta["autocastfx"].masters
-    assert torch.equal(weights["model.a.weight"], masters["a.weight"])
-    assert torch.equal(weights["model.b.weight"], masters["a.weight"])  # under both names
+    assert "autocastfx" in lit.model.meta
+    w = lit.model.get_parameter("a.weight")  # the model's own tensor, trained in place
+    assert w.dtype == torch.float32 and w is lit.model.state_dict(keep_vars=True)["b.weight"]  # both names
+    assert torch.equal(weights["model.a.weight"], w)
+    assert torch.equal(weights["model.b.weight"], w)  # under both names
+    assert all(torch.equal(weights["model." + n], p) for n, p in lit.model.named_parameters())
 
     plain = Tied()
     plain.load_state_dict(weights)  # strict: the unconverted module, float32
-    assert torch.equal(plain.model.b.weight, masters["a.weight"]) and plain.model.a.weight is plain.model.b.weight
-    before = {k: v.clone() for k, v in masters.items()}
+    assert torch.equal(plain.model.b.weight, w) and plain.model.a.weight is plain.model.b.weight
+    before = {n: p.detach().clone() for n, p in lit.model.named_parameters()}
     with torch.no_grad():
-        for m in masters.values():
-            m.zero_()
+        for p in lit.model.parameters():
+            p.zero_()
     assert trainer.validate(lit, val, ckpt_path=path, verbose=False)  # into the converted module
-    assert all(torch.equal(masters[k], before[k]) for k in masters)  # its masters set from the checkpoint
+    after = dict(lit.model.named_parameters())
+    assert all(torch.equal(after[n], before[n]) for n in before)  # its weights set from the checkpoint
+    tied = lit.model.state_dict(keep_vars=True)
+    assert tied["a.weight"] is tied["b.weight"] is lit.model.get_parameter("a.weight")  # still one tensor
     resumed = Tied()
     _trainer(tmp_path / "resumed", 2).fit(resumed, DataLoader(_data(32, 1), batch_size=8), val, ckpt_path=path)
     assert len(resumed.losses) == 4

@@ -103,7 +103,6 @@ class MixedPrecision(Precision):
         self._optimizer = optimizers[0] if fitting else None
         net = getattr(model, self.name)
         if is_converted(net):
-            self._adopt(net)
             if fitting:
                 self._build_step(net)
         elif self.example_input is not None:
