@@ -104,8 +104,10 @@ def test_inference_copy_folds_batch_norms_and_keeps_no_float32_weight():
     gm = autocastfx.convert(model, (x,))
     inf = autocastfx.for_inference(gm)
     done = inf.meta["autocastfx"].extra_totals["inference"]
-    assert len(done["batch_norms_folded"]) == 5 and not inf.meta["autocastfx"].masters
+    assert len(done["batch_norms_folded"]) == 5
     assert all(p.dtype == torch.float16 for p in inf.parameters())
+    assert not autocastfx.master_parameters(inf)  # nothing float32 for its graph to cast: every weight stored low
+    assert not {id(p) for p in inf.parameters()} & {id(p) for p in model.parameters()}  # copies, not the model's
     assert not any(isinstance(m, nn.BatchNorm2d) for m in inf.modules())
     with AtenRecorder() as rec:
         out = inf(x)
@@ -113,7 +115,9 @@ def test_inference_copy_folds_batch_norms_and_keeps_no_float32_weight():
     convs = [c for c in rec.calls if c.name == "convolution"]
     assert convs and all(set(c.in_dtypes) == {torch.float16} for c in convs)
     torch.testing.assert_close(out.float(), model(x), rtol=1e-2, atol=1e-2)
-    assert gm.meta["autocastfx"].masters  # the training module is left as it is
+    # the training module is left as it is: the model's own float32 parameters, the ones its graph casts included
+    assert {id(p) for p in gm.parameters()} == {id(p) for p in model.parameters()}
+    assert all(p.dtype == torch.float32 for p in gm.parameters()) and autocastfx.master_parameters(gm)
 
 
 def test_other_extensions_are_refused_with_the_formats(tmp_path):
