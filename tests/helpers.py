@@ -1,11 +1,16 @@
-"""Independent checks: what dtypes each aten op really saw, and how many bytes casts moved."""
+"""Independent checks: what dtypes each aten op really saw, and how many bytes casts moved; and what the CPU running
+the suite does fast (``FAST_LOW_DTYPE``, ``small_if_emulated``) or not at all (``cpu_autocast``)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from cpu_class import cpu_flags
 
 CAST_OPS = {"_to_copy", "to", "copy_"}
 
@@ -61,3 +66,76 @@ class AtenRecorder(TorchDispatchMode):
             n = c.out_numel if c.name != "copy_" else c.in_numel // 2
             total += n * (src.itemsize + dst.itemsize)
         return total
+
+
+# ------------------------------------------------------------------------------ what this CPU runs fast
+
+def native_low_dtype() -> torch.dtype | None:
+    """The low dtype whose matmuls and convolutions torch runs in oneDNN on this CPU (bfloat16 first): bfloat16 with
+    AVX-512 (native with AVX512-BF16 or AMX), float16 with AVX512-FP16 or AMX-FP16. None where both fall back to
+    torch's own scalar loops (an AVX2-only CPU: a 512x512 matmul 50x slower than float32)."""
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    if torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        return torch.float16
+    return None
+
+
+FAST_LOW_DTYPE = native_low_dtype()
+
+
+def low_dtype_for_speed() -> torch.dtype:
+    """The low dtype for a test that measures something other than the dtype (bytes, modes, structure) on shapes
+    that need fast kernels: the native one, bfloat16 where there is none (with ``small_if_emulated`` shapes)."""
+    return FAST_LOW_DTYPE or torch.bfloat16
+
+
+def small_if_emulated(n: int, small: int, dtype: torch.dtype | None = None) -> int:
+    """``n`` (a batch, a length, a width) where ``dtype`` (default: bfloat16) has native kernels on this CPU,
+    ``small`` where it runs in torch's scalar loops: the same check, on fewer values. The shapes the suite was sized
+    by stay on CPUs with AVX512-BF16 or AMX."""
+    dtype = dtype or torch.bfloat16
+    fast = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+            torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported()}.get(dtype, True)
+    return n if fast else small
+
+
+# ------------------------------------------------------------------------------ what this CPU does not run
+
+# oneDNN's recurrent primitives in a low dtype and the CPU features they need (x86 /proc/cpuinfo flags): bfloat16
+# LSTM on avx512_core (emulated there, native with AVX512-BF16), float16 on avx512_core_fp16. torch runs nn.LSTM
+# under CPU autocast as oneDNN's primitive, so without them torch.autocast itself fails on an LSTM:
+# "could not create a primitive descriptor for the LSTM forward propagation primitive".
+ONEDNN_NEEDS = {torch.bfloat16: ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
+                torch.float16: ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_fp16")}
+_REFUSED = re.compile(r"could not create a primitive descriptor for the (.+?) (forward|backward) propagation primitive")
+
+
+def onednn_refusal(error: BaseException, dtype: torch.dtype) -> str | None:
+    """Why torch's own kernel cannot run here, where ``error`` is oneDNN refusing a ``dtype`` primitive on a CPU that
+    lacks the features it needs (the reason names them); None for any other error, and on a CPU that has them (there
+    the refusal is a failure of its own)."""
+    found = _REFUSED.search(str(error))
+    if not isinstance(error, RuntimeError) or not found or dtype not in ONEDNN_NEEDS:
+        return None
+    flags = cpu_flags()
+    missing = [f for f in ONEDNN_NEEDS[dtype] if f not in flags]
+    if not missing:
+        return None
+    return (f"torch.autocast('cpu', {dtype}) cannot run here: oneDNN's {str(dtype).split('.')[-1]} {found.group(1)} "
+            f"primitive needs {', '.join(ONEDNN_NEEDS[dtype])}, and this CPU "
+            f"({torch.backends.cpu.get_cpu_capability()}) has no {', '.join(missing)}")
+
+
+def cpu_autocast(fn, dtype: torch.dtype):
+    """``fn()`` under ``torch.autocast("cpu", dtype)``, the baseline a test compares with. Where torch's own kernel
+    does not exist on this CPU (``onednn_refusal``) the test is skipped, with the reason, at the comparison: what the
+    test checked before it stands; any other error is raised."""
+    try:
+        with torch.autocast("cpu", dtype):
+            return fn()
+    except RuntimeError as e:
+        reason = onednn_refusal(e, dtype)
+        if reason is None:
+            raise
+        pytest.skip(reason)

@@ -3,14 +3,17 @@
 Most of the suite's time is one core's: converting, tracing and exporting are Python, and the 2-core machine the
 suite must finish on in 8 minutes sat half idle under one pytest. This deals the test files to one pytest process
 per core (at most 4), longest first, each to the process with the least work so far, by the seconds each file took
-in the last recorded run (``tests/file_seconds.json``; a file not in it counts 10 s). Each process gets its share of
-the cores' threads (``OMP_NUM_THREADS``), so no two wait on each other's spinning threads. A file's tests stay in one
-process, so the module-scoped fixtures are built once, as under a plain pytest. The processes' lines are printed as
-they come, each after its process's number; the exit status is the first failing process's, else 0.
+in the last recorded run on this kind of CPU (``tests/file_seconds.json``, one record per CPU class of
+``tests/cpu_class.py``: the same file takes 10x longer where bfloat16 has no native kernels). A class with no record
+borrows the nearest class's, scaled by the two records' ratio on the files both have; a file in no record counts
+10 s. Each process gets its share of the cores' threads (``OMP_NUM_THREADS``), so no two wait on each other's
+spinning threads. A file's tests stay in one process, so the module-scoped fixtures are built once, as under a
+plain pytest. The processes' lines are printed as they come, each after its process's number; the exit status is
+the first failing process's, else 0.
 
     python tests/parallel.py               # the suite, dealt to the cores
     python tests/parallel.py --jobs 1      # one pytest, as before
-    python tests/parallel.py --record      # and write this run's seconds per file to tests/file_seconds.json
+    python tests/parallel.py --record      # and write this run's seconds per file, as this CPU class's record
 
 Only pytest is needed. Anything after ``--`` goes to every pytest (``-- -x``, ``-- -m slow``: a process whose
 files hold no selected test exits 5, which counts as a pass while another process ran tests). Not for test paths
@@ -27,6 +30,8 @@ import tempfile
 import threading
 import time
 
+from cpu_class import cpu_class, nearest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SECONDS = os.path.join(HERE, "file_seconds.json")
@@ -36,6 +41,54 @@ MAX_JOBS = 4
 
 def test_files() -> list[str]:
     return sorted(f"tests/{name}" for name in os.listdir(HERE) if name.startswith("test_") and name.endswith(".py"))
+
+
+def load_record(path: str = SECONDS) -> dict[str, dict[str, float]]:
+    """The recorded seconds per file, by CPU class; empty where there is no record."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+
+
+def expected_seconds(record: dict[str, dict[str, float]], cls: str) -> tuple[dict[str, float], list[str]]:
+    """Seconds per file on a CPU of class ``cls``, and the classes they come from: its own record first; a file it
+    lacks (every file, where it has none) from the nearest class that has one, scaled by the two classes' ratio over
+    the files both have (1 where they share none)."""
+    seconds = dict(record.get(cls, {}))
+    sources = [cls] if seconds else []
+    others = [k for k in record if k != cls and record[k]]
+    while others:
+        other = nearest(cls, others)
+        others.remove(other)
+        theirs = record[other]
+        missing = theirs.keys() - seconds.keys()
+        if not missing:
+            continue
+        common = seconds.keys() & theirs.keys()
+        base = sum(theirs[f] for f in common)
+        scale = sum(seconds[f] for f in common) / base if common and base > 0 else 1.0
+        seconds.update({f: theirs[f] * scale for f in missing})
+        sources.append(other)
+    return seconds, sources
+
+
+def recorded(record: dict[str, dict[str, float]], cls: str, measured: dict[str, float],
+             files: list[str]) -> dict[str, dict[str, float]]:
+    """The record with this run's seconds as class ``cls``'s: a file none of whose tests ran keeps its last figure,
+    a file no longer in the suite is dropped, the other classes' records stay as they were."""
+    mine = {**record.get(cls, {}), **measured}
+    return {**record, cls: {k: round(v, 1) for k, v in sorted(mine.items()) if k in files}}
+
+
+def _sources(cls: str, sources: list[str]) -> str:
+    if not sources:
+        return f"no record, {UNKNOWN_FILE_SECONDS:.0f} s a file"
+    borrowed = " and ".join(f"{s}'s" for s in sources if s != cls)
+    if sources[0] != cls:
+        return f"no record of its own, seconds per file from {borrowed} (scaled)"
+    return "seconds per file from its record" + (f", a file it lacks from {borrowed} (scaled)" if borrowed else "")
 
 
 def deal(files: list[str], seconds: dict[str, float], jobs: int) -> list[list[str]]:
@@ -73,19 +126,17 @@ def _pump(number: int, stream, lock: threading.Lock) -> None:
 
 
 def run(jobs: int, pytest_args: list[str], record: bool) -> int:
-    try:
-        with open(SECONDS) as f:
-            seconds = json.load(f)
-    except FileNotFoundError:
-        seconds = {}
+    records, cls = load_record(), cpu_class()
+    seconds, sources = expected_seconds(records, cls)
     groups = deal(test_files(), seconds, jobs)
     threads = max(1, _usable_cores() // len(groups))
     lock = threading.Lock()
     procs, pumps, outs = [], [], []
+    _say(lock, f"CPU class {cls}: {_sources(cls, sources)}\n")
     start = time.monotonic()
     for number, group in enumerate(groups, 1):
         expected = sum(seconds.get(f, UNKNOWN_FILE_SECONDS) for f in group)
-        _say(lock, f"[{number}] {len(group)} files, about {expected:.0f} s last time: {' '.join(group)}\n")
+        _say(lock, f"[{number}] {len(group)} files, about {expected:.0f} s expected: {' '.join(group)}\n")
         out = tempfile.NamedTemporaryFile(prefix="file_seconds_", suffix=".json", delete=False)
         out.close()
         outs.append(out.name)
@@ -117,11 +168,10 @@ def run(jobs: int, pytest_args: list[str], record: bool) -> int:
           flush=True)
     code = _status(codes)
     if record and code == 0 and not pytest_args:
-        merged = {**seconds, **measured}  # a file none of whose tests ran keeps its last figure
         with open(SECONDS, "w") as f:
-            json.dump({k: round(v, 1) for k, v in sorted(merged.items()) if k in test_files()}, f, indent=0)
+            json.dump(recorded(records, cls, measured, test_files()), f, indent=1, sort_keys=True)
             f.write("\n")
-        print(f"seconds per file written to {os.path.relpath(SECONDS, ROOT)}")
+        print(f"seconds per file written to {os.path.relpath(SECONDS, ROOT)} as {cls}'s record")
     elif record:
         print("seconds per file not written: only a whole, passing run without pytest arguments is recorded")
     return code
@@ -145,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=min(MAX_JOBS, _usable_cores()),
                         help="pytest processes (default: one per usable core, at most 4)")
-    parser.add_argument("--record", action="store_true", help="write this run's seconds per file")
+    parser.add_argument("--record", action="store_true",
+                        help="write this run's seconds per file as this CPU class's record")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error("--jobs must be at least 1")

@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 import autocastfx
 from autocastfx.core import kernels
 from autocastfx.core.weights import master_pairs, named_master_pairs
-from helpers import AtenRecorder
+from helpers import AtenRecorder, cpu_autocast
 
 BF16 = torch.bfloat16
 RNN_OPS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
@@ -103,22 +103,23 @@ def _dtype(a):
 
 
 def _autocast_errors(model, gm, inputs, dtype=BF16):
+    """Max abs error against float32: (autocastfx, torch.autocast on the same model), eval mode. Where torch.autocast
+    cannot run the model on this CPU (oneDNN's low LSTM needs AVX-512), the test is skipped here (helpers.py)."""
     model.eval(), gm.eval()
     with torch.no_grad():
         ref = model(*inputs)
-        with torch.autocast("cpu", dtype):
-            auto = model(*inputs).float()
         ours = gm(*inputs).float()
+        auto = cpu_autocast(lambda: model(*inputs), dtype).float()
     return (ours - ref).abs().max().item(), (auto - ref).abs().max().item()
 
 
 def _within_twice_autocast(model, gm, inputs):
-    """Each output of ``gm`` within twice torch.autocast's error against float32 (plus a floor), same inputs."""
+    """Each output of ``gm`` within twice torch.autocast's error against float32 (plus a floor), same inputs; skipped
+    as in ``_autocast_errors`` where torch.autocast cannot run."""
     with torch.no_grad():
         ref = model(*inputs)
-        with torch.autocast("cpu", BF16):
-            auto = model(*inputs)
         ours = gm(*inputs)
+        auto = cpu_autocast(lambda: model(*inputs), BF16)
     for o, a, r in zip(ours, auto, ref):
         assert (o - r).abs().max() <= 2 * (a.float() - r).abs().max() + 2e-3
 
@@ -171,6 +172,42 @@ def test_mkldnn_layer_sees_one_dtype_forward_and_backward():
         pytest.skip("this CPU build runs LSTM without oneDNN")
     for c in layers:
         assert {d for d in c.in_dtypes if d.is_floating_point} == {BF16}, (c.name, c.in_dtypes)
+
+
+def test_the_autocast_baseline_is_skipped_only_where_the_cpu_lacks_what_onednn_needs(monkeypatch):
+    """helpers.cpu_autocast skips a comparison only for oneDNN's refusal on a CPU without the features its low LSTM
+    needs; on a CPU with them the refusal, and any other error anywhere, fails the test."""
+    import helpers
+    refusal = RuntimeError("could not create a primitive descriptor for the LSTM forward propagation primitive. "
+                           "Run workload with environment variable ONEDNN_VERBOSE=all to get additional diagnostic")
+
+    def refused():
+        raise refusal
+
+    def broken():
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    real = helpers.cpu_flags()
+    monkeypatch.setattr(helpers, "cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))
+    with pytest.raises(pytest.skip.Exception, match="bfloat16 LSTM primitive needs .* has no avx512f, avx512bw"):
+        helpers.cpu_autocast(refused, BF16)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        helpers.cpu_autocast(broken, BF16)
+    monkeypatch.setattr(helpers, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl",
+                                                                 "avx512dq", "avx512_bf16"}))
+    with pytest.raises(RuntimeError, match="primitive descriptor"):
+        helpers.cpu_autocast(refused, BF16)
+    with pytest.raises(pytest.skip.Exception, match="float16 LSTM primitive needs .* has no avx512_fp16"):
+        helpers.cpu_autocast(refused, torch.float16)
+    # this CPU: torch.autocast runs a two-layer LSTM, or refuses it and the CPU lacks what oneDNN needs
+    monkeypatch.setattr(helpers, "cpu_flags", lambda: real)
+    lstm, x = nn.LSTM(4, 8, num_layers=2), torch.randn(3, 2, 4)
+    try:
+        out, _ = helpers.cpu_autocast(lambda: lstm(x), BF16)
+    except pytest.skip.Exception as skipped:
+        assert not set(helpers.ONEDNN_NEEDS[BF16]) <= real, str(skipped)
+    else:
+        assert out.shape == (3, 2, 8) and torch.isfinite(out).all()
 
 
 class WithState(nn.Module):
@@ -316,9 +353,8 @@ def _packed_errors(model, gm, inputs):
     model.eval(), gm.eval()
     with torch.no_grad():
         ref = model(*inputs)
-        with torch.autocast("cpu", BF16):
-            auto = model(*inputs)
         ours = gm(*inputs)
+        auto = cpu_autocast(lambda: model(*inputs), BF16)
     return [(o.float() - ref).abs().max().item() for o in (ours, auto)]
 
 

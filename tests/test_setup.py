@@ -283,3 +283,71 @@ def test_the_suite_is_dealt_to_processes_whole_and_balanced():
     # one exit status: a failure wins; a process that collected nothing (5) passes beside one that ran tests
     assert parallel._status([0, 5]) == 0 and parallel._status([5, 5]) == 5
     assert parallel._status([5, 1]) == 1 and parallel._status([0, -11]) == -11 and parallel._status([0, 0]) == 0
+
+
+def _tests_module(name):
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+
+
+AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
+
+
+@pytest.mark.parametrize("flags, machine, forced, cls", [
+    (AVX2, "x86_64", "", "avx2"),                                          # the 50x slower bfloat16 matmuls
+    (AVX2 - {"avx2"}, "x86_64", "", "default"),
+    (AVX512, "x86_64", "", "avx512"),                                      # bfloat16 emulated in oneDNN
+    (AVX512 - {"avx512vl"}, "x86_64", "", "avx2"),                         # not torch's AVX512 capability
+    (AVX512 | {"avx512_bf16"}, "x86_64", "", "avx512_bf16"),
+    (AVX512 | {"avx512_bf16", "amx_bf16", "amx_tile"}, "x86_64", "", "avx512_amx"),
+    (AVX512 | {"avx512_bf16"}, "x86_64", "avx2", "avx2_bf16"),             # ATEN_CPU_CAPABILITY lowers it...
+    (AVX2, "x86_64", "avx512", "avx2"),                                    # ...and never raises it
+    (frozenset({"fp", "asimd", "bf16"}), "aarch64", "", "aarch64_bf16"),
+])
+def test_cpu_class_from_the_cpus_flags(flags, machine, forced, cls):
+    cpu_class = _tests_module("cpu_class")
+    assert cpu_class.cpu_class(frozenset(flags), machine, forced) == cls
+
+
+def test_cpu_class_capability_is_torchs():
+    """On this machine the capability read from /proc/cpuinfo is the one torch chose."""
+    import platform
+    import torch
+    cpu_class = _tests_module("cpu_class")
+    if platform.machine().lower() not in cpu_class.X86:
+        pytest.skip("x86 only")
+    mine = cpu_class.capability(cpu_class.cpu_flags(), os.environ.get("ATEN_CPU_CAPABILITY"))
+    assert mine == torch.backends.cpu.get_cpu_capability().lower()
+    assert cpu_class.cpu_class().startswith(mine)
+
+
+def test_seconds_per_file_come_from_this_cpu_class_or_the_nearest(tmp_path):
+    parallel = _tests_module("parallel")
+    a, b, c = "tests/test_a.py", "tests/test_b.py", "tests/test_c.py"
+    record = {"avx512_bf16": {a: 10.0, b: 20.0, c: 5.0}, "avx2": {a: 40.0, b: 80.0}, "aarch64": {a: 1.0}}
+    seconds, sources = parallel.expected_seconds(record, "avx2")
+    # its own figures; c from the nearest class that has it, scaled by avx2/avx512_bf16 on a and b (4x)
+    assert seconds == {a: 40.0, b: 80.0, c: 20.0} and sources == ["avx2", "avx512_bf16"]
+    seconds, sources = parallel.expected_seconds(record, "avx512_amx")  # no record: avx512_bf16's, the nearest
+    assert seconds == record["avx512_bf16"] and sources == ["avx512_bf16"]
+    assert parallel.expected_seconds(record, "avx512")[1][0] == "avx512_bf16"
+    assert parallel.expected_seconds(record, "default")[1][0] == "avx2"
+    assert parallel.expected_seconds({}, "avx2") == ({}, [])
+    # --record writes this class's figures, keeps a file none of whose tests ran, drops a file gone, leaves the rest
+    new = parallel.recorded(record, "avx2", {a: 41.04, "tests/test_gone.py": 3.0}, [a, b, c])
+    assert new["avx2"] == {a: 41.0, b: 80.0} and new["avx512_bf16"] == record["avx512_bf16"]
+    assert parallel.recorded({}, "avx512", {a: 2.0}, [a]) == {"avx512": {a: 2.0}}
+
+
+def test_the_recorded_seconds_are_per_cpu_class():
+    """tests/file_seconds.json: a record per class of tests/cpu_class.py, seconds by test file."""
+    parallel, cpu_class = _tests_module("parallel"), _tests_module("cpu_class")
+    record = parallel.load_record()
+    assert record and all(cpu_class.rank(cls) is not None for cls in record), list(record)
+    for cls, seconds in record.items():
+        assert seconds and all(f.startswith("tests/test_") and s >= 0 for f, s in seconds.items()), cls
+    assert "avx512_bf16" in record  # the record the suite's 8 minutes were first measured by
