@@ -77,13 +77,14 @@ def test_hugging_face_trainer_trains_through_the_generated_step(tmp_path):
     mms = [c for c in rec.calls if c.name in ("mm", "addmm", "bmm")]
     assert mms and sum(torch.float16 in c.in_dtypes for c in mms) > len(mms) // 2
     assert "autocastfx_step.pt" in os.listdir(tmp_path / "ours" / "checkpoint-2")
-    # the checkpoint's weights are the float32 masters, unrounded, under the model's names
+    # the checkpoint's weights are the converted module's float32 parameters, unrounded, under the model's names
     from safetensors.torch import load_file
     saved = load_file(str(tmp_path / "ours" / "checkpoint-4" / "model.safetensors"))
-    masters = autocastfx.float32_state_dict(ours.model)
+    weights = autocastfx.float32_state_dict(ours.model)
+    assert all(p.dtype == torch.float32 for p in ours.model.parameters())
     assert saved and all(v.dtype == torch.float32 for v in saved.values())
     for k, v in saved.items():
-        assert torch.equal(v, masters[k]), k
+        assert torch.equal(v, weights[k]), k
     assert any(not torch.equal(v, v.half().float()) for v in saved.values())  # not float16 values
 
 
