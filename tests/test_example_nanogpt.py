@@ -9,8 +9,6 @@ import torch
 
 import autocastfx
 
-from autocastfx.core.weights import all_masters
-
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -45,21 +43,25 @@ def test_the_loss_falls_and_evaluation_is_finite(run):
     assert int(run["step"].stats.steps) == 24 and int(run["step"].stats.skipped) == 0
 
 
-def test_the_optimizer_of_configure_optimizers_steps_the_float32_masters(run):
-    gm, opt = run["gm"], run["optimizer"]
-    masters = {id(m) for m in all_masters(gm).values()}
-    low = [p for p in gm.parameters() if p.dtype == torch.bfloat16]
+def test_the_optimizer_of_configure_optimizers_steps_the_models_float32_parameters(run):
+    gm, opt, model = run["gm"], run["optimizer"], run["model"]
+    own = [p for p in gm.parameters()]
+    assert all(p.dtype == torch.float32 for p in own)  # nothing stored low: the graph casts to bfloat16
+    assert {id(p) for p in own} == {id(p) for p in model.parameters()}  # the model's own tensors, trained in place
+    masters = {id(m) for m in autocastfx.master_parameters(gm)}  # the weights the graph reads only as bfloat16
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
-    # every matrix: the low ones' float32 masters, and the embedding tables, which the plan keeps float32 (the
-    # embedding's output starts the float32 residual stream, as under autocast) and the optimizer steps as they are
-    own_fp32 = {id(p) for p in gm.parameters() if p.dtype == torch.float32 and p.dim() >= 2}
-    assert all(id(p) in masters or id(p) in own_fp32 for p in decay["params"])
-    assert sum(id(p) in masters for p in decay["params"]) == len(low) and len(own_fp32) == 2  # wte (tied), wpe
-    assert all(p.dtype == torch.float32 for p in decay["params"])
-    assert all(p.dtype == torch.float32 and id(p) not in masters for p in no_decay["params"])  # layer-norm gains
+    # the groups configure_optimizers made over gm's parameters, as they are (nothing re-pointed): every matrix in
+    # decay, the bfloat16-read ones and the embedding tables, which the plan reads in float32 (the embedding's
+    # output starts the float32 residual stream, as under autocast)
+    assert sorted(id(p) for g in opt.param_groups for p in g["params"]) == sorted(id(p) for p in own)
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    assert masters and masters <= {id(p) for p in decay["params"]}
+    rest = [p for p in decay["params"] if id(p) not in masters]
+    assert {id(p) for p in rest} == {id(model.wte.weight), id(model.wpe.weight)}  # wte (tied to the head), wpe
+    assert all(id(p) not in masters for p in no_decay["params"])  # layer-norm gains
     assert decay["fused"] and no_decay["fused"]
-    assert all(p.grad is None for p in [*gm.parameters(), *all_masters(gm).values()])  # freed after each update
+    assert all(p.grad is None for p in gm.parameters())  # freed after each update
 
 
 def test_a_resumed_run_gives_the_same_losses_bit_for_bit(run):
@@ -77,8 +79,8 @@ def test_the_state_dict_is_the_float32_model_and_loads_into_it(run):
     assert not result.missing_keys and not result.unexpected_keys
     assert set(sd) == set(model.state_dict())  # tied weights under both names
     own = model.state_dict()
-    for name, master in all_masters(gm).items():
-        assert own[name].dtype == torch.float32 and torch.equal(own[name], master)
+    for name, p in gm.named_parameters():
+        assert own[name].dtype == p.dtype == torch.float32 and torch.equal(own[name], p)
     assert model.lm_head.weight is model.wte.weight
     ckpt = torch.load(run["ckpt"], weights_only=True)["model"]  # the one written half-way loads the same way
     assert all(v.dtype == torch.float32 for v in ckpt.values())
