@@ -3,7 +3,7 @@
 torch.fx cannot trace through an RNN module (its forward branches on the input), so a model with one is captured
 by torch.export, where the layer is one aten call (``aten.lstm.input``: input, [h0, c0], the flat weight list).
 The policy classifies it ``low``: input, initial state and every weight and bias reach it in the low dtype (the
-weights stored low, float32 masters kept), the one-dtype call cuDNN needs (kernels.py, ``_cudnn_rnn``). A packed
+weights cast from their float32 parameters in the graph), the one-dtype call cuDNN needs (kernels.py, ``_cudnn_rnn``). A packed
 sequence defeats the capture: the model is converted piecewise, and a layer called with a packed sequence becomes a
 converted part whose graph is its one call on the packed data (``torch.lstm(data, batch_sizes, ...)``), low as well.
 """
@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 import autocastfx
 from autocastfx.core import kernels
-from autocastfx.core.weights import master_pairs, named_master_pairs
+from autocastfx import master_parameters
 from helpers import AtenRecorder, cpu_autocast
 
 BF16 = torch.bfloat16
@@ -130,11 +130,12 @@ def test_recurrent_layer_runs_low_with_one_dtype(name):
     model, x = Tagger(RNNS[name]()), _tokens()
     gm, warned = _convert(model, (x,))
     assert not [w for w in warned if "_flat_weights" in w or "no policy list" in w], warned
-    # stored low, float32 masters for every weight and bias of the layer
+    # every weight and bias of the layer a float32 parameter of the module (the model's own), cast low in the graph
     rnn_params = {n: p for n, p in gm.named_parameters() if n.startswith("rnn.")}
-    assert rnn_params and all(p.dtype == BF16 for p in rnn_params.values()), {n: p.dtype for n, p in rnn_params.items()}
-    masters = [m for p, m in master_pairs(gm) if any(p is q for q in rnn_params.values())]
-    assert len(masters) == len(rnn_params) and all(m.dtype == torch.float32 for m in masters)
+    assert rnn_params and all(p.dtype == torch.float32 for p in rnn_params.values())
+    assert all(p is q for p, q in zip(rnn_params.values(), model.rnn.parameters()))
+    cast_low = {id(p) for p in master_parameters(gm)}
+    assert all(id(p) in cast_low for p in rnn_params.values())
     # the graph's recurrent call: input, state and weights in one low dtype (the cuDNN contract)
     interp = RnnCalls(gm)
     interp.run(x)
@@ -259,8 +260,8 @@ def test_float16_on_a_tiny_layer():
     assert ours <= 2 * auto + 1e-3, (ours, auto)
 
 
-def test_training_reaches_every_recurrent_master():
-    """train_step: the loss falls, the masters stay float32 and every weight of the layers moves."""
+def test_training_reaches_every_recurrent_weight():
+    """train_step: the loss falls, the layers' parameters stay float32 and every one of them moves."""
     torch.manual_seed(0)
 
     class Two(nn.Module):
@@ -279,10 +280,9 @@ def test_training_reaches_every_recurrent_master():
     model, x = Two(), _tokens(batch=8, length=6)
     target = (x % 5)  # the class is a function of the token: learnable per position
     gm, _ = _convert(model, (x,))
-    pairs = [(p, m) for p, m in master_pairs(gm)]
-    rnn_low = {id(p) for n, p in gm.named_parameters() if n.startswith(("lstm.", "gru."))}
-    rnn_masters = [m for p, m in pairs if id(p) in rnn_low]
-    assert len(rnn_masters) == 8 + 4  # bidirectional LSTM: 2 x 4 tensors; GRU: 4
+    cast_low = {id(p) for p in master_parameters(gm)}
+    rnn_masters = [p for n, p in gm.named_parameters() if n.startswith(("lstm.", "gru."))]
+    assert len(rnn_masters) == 8 + 4 and all(id(p) in cast_low for p in rnn_masters)  # 2 x 4 tensors; GRU: 4
     before = [m.detach().clone() for m in rnn_masters]
     opt = torch.optim.AdamW(gm.parameters(), lr=1e-2)
     step = autocastfx.train_step(gm, lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), opt)
@@ -290,7 +290,6 @@ def test_training_reaches_every_recurrent_master():
     assert losses[-1] < 0.5 * losses[0], losses
     assert all(m.dtype == torch.float32 for m in rnn_masters)
     assert all(not torch.equal(b, m) for b, m in zip(before, rnn_masters))
-    assert all(p.dtype == BF16 for n, p in gm.named_parameters() if n.startswith(("lstm.", "gru.")))
 
 
 class PackedTagger(nn.Module):
@@ -362,7 +361,7 @@ def _packed_errors(model, gm, inputs):
 def test_packed_sequence_runs_the_layer_low(name):
     """Packing defeats the capture, so the model is converted piecewise; the layer called with the packed sequence
     becomes a converted part of its own: one recurrent call on the packed data, its input, state and every weight
-    in bfloat16, weights stored low with float32 masters under the model's names."""
+    in bfloat16, cast from the float32 parameters under the model's names."""
     torch.manual_seed(0)
     make, enforce_sorted = PACKED[name]
     model, x = PackedTagger(make(), enforce_sorted), _tokens()
@@ -386,12 +385,12 @@ def test_packed_sequence_runs_the_layer_low(name):
     assert layer and all(set(c.in_dtypes) == {BF16} for c in mats), [(c.name, c.in_dtypes) for c in mats][:5]
     gates = [c for c in rec.calls if c.name in ("sigmoid", "sigmoid_", "tanh", "tanh_", "tanh_backward")]
     assert gates and all(set(c.in_dtypes) == {BF16} for c in gates)
-    # stored low, float32 masters, the float32 model's state dict
+    # float32 parameters cast low in the part's graph, the float32 model's state dict
     rnn_params = {n: p for n, p in gm.named_parameters() if n.startswith("rnn.")}
     assert set(rnn_params) == {f"rnn.{n}" for n in model.rnn._flat_weights_names}
-    assert all(p.dtype == BF16 for p in rnn_params.values())
-    masters = {n: m for n, _, m in named_master_pairs(gm) if n.startswith("rnn.")}
-    assert set(masters) == set(rnn_params) and all(m.dtype == torch.float32 for m in masters.values())
+    assert all(p.dtype == torch.float32 for p in rnn_params.values())
+    cast_low = {id(p) for p in master_parameters(gm)}
+    assert all(id(p) in cast_low for p in rnn_params.values())
     state, ref_state = gm.state_dict(), model.state_dict()
     assert list(state) == list(ref_state)
     assert all(state[k].dtype == torch.float32 and torch.equal(state[k], ref_state[k]) for k in state)
@@ -438,7 +437,7 @@ def test_packed_sequence_with_state_projections_and_no_bias():
 
 def test_packed_layer_trains_and_switches_modes():
     """train()/eval() reach the packed call's train flag (dropout between layers on, then off); train_step lowers
-    the loss and moves every float32 master of the layer, its weights staying bfloat16."""
+    the loss and moves every float32 parameter of the layer."""
     torch.manual_seed(0)
     model, x = PackedTagger(nn.LSTM(16, 32, num_layers=2, dropout=0.3, batch_first=True)), _tokens(batch=8, length=6)
     lengths = torch.tensor([6, 2, 5, 3, 6, 1, 4, 6])
@@ -450,7 +449,7 @@ def test_packed_layer_trains_and_switches_modes():
         assert gm.rnn.training and not torch.equal(gm(x, lengths), gm(x, lengths))
     with pytest.raises(TypeError, match="PackedSequence"):
         gm.rnn(torch.zeros(6, 8, 16))
-    masters = {n: m for n, _, m in named_master_pairs(gm) if n.startswith("rnn.")}
+    masters = {n: p for n, p in gm.named_parameters() if n.startswith("rnn.")}
     assert len(masters) == 8
     before = {n: m.detach().clone() for n, m in masters.items()}
     opt = torch.optim.AdamW(gm.parameters(), lr=1e-2)
@@ -458,7 +457,6 @@ def test_packed_layer_trains_and_switches_modes():
     losses = [float(step((x, lengths), x % 5)) for _ in range(8)]
     assert losses[-1] < 0.95 * losses[0], losses
     assert all(m.dtype == torch.float32 and not torch.equal(before[n], m) for n, m in masters.items())
-    assert all(p.dtype == BF16 for n, p in gm.named_parameters() if n.startswith("rnn."))
 
 
 class OwnLSTM(nn.LSTM):
@@ -488,7 +486,7 @@ def test_a_packed_layer_that_does_not_convert_stays_float32(why):
         ref = model(x, LENGTHS)
     assert [set(d) for _, d in calls.calls] == [{torch.float32}] * 2
     assert all(p.dtype == torch.float32 for n, p in gm.named_parameters() if n.startswith("rnn."))
-    assert gm.out.meta["autocastfx"].masters and (got.float() - ref).abs().max() < 2e-2
+    assert master_parameters(gm.out) and (got.float() - ref).abs().max() < 2e-2
 
 
 class Branchy(nn.Module):
@@ -517,7 +515,9 @@ def test_a_layer_on_a_padded_tensor_in_a_piecewise_model_is_a_part():
     with RecurrentCalls() as calls:
         gm(x)
     assert [(n, set(d)) for n, d in calls.calls] == [("gru", {BF16})] and calls.violations == []
-    assert all(p.dtype == BF16 for n, p in gm.named_parameters() if n.startswith("rnn."))
+    rnn = [p for n, p in gm.named_parameters() if n.startswith("rnn.")]
+    cast_low = {id(p) for p in master_parameters(gm)}
+    assert rnn and all(p.dtype == torch.float32 and id(p) in cast_low for p in rnn)
     ours, auto = _packed_errors(model, gm, (x,))
     assert ours <= 2 * auto + 2e-3, (ours, auto)
 
