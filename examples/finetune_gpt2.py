@@ -271,19 +271,10 @@ def train(run: Run, batches: Batches, val, args, device, *, save_at: int | None,
 # --------------------------------------------------------------------------------- back to Hugging Face
 
 def float32_state_dict(gm: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The fine-tuned weights as the Hugging Face model's float32 state dict: the module's state with every
-    low-precision parameter replaced by its float32 master, under each of its names (GPT-2 ties the
-    embedding and the output layer)."""
-    masters = gm.meta["autocastfx"].masters
-    by_id: dict[int, list[str]] = {}
-    for name, p in gm.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    params = dict(gm.named_parameters(remove_duplicate=False))
-    sd = {k: v.detach().clone() for k, v in gm.state_dict().items()}
-    for name, master in masters.items():
-        for alias in by_id[id(params[name])]:
-            sd[alias] = master.detach().clone()
-    return sd
+    """The fine-tuned weights as the Hugging Face model's float32 state dict, a snapshot: the converted module's
+    parameters are the model's float32 tensors, and its state dict has the model's keys (GPT-2 ties the
+    embedding and the output layer: both names)."""
+    return {k: v.detach().clone() for k, v in autocastfx.float32_state_dict(gm).items()}
 
 
 def check_against_float32(run: Run, config, val, args, device) -> dict:

@@ -70,8 +70,8 @@ def test_resume_repeats_the_uninterrupted_run_bit_for_bit(result):
     assert res["val_identical"] and [v["step"] for v in res["val"]] == [6]
     first, again = result["run"], res["run"]
     assert again.global_step == first.global_step == STEPS
-    for m1, m2 in zip(first.step.masters, again.step.masters):  # the weights at the end, not only the losses
-        assert torch.equal(m1, m2)
+    w1, w2 = first.gm.state_dict(), again.gm.state_dict()  # the float32 weights at the end, not only the losses
+    assert sorted(w1) == sorted(w2) and all(torch.equal(w1[k], w2[k]) for k in w1)
     s1, s2 = first.optimizer.state_dict()["state"], again.optimizer.state_dict()["state"]
     assert all(torch.equal(s1[k]["exp_avg_sq"], s2[k]["exp_avg_sq"]) for k in s1)
     ckpt = torch.load(result["out"] / finetune_gpt2.CHECKPOINT, weights_only=True)
@@ -130,7 +130,12 @@ def test_gemms_run_low_and_the_loss_in_float32(result):
     losses = rec.ops("_log_softmax", "nll_loss_forward")
     assert losses and all(d == torch.float32 for c in losses for d in c.in_dtypes + c.out_dtypes if d.is_floating_point)
     assert out.loss.dtype == out.logits.dtype == torch.float32
-    assert all(m.dtype == torch.float32 for m in result["run"].step.masters)
+    # the module stores the Hugging Face model's own float32 parameters (the graph casts them), nothing low
+    run = result["run"]
+    assert {id(p) for p in gm.parameters()} == {id(p) for p in run.model.parameters()}
+    assert all(p.dtype == torch.float32 for p in gm.parameters())
+    # the optimizer, built over the Hugging Face model's parameters before the step, steps those same tensors
+    assert {id(p) for g in run.optimizer.param_groups for p in g["params"]} == {id(p) for p in gm.parameters()}
     # attention: scaled_dot_product_attention is given float16. With dropout on, the CPU runs it through torch's
     # math fallback, which computes in float32 inside (plain torch does the same); in eval mode the fused CPU
     # kernel runs, in float16
@@ -150,7 +155,9 @@ def test_fine_tuned_weights_load_into_the_float32_model(result):
     assert err <= max(2 * autocast_err, 1e-3 * c["fp32"]), c
     sd = finetune_gpt2.float32_state_dict(result["run"].gm)
     assert sd["lm_head.weight"].dtype == torch.float32
-    assert torch.equal(sd["lm_head.weight"], sd["transformer.wte.weight"])  # tied: both names get the master
+    assert torch.equal(sd["lm_head.weight"], sd["transformer.wte.weight"])  # tied: both names, one tensor's values
+    gm = result["run"].gm
+    assert all(torch.equal(sd[k], v) and sd[k] is not v for k, v in gm.state_dict().items())  # a snapshot
 
 
 def test_bad_options_text_and_checkpoints_fail_clearly(result, tmp_path):
@@ -161,10 +168,10 @@ def test_bad_options_text_and_checkpoints_fail_clearly(result, tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         run.load(tmp_path / "missing.pt", batches, args)
     args.steps, args.lr = 7, 1e-3
-    before = [m.clone() for m in run.step.masters]
+    before = [p.clone() for p in run.gm.parameters()]
     with pytest.raises(ValueError, match=r"--steps 6 there, 7 now, --lr 0.003 there, 0.001 now"):
         run.load(result["out"] / finetune_gpt2.CHECKPOINT, batches, args)
-    assert all(torch.equal(a, b) for a, b in zip(before, run.step.masters)) and batches.state_dict()["pos"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, run.gm.parameters())) and batches.state_dict()["pos"] == 0
     with pytest.raises(ValueError, match="not in the tokenizer"):
         finetune_gpt2.CharTokenizer().encode("2 + 2 = 4")
     with pytest.raises(ValueError, match="longer than --seq-len"):
