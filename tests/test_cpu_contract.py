@@ -203,8 +203,7 @@ def test_the_cpu_gap_is_the_cpu_only():
             info = n.meta.get("autocastfx_info")
             if isinstance(info, autocastfx.base.meta.TensorInfo):
                 n.meta["autocastfx_info"] = dataclasses.replace(info, device=device)
-        plan = build_plan(gm, autocastfx.Policy.default(), torch.bfloat16, master_weights=True,
-                          keep_io_types=True)
+        plan = build_plan(gm, autocastfx.Policy.default(), torch.bfloat16, keep_io_types=True)
         labels[device] = {k: (v.op_class, v.label) for k, v in plan.nodes.items() if "pool" in k}
     assert set(labels["cpu"].values()) == {(autocastfx.core.policy.OpClass.FP32, False)}, labels
     assert set(labels["cuda"].values()) == {(autocastfx.core.policy.OpClass.FOLLOW, True)}, labels
