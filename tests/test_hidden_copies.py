@@ -1,6 +1,7 @@
 """After ``gm = convert(model, ...)`` and ``del model``, the converted module holds no tensor but its own: its
-parameters, buffers, float32 masters (its own and each converted block's) and the constants its graphs read; and
-nothing else in the process keeps the model's tensors alive. Every way of capturing: symbolic tracing,
+parameters and buffers (the model's own float32 tensors, shared, not copied: its own and each converted block's)
+and the constants its graphs read; nothing else in the process keeps a tensor alive, and no copy of the model's
+tensors was made. Every way of capturing: symbolic tracing,
 torch.export (a Hugging Face Llama, as one graph and with its decoder layers as blocks), blocks, piecewise."""
 import collections
 import gc
@@ -58,8 +59,8 @@ def _converted(gm: nn.Module):
 
 
 def _own(gm: nn.Module) -> dict[int, str]:
-    """What gm holds by design, storage address -> a name: parameters, buffers, masters of every converted
-    module, tensor attributes its graphs read (constants)."""
+    """What gm holds by design, storage address -> a name: parameters, buffers (the model's), tensor attributes
+    the graphs of every converted module read (constants)."""
     out: dict[int, str] = {}
 
     def add(t, name):
@@ -70,8 +71,6 @@ def _own(gm: nn.Module) -> dict[int, str]:
     for name, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
         add(t, name)
     for unit in _converted(gm):
-        for name, t in unit.meta["autocastfx"].masters.items():
-            add(t, f"master {name}")
         programs = unit.meta.get("autocastfx_programs")
         graphs = [unit.graph] if isinstance(unit, torch.fx.GraphModule) else []  # a piecewise root: none
         graphs += [*programs.graphs.values(), programs.union] if programs else []
@@ -232,6 +231,7 @@ def test_the_converted_module_holds_no_tensor_but_its_own(case):
     torch.manual_seed(0)
     model, args, kwargs, options, capture = CASES[case]()
     model_bytes = _model_bytes(model)
+    theirs = {s[0] for t in [*model.parameters(), *model.buffers()] for s in [_storage(t)] if s is not None}
     inputs = {s[0] for t in torch.utils._pytree.tree_leaves((args, kwargs)) if _is_tensor(t)
               for s in [_storage(t)] if s is not None}
     with warnings.catch_warnings():
@@ -260,6 +260,10 @@ def test_the_converted_module_holds_no_tensor_but_its_own(case):
         f"{own_bytes} (model: {model_bytes} bytes); sizes {sorted(outside.values(), reverse=True)[:10]}; held by:\n"
         + "\n".join(f"  {p}" for p in _holders(set(outside))))
     assert sum(new.values()) <= own_bytes + ALLOWANCE * model_bytes  # the process's new tensors: gm's own
+    # gm's own are the model's tensors, not copies of them: no more bytes than the model's, every one of its
+    # storages among them
+    assert theirs <= set(own), f"{case}: {len(theirs - set(own))} of the model's storages are not gm's"
+    assert own_bytes <= (1 + ALLOWANCE) * model_bytes, (case, own_bytes, model_bytes)
     print(f"{case}: model {model_bytes} bytes, gm's own {own_bytes}, other reachable {extra}, other live "
           f"{sum(outside.values())} ({time.perf_counter() - start:.2f} s)")
 
