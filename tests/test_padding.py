@@ -95,8 +95,9 @@ def _loss(out):
 def test_padded_equals_unpadded_outputs_and_true_gradients(name):
     torch.manual_seed(0)
     model, inputs = CASES[name]()
-    g1 = autocastfx.convert(model, inputs, pad_multiple=1, master_weights=False)
-    g8 = autocastfx.convert(model, inputs, pad_multiple=8, master_weights=False)
+    # each conversion on tensors of its own (a converted module trains its model's): gradients apart
+    g1 = autocastfx.convert(copy.deepcopy(model), inputs, pad_multiple=1)
+    g8 = autocastfx.convert(model, inputs, pad_multiple=8)
     pad = autocastfx.report(g8).totals["padding"]
     assert pad["padded"], "nothing was padded"
     assert pad["misaligned_after"] < pad["misaligned_before"]
@@ -109,7 +110,7 @@ def test_padded_equals_unpadded_outputs_and_true_gradients(name):
     p1, p8 = dict(g1.named_parameters()), dict(g8.named_parameters())
     assert p1.keys() == p8.keys()
     for k in p1:
-        assert p8[k].shape == p1[k].shape  # parameters keep their true shapes
+        assert p8[k].shape == p1[k].shape and p8[k] is not p1[k]  # parameters keep their true shapes
         if p1[k].grad is not None:
             torch.testing.assert_close(p8[k].grad, p1[k].grad, rtol=2e-3, atol=1e-5, msg=k)
 
@@ -200,9 +201,11 @@ def test_state_dict_round_trip_into_the_original_model():
     fresh.load_state_dict(sd)  # same keys, original shapes
     gm2 = autocastfx.convert(fresh, inputs)
     gm2.load_state_dict(gm.state_dict())
-    masters = autocastfx.master_parameters(gm)
-    assert all(m.shape == dict(model.named_parameters())[n].shape
-               for n, m in gm.meta["autocastfx"].masters.items())
+    masters = autocastfx.master_parameters(gm)  # the model's own parameters, in their own shapes: padding
+    params = dict(model.named_parameters())     # pads the low copies the graph casts, never a parameter
+    names = {id(p): n for n, p in gm.named_parameters()}
+    assert all(id(m) in names and m is params[names[id(m)]] and m.shape == params[names[id(m)]].shape
+               for m in masters)
     assert len(masters) > 0
     gm.eval(), gm2.eval()
     torch.testing.assert_close(gm(*inputs), gm2(*inputs))
@@ -222,8 +225,9 @@ class ConvBNChain(nn.Module):
 def test_padding_kept_through_batch_norm_with_true_running_statistics():
     torch.manual_seed(0)
     model, x = ConvBNChain(), torch.randn(4, 3, 8, 8)
-    g1 = autocastfx.convert(model, (x,), pad_multiple=1)
+    g1 = autocastfx.convert(copy.deepcopy(model), (x,), pad_multiple=1)  # statistics and gradients of its own
     g8 = autocastfx.convert(model, (x,))
+    assert g1.bn1.running_mean is not g8.bn1.running_mean
     assert autocastfx.report(g8).totals["padding"]["kept_padded"] == ["conv2d -> conv2d_1"]
     rec = AtenRecorder()
     with rec:
@@ -307,12 +311,13 @@ def test_policy_chooses_the_gate():
 def test_stem_pads_three_channels_to_four_in_channels_last_exactly():
     torch.manual_seed(0)
     model, x = Stem(), torch.randn(2, 3, 32, 32)
+    twin = copy.deepcopy(model)  # the reference's own weights: gradients apart
     gm = autocastfx.convert(model, (x,), memory_format="channels_last")
     t, lines = _decisions(gm)
     assert lines["conv2d"].startswith("pad (+33% FLOPs): in 3 -> 4: thin-input convolution in channels_last")
     (conv,) = _conv_calls(gm, x)
     assert conv.in_shapes[0] == (2, 4, 32, 32) and conv.in_shapes[1] == (64, 4, 7, 7)  # 4, not 8
-    ref = autocastfx.convert(model, (x,), memory_format="channels_last", pad_multiple=1)
+    ref = autocastfx.convert(twin, (x,), memory_format="channels_last", pad_multiple=1)
     for g in (gm, ref):
         g.train()
     out, out_ref = gm(x), ref(x)
@@ -385,13 +390,13 @@ def test_mid_network_odd_channels_pad_and_grouped_convolutions_are_skipped():
     assert lines["conv2d_2"] == "skip: grouped convolution (groups=100) keeps its group structure"
     # the stem's output (100 channels, 8 in) is memory-bound: left, so the middle conv pads its own input
     assert lines["conv2d"].startswith("skip: out 100 -> 104 left (+4% FLOPs): memory-bound")
-    ref = autocastfx.convert(model, (x,), pad_multiple=1)
+    ref = autocastfx.convert(copy.deepcopy(model), (x,), pad_multiple=1)  # weights of its own: gradients apart
     out, out_ref = gm(x), ref(x)
     torch.testing.assert_close(out, out_ref, rtol=1e-3, atol=1e-4)
     out.float().square().mean().backward()
     out_ref.float().square().mean().backward()
     for (n, p), (_, q) in zip(gm.named_parameters(), ref.named_parameters()):
-        assert p.shape == q.shape
+        assert p.shape == q.shape and p is not q
         torch.testing.assert_close(p.grad.float(), q.grad.float(), rtol=2e-3, atol=1e-5, msg=n)
 
 
