@@ -59,10 +59,9 @@ def train(gm, steps=5, lr=0.1):
 
 
 def weights(gm):
-    """Every trainable tensor: the module's parameters (float16 copies included) and the float32 masters."""
-    from autocastfx.training.step import all_masters
+    """Every trainable tensor: the module's parameters, the float32 weights the graphs cast low included."""
     out = {n: p.detach().clone() for n, p in gm.named_parameters()}
-    out.update({"master:" + n: m.detach().clone() for n, m in all_masters(gm).items()})
+    assert all(p.dtype == torch.float32 for p in out.values())
     return out
 
 
@@ -132,14 +131,13 @@ def live_bytes(gm, x, y):
 
 def step_activation_peak(gm, x, y):
     """One step of the generated step (SGD, after a warm-up step) under bench/measure.py's step_memory: the peak
-    during the step less what is alive between steps (weights, masters, scale state)."""
+    during the step less what is alive between steps (the float32 weights, buffers, scale state)."""
     step = autocastfx.train_step(gm, lm_loss, torch.optim.SGD(gm.parameters(), lr=0.01))
-    masters = autocastfx.master_parameters(gm)
     step(x, y)
 
     def holders():
         params = list(gm.parameters()) + list(gm.buffers())
-        return {"params": params, "masters": masters, "grads": [p.grad for p in params] + [m.grad for m in masters],
+        return {"params": params, "grads": [p.grad for p in params],
                 "optimizer": [], "scaler": list(tensors_in(step.state))}
     acc = step_memory(lambda: step(x, y), holders, alive_storage_keys())
     return acc.peak - acc.between
