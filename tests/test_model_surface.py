@@ -73,7 +73,7 @@ def test_methods_attributes_and_properties_of_the_model():
 @pytest.mark.parametrize("how", ["torch.compile(gm)", "gm.compile()"])
 def test_train_step_over_a_compiled_module_follows_eager(how):
     """``train_step`` takes ``torch.compile(gm)`` (an ``OptimizedModule``: the step calls it, and finds the
-    weights and masters in the module it compiled) and a module compiled in place; the losses are eager's
+    weights in the module it compiled) and a module compiled in place; the losses are eager's
     (backend aot_eager: Dynamo and AOTAutograd without code generation, fast on this CPU)."""
     def run(compile_it):
         torch.manual_seed(0)
@@ -120,7 +120,7 @@ class WithTargets(nn.Module):
 
 def test_a_call_of_another_structure_is_converted_on_first_use_on_the_same_weights():
     """A graph is captured for one call's structure; ``gm(x, y)`` on a module converted with ``(x,)`` is converted
-    for that call on first use, from the model kept on meta, and runs on gm's own parameters, masters and buffers
+    for that call on first use, from the model kept on meta, and runs on gm's own parameters and buffers
     (what the step trains), in gm's mode, through gm's hooks. The captured call spelled another way
     (``gm(idx=x)``) is no other call."""
     from autocastfx.base import keys as K
@@ -188,18 +188,33 @@ class ReadsItsWeight(nn.Module):
 
     def forward(self, x, scale=None):
         y = self.fc(x)
-        if scale is not None:  # a float32 op on the weight: this call's plan stores it float32
+        if scale is not None:  # a float32 op on the weight: this call's plan reads it in float32 too
             y = y * torch.exp(self.fc.weight).mean() * scale
         return y
 
 
-def test_a_call_whose_plan_stores_a_weight_otherwise_is_refused_naming_both_calls():
-    x = torch.randn(2, 8)
-    gm = autocastfx.convert(ReadsItsWeight(), (x,), dtype=torch.bfloat16)
-    assert gm.fc.weight.dtype == torch.bfloat16
-    with pytest.raises(TypeError, match=r"converted for a call \(float32 tensor\) and was called with "
-                                        r"\(float32 tensor, float32 tensor\).*stores? .*differently.*example_kwargs"):
-        gm(x, torch.tensor(2.0))
+def test_a_call_whose_plan_reads_a_weight_otherwise_runs_on_the_same_float32_parameter():
+    """The first call's graph reads ``fc.weight`` only through its cast to the low dtype, the other call's reads
+    it in float32 as well: both run on the one float32 parameter, the model's, each casting what it needs."""
+    from autocastfx.base import keys as K
+    torch.manual_seed(0)
+    x, scale = torch.randn(2, 8), torch.tensor(2.0)
+    model = ReadsItsWeight()
+    ref = copy.deepcopy(model)
+    gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    assert gm.fc.weight is model.fc.weight and gm.fc.weight.dtype == torch.float32
+    assert any(p is gm.fc.weight for p in autocastfx.master_parameters(gm))  # read low only, here
+    out = gm(x, scale)
+    (other, _), = gm.meta[K.OTHER_CALLS].by_key.values()
+    assert other.fc.weight is gm.fc.weight and other.fc.bias is gm.fc.bias
+    assert not any(p is gm.fc.weight for p in autocastfx.master_parameters(other))  # exp reads it in float32
+    assert "exp = torch.exp(fc_weight)" in other.code and "to_bf16_fc_weight = fc_weight.to(torch.bfloat16)" \
+        in other.code
+    assert torch.equal(out, autocastfx.convert(ref, (x, scale), dtype=torch.bfloat16)(x, scale))
+    with torch.no_grad():
+        gm.fc.weight.mul_(0.5)  # a change of the one parameter: both calls see it
+    ref.load_state_dict(model.state_dict())
+    assert torch.equal(gm(x, scale), autocastfx.convert(ref, (x, scale), dtype=torch.bfloat16)(x, scale))
     gm2 = autocastfx.convert(nn.Sequential(nn.Linear(8, 8)), (x,), dtype=torch.bfloat16)  # traced from a module
     with pytest.raises(TypeError, match=r"converted for a call \(float32 tensor\) and was called with"):
         gm2(x, x)  # nn.Sequential takes one input: no conversion for this call, the refusal names both
@@ -207,7 +222,7 @@ def test_a_call_whose_plan_stores_a_weight_otherwise_is_refused_naming_both_call
 
 def test_hugging_face_generate_and_save_pretrained_through_the_converted_module(tmp_path):
     """``gm.generate()`` samples through the converted forward (converted for the call generate makes: no cache),
-    greedy tokens as the float32 model's; ``gm.save_pretrained`` writes the float32 masters, which
+    greedy tokens as the float32 model's; ``gm.save_pretrained`` writes the float32 weights, which
     ``from_pretrained`` loads as the model's own weights."""
     tf = pytest.importorskip("transformers")
     cfg = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
