@@ -93,19 +93,16 @@ def test_blocks_stay_modules_at_their_names_in_their_container():
     assert [f"layers.{i}" for i in range(6)] == [c for c in calls if c.startswith("layers")]
     flat = converted(model, x, blocks=None)
     assert not isinstance(getattr(flat, "layers", None), nn.ModuleList)
-    # the same parameter names and values as the one-graph conversion
+    # the same parameter names and values as the one-graph conversion: both are the model's own tensors
     sd, sf = gm.state_dict(), flat.state_dict()
     assert set(sd) == set(sf)
-    for k in sd:  # the same values (stored low in one where the other's plan keeps them float32)
-        torch.testing.assert_close(sd[k].float(), sf[k].float(), rtol=1e-3, atol=1e-4)
+    for k in sd:
+        assert sd[k].dtype == sf[k].dtype == torch.float32 and torch.equal(sd[k], sf[k]), k
+        assert sd[k].untyped_storage().data_ptr() == sf[k].untyped_storage().data_ptr(), k
     params = dict(model.named_parameters())
-    masters = dict(_all_masters(gm))
-    assert len(masters) >= 6 * 4 and all(torch.equal(m, params[n]) for n, m in masters.items())
-
-
-def _all_masters(gm):
-    from autocastfx.training.step import all_masters
-    return all_masters(gm).items()
+    assert all(p is params[n] for n, p in gm.named_parameters())
+    masters = {id(p) for p in autocastfx.master_parameters(gm)}  # what the blocks' graphs cast low
+    assert len(masters) >= 6 * 4 and masters <= {id(p) for p in params.values()}
 
 
 def test_blocks_alike_are_planned_once_and_hold_their_own_weights():
@@ -114,14 +111,17 @@ def test_blocks_alike_are_planned_once_and_hold_their_own_weights():
     gm = converted(model, x)
     plans = [layer.meta["autocastfx_block"]["plan"] for layer in gm.layers]
     assert sum("reused" in p for p in plans) >= 4, plans  # layer 0 takes float32 in, layer 1 float16: the rest reuse
+    seen = set()
     for i, layer in enumerate(gm.layers):
-        masters = layer.meta["autocastfx"].masters
-        for n, p in model.layers[i].named_parameters():
-            if n in masters:
-                assert torch.equal(masters[n], p), (i, n)
-                assert torch.equal(dict(layer.named_parameters())[n], p.half())
-            else:
-                assert torch.equal(dict(layer.named_parameters())[n], p), (i, n)
+        mine = dict(layer.named_parameters())
+        theirs = dict(model.layers[i].named_parameters())
+        assert mine.keys() == theirs.keys()
+        for n, p in theirs.items():  # the model's block's own parameters, float32, none shared with another block
+            assert mine[n] is p and p.dtype == torch.float32 and id(p) not in seen, (i, n)
+            seen.add(id(p))
+        low = autocastfx.master_parameters(layer)  # the weights its graph casts low: its linears'
+        assert low and all(any(q is p for p in theirs.values()) for q in low), i
+        assert {n for n, p in theirs.items() if any(q is p for q in low)} >= {"qkv.weight", "proj.weight"}
 
 
 def test_tree_computes_what_the_one_graph_conversion_computes_with_no_more_casts():
@@ -199,8 +199,7 @@ def test_the_step_trains_a_tree_as_it_trains_the_one_graph():
         step = autocastfx.train_step(gm, lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), opt,
                                      clip_grad_norm=1.0)
         losses = [float(step(ids(seed=i), ids(seed=100 + i))) for i in range(8)]
-        masters = dict(_all_masters(gm))
-        return losses, {n: masters.get(n, p).detach().float().clone() for n, p in gm.named_parameters()}
+        return losses, {n: p.detach().clone() for n, p in gm.named_parameters()}  # float32: the masters
     (la, wa), (lb, wb) = run("auto"), run(None)
     assert set(wa) == set(wb)
     # all weights as one vector (a key bias's gradient is rounding noise alone: softmax ignores it)
@@ -477,10 +476,11 @@ def test_converting_with_blocks_leaves_the_model_as_it_was(piecewise):
     assert {n: (m, m.training) for n, m in model.named_modules()} == before
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     assert all(not (m._forward_hooks or m._forward_pre_hooks) for m in model.modules())
-    # the converted module shares no module and no storage with it
+    # the converted module shares no module with it, and holds its tensors, not copies of them
     assert not {id(m) for m in model.modules()} & {id(m) for m in gm.modules()}
     theirs = {t.untyped_storage().data_ptr() for t in model.state_dict().values()}
-    assert not theirs & {t.untyped_storage().data_ptr() for t in gm.state_dict().values()}
+    assert theirs == {t.untyped_storage().data_ptr() for t in gm.state_dict().values()}
+    assert all(p is model.get_parameter(n) for n, p in gm.named_parameters())
     # and the modes it was converted in are the model's
     assert gm.training and not gm.layers[1].training and gm.layers[2].training
     gm.eval()
