@@ -27,6 +27,7 @@ capture = types.SimpleNamespace(propagate=_prop.propagate, capture=_trace.captur
 from autocastfx.core import padding
 from autocastfx.core.mincut import FP32, LOW, Problem, Req, cast_cost, solve_min_cut
 from autocastfx.core.policy import Policy
+from autocastfx.core.weights import low_read_names
 from small_models import ALL, TinyResNet, example
 from test_core import NeedsExport, UserCasts
 from test_padding import CASES as PAD_CASES
@@ -68,7 +69,7 @@ def _infos(gm):
 def _plan_facts(gm):
     plan = gm.meta["autocastfx"].plan
     return (str(plan), {k: (v.op_class, v.label, v.reason, v.fp32_out) for k, v in plan.nodes.items()},
-            plan.casts, plan.low_params, plan.before, plan.after)
+            plan.casts, low_read_names(gm), plan.before, plan.after)  # and the weights the graph casts low
 
 
 # ------------------------------------------------------------------------------- same facts as the real run
