@@ -79,7 +79,14 @@ def test_router_float32_experts_low_at_the_aten_level(score):
     why = {r.name: r.reason for r in autocastfx.report(gm).rows}  # the router is the model's; experts are blocks
     assert why["linear"].startswith("router: feeds topk (topk) through "), why["linear"]
     assert why["topk"].startswith("router: the choice of the gate linear"), why["topk"]
-    assert "weight of the router linear" in why["gate_weight"] and "kept float32" in why["gate_weight"]
+    # the router's weight is the model's float32 parameter, which the gate linear reads as it is: no node casts
+    # it (the experts' weights are cast low once per forward in their blocks)
+    assert "kept float32" in why["gate_weight"], why["gate_weight"]
+    (gate,) = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == "gate.weight"]
+    assert gate.users and not any(u.meta["autocastfx"].kind == "cast" for u in gate.users), list(gate.users)
+    assert gm.gate.weight is model.gate.weight and gm.gate.weight.dtype == torch.float32
+    assert not any(p is gm.gate.weight for p in autocastfx.master_parameters(gm))
+    assert all(any(p is e[0].weight for p in autocastfx.master_parameters(gm)) for e in model.experts)
 
     off = autocastfx.convert(model, (x,), dtype=torch.bfloat16, policy=OFF)  # the switch: a gate like any linear
     with torch.no_grad(), AtenRecorder() as rec:
