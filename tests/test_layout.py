@@ -182,7 +182,9 @@ def test_channels_last_mixed_precision_as_accurate_as_contiguous(name):
     ref(*inputs).square().mean().backward()
     runs = []
     for fmt in ("preserve", "channels_last"):
-        gm = autocastfx.convert(model, inputs, memory_format=fmt)
+        # a copy each: a converted module trains the model's own tensors (its weights, gradients and
+        # batch-norm statistics), and channels_last gives its convolution weights that layout in place
+        gm = autocastfx.convert(copy.deepcopy(model), inputs, memory_format=fmt)
         with torch.no_grad():
             evaluated = gm.eval()(*inputs)
         _, out = _step(gm, inputs, "train")
@@ -199,6 +201,7 @@ def test_channels_last_mixed_precision_as_accurate_as_contiguous(name):
 @pytest.mark.parametrize("name", CONV_MODELS)
 def test_one_conversion_per_step_and_every_convolution_channels_last(name):
     model, inputs = _model(name)
+    plain = copy.deepcopy(model)  # the model as given: channels_last restrides the weights it shares in place
     gm = autocastfx.convert(model, inputs, memory_format="channels_last")
     lay = autocastfx.report(gm).totals["layout"]
     assert lay["inputs"] == ["x"] and lay["to_channels_last"] == [] and lay["to_contiguous"] == []
@@ -211,7 +214,7 @@ def test_one_conversion_per_step_and_every_convolution_channels_last(name):
     assert len(convs) == 2 * lay["params_channels_last"]
     for c in convs:  # input, weight, output (and gradients) of every convolution, forward and backward
         assert set(c.in_layouts + c.out_layouts) <= {"nhwc", "any", "-"}, (c.overload, c.in_layouts, c.out_layouts)
-    rec0, _ = _step(autocastfx.convert(model, inputs, memory_format="preserve"), inputs, "train")
+    rec0, _ = _step(autocastfx.convert(plain, inputs, memory_format="preserve"), inputs, "train")
     assert not rec0.conversions()
 
 
@@ -245,6 +248,7 @@ class Shuffle(nn.Module):
 def test_view_reads_a_contiguous_copy():
     torch.manual_seed(0)
     model, x = ViewHead(), torch.randn(2, 3, 6, 6)
+    plain = copy.deepcopy(model)  # the model as given: channels_last restrides the weights it shares in place
     gm = autocastfx.convert(model, (x,), memory_format="channels_last")
     lay = autocastfx.report(gm).totals["layout"]
     assert len(lay["to_contiguous"]) == 1
@@ -252,13 +256,14 @@ def test_view_reads_a_contiguous_copy():
     assert "contiguous_relu = relu.contiguous()" in gm.code
     rec, out = _step(gm, (x,), "eval")
     assert [c.out_layouts for c in rec.conversions()][:2] == [["nhwc"], ["nchw"]]  # input in, relu out
-    ref = autocastfx.convert(model, (x,), memory_format="preserve").eval()
+    ref = autocastfx.convert(plain, (x,), memory_format="preserve").eval()
     assert torch.equal(out, ref(x))
 
 
 def test_shuffle_then_convolution_and_a_4d_output():
     torch.manual_seed(0)
     model, x = Shuffle(), torch.randn(2, 3, 6, 6)
+    plain = copy.deepcopy(model)  # the model as given: channels_last restrides the weights it shares in place
     gm = autocastfx.convert(model, (x,), memory_format="channels_last", pad_multiple=1)
     lay = autocastfx.report(gm).totals["layout"]
     assert lay["to_channels_last"] == ["reshape: conv2d_1 reads it"]  # the shuffle's NCHW copy, back once
@@ -269,7 +274,7 @@ def test_shuffle_then_convolution_and_a_4d_output():
     # the input's reshape reads the NCHW input, no copy (in float32: a reshape never rounds a float32 value)
     assert "reshape_1 = x.reshape" in gm.code
     assert len([c for c in rec.conversions() if c.in_layouts[0] == "nchw"]) == 2  # the input, the shuffle
-    ref = autocastfx.convert(model, (x,), memory_format="preserve", pad_multiple=1).eval()
+    ref = autocastfx.convert(plain, (x,), memory_format="preserve", pad_multiple=1).eval()
     for a, b in zip(out, ref(x)):  # within an FP16 rounding step (a convolution with bias in NHWC adds it apart)
         torch.testing.assert_close(a, b, rtol=1e-3, atol=2 ** -10 * b.abs().max().item())
 
@@ -292,6 +297,7 @@ class ExportOnly(nn.Module):
 def test_torch_export_capture_in_channels_last():
     torch.manual_seed(0)
     model, x = ExportOnly().eval(), torch.randn(2, 3, 6, 6)
+    plain = copy.deepcopy(model)  # the model as given: channels_last restrides the weights it shares in place
     gm = autocastfx.convert(model, (x,), memory_format="channels_last")
     assert gm.meta["autocastfx"].capture == "torch.export"
     lay = autocastfx.report(gm).totals["layout"]
@@ -299,7 +305,7 @@ def test_torch_export_capture_in_channels_last():
     assert lay["reshape_copies"] == ["reshape (reshape) copies conv2d_1 to NCHW order"]
     rec, out = _step(gm, (x,), "eval")
     assert all(c.in_layouts[0] == "nhwc" for c in rec.ops("convolution"))
-    ref = autocastfx.convert(model, (x,), memory_format="preserve").eval()
+    ref = autocastfx.convert(plain, (x,), memory_format="preserve").eval()
     torch.testing.assert_close(out, ref(x), rtol=1e-3, atol=2 ** -10 * out.abs().max().item())
 
 
@@ -329,17 +335,26 @@ def test_reconvert_gives_the_same_graph():
 @pytest.mark.filterwarnings("ignore:No complete tensor found in the group")  # torch.export.save on channels_last weights
 def test_export_and_training_step_in_channels_last(tmp_path):
     model, inputs = _model("resnet")
+    plain = copy.deepcopy(model)  # the reference trains weights of its own
     gm = autocastfx.convert(model, inputs, memory_format="channels_last")
     weights = [p for p in gm.parameters() if p.dim() == 4]
     assert weights and all(p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous()
                            for p in weights if p.shape[-1] > 1)  # what the convolutions read
-    assert all(m.is_contiguous() for m in autocastfx.master_parameters(gm))  # the optimizer's side: NCHW
+    # the float32 weights the graph casts low are these parameters, in the layout the convolutions read (the
+    # model's own, restrided in place); their gradients take the same layout, as a fused optimizer needs
+    # (the stem's weight is padded 3 -> 4 input channels before its cast: the pad reads it, not the cast)
+    low = {id(m) for m in autocastfx.master_parameters(gm)}
+    assert all(id(w) in low for n, w in gm.named_parameters() if w.dim() == 4 and n != "stem.weight")
+    assert all(w is model.get_parameter(n) for n, w in gm.named_parameters())
+    _step(gm, inputs, "train")
+    assert all(w.grad is not None and w.grad.stride() == w.stride() for w in weights)
+    gm.zero_grad(set_to_none=True)
     gm.eval()
     autocastfx.export(gm, tmp_path / "m.pt2", inputs)
     loaded = torch.export.load(tmp_path / "m.pt2").module()
     assert torch.equal(loaded(*inputs), gm(*inputs))
     gm.train()
-    ref = autocastfx.convert(model, inputs, memory_format="preserve")
+    ref = autocastfx.convert(plain, inputs, memory_format="preserve")
     y = torch.tensor([1, 3])
     for g in (gm, ref):
         opt = torch.optim.SGD(g.parameters(), lr=0.1, momentum=0.9)
