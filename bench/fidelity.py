@@ -110,7 +110,7 @@ class Costs:
     casts: int
     cast_mb: float
     low_params: int
-    weights_mb: float   # parameters + masters, as stored
+    weights_mb: float   # the parameters, as stored (float32: no master copies beside them)
 
 
 def costs(gm: nn.Module) -> Costs:
@@ -122,7 +122,6 @@ def costs(gm: nn.Module) -> Costs:
         unit = autocastfx.report(gm.get_submodule(name)).totals
         casts, cast_bytes, low = casts + unit["casts"], cast_bytes + unit["cast_bytes"], low + unit["low_parameters"]
     weights = {id(p): p.numel() * p.element_size() for p in gm.parameters()}
-    weights.update({id(m): m.numel() * 4 for m in autocastfx.master_parameters(gm)})
     return Costs(casts, cast_bytes / 2**20, low, sum(weights.values()) / 2**20)
 
 
@@ -167,7 +166,7 @@ def main(argv=None) -> int:
 
     out = lines + ["", "Training: distance of the per-step loss from float32's (same init, same batches)",
                    "| model | recipe | mean |loss - fp32| | max | final loss | ms/step | casts/fwd | cast MB/fwd "
-                   "| params stored low | weights+masters MB |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                   "| params stored low | weights MB |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r, mean, mx, last, ms, c in train_rows:
         cost = (f"{c.casts} | {c.cast_mb:.2f} | {c.low_params} | {c.weights_mb:.2f}" if c else "- | - | - | -")
         out.append(f"| {name} | {r} | {mean:.5f} | {mx:.5f} | {last:.4f} | {ms:.1f} | {cost} |")

@@ -7,14 +7,15 @@ Recipes (AdamW, dynamic loss scaling, clipping at 1.0, the same global batch of 
 
 - one process: autocastfx.convert + train_step, the whole global batch (the 1/N reference)
 - DDP: DistributedDataParallel around the converted module
-- FSDP2 float32: ``convert(..., master_weights=False)`` + ``fully_shard`` (every parameter float32 in the module,
-  gathered in float32, cast inside the graph): the plain recipe
-- FSDP2 shard(): ``autocastfx.shard`` (float32 shards are the masters, gathered in float16, reduced in float32)
+- FSDP2 float32: ``convert`` + ``fully_shard`` (every parameter float32 in the module, gathered in float32, cast
+  inside the graph): the plain recipe
+- FSDP2 shard(): ``autocastfx.shard`` (float32 shards, the weights the graph reads low gathered in float16,
+  gradients reduced in float32)
 - FSDP2 + torch.autocast + GradScaler: the float32 model under ``fully_shard``, ``torch.autocast("cpu",
   float16)``, ``torch.amp.GradScaler``: the recipe users have today
 
-Bytes per rank: parameters (local shards), float32 masters, gradients alive when the optimizer runs, optimizer
-state. Collective bytes: buffers handed to FSDP2's all-gather and reduce-scatter, or DDP's all-reduce, in one step.
+Bytes per rank: parameters (local shards; float32: there are no master copies beside them, the column stays 0),
+gradients alive when the optimizer runs, optimizer state. Collective bytes: buffers handed to FSDP2's all-gather and reduce-scatter, or DDP's all-reduce, in one step.
 """
 from __future__ import annotations
 
@@ -120,7 +121,7 @@ def run_recipe(recipe: str, rank: int, world: int, args) -> dict:
     else:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            gm = autocastfx.convert(model, (x0,), master_weights=recipe != "FSDP2 float32")
+            gm = autocastfx.convert(model, (x0,))
         wrapped = gm
         if recipe == "DDP":
             wrapped = torch.nn.parallel.DistributedDataParallel(gm)
@@ -137,13 +138,12 @@ def run_recipe(recipe: str, rank: int, world: int, args) -> dict:
         inner = opt.step
 
         def recording(*a, **k):
-            alive = {id(p): p.grad for p in list(gm.parameters()) + ts.masters if p.grad is not None}
+            alive = {id(p): p.grad for p in gm.parameters() if p.grad is not None}
             grads_seen.append(sum(nbytes(g) for g in alive.values()))
             return inner(*a, **k)
         opt.step = recording
         step = ts
-        held = lambda: {"parameters": sum(nbytes(p) for p in gm.parameters()),
-                        "masters": sum(nbytes(m) for m in ts.masters)}
+        held = lambda: {"parameters": sum(nbytes(p) for p in gm.parameters()), "masters": 0}
         opt_of = opt
     times, losses = [], []
     step(*rows(0))  # warm-up: first signature checked, optimizer state made

@@ -287,7 +287,7 @@ def _autocastfx(gm, loss_fn, graph: bool) -> Built:
             raise Unavailable("train_step() has no cuda_graph option in this autocastfx") from e
         raise
     scale_state = getattr(getattr(step, "step", step), "state", None)  # a CUDA-graph step wraps the generated one
-    return Built(step, gm, opt, scale_state, list(autocastfx.master_parameters(gm)))
+    return Built(step, gm, opt, scale_state)  # no float32 copies beside the parameters: no masters
 
 
 def _compile(module, dry: bool) -> str:

@@ -7,7 +7,7 @@ models (``transformers.LlamaForCausalLM``, random weights; nothing is downloaded
 
 - materialised float32: ``convert(model)``; the model's own bytes beside the peak;
 - a bfloat16 checkpoint as ``from_pretrained(..., torch_dtype=torch.bfloat16)`` loads it: ``convert(model)``
-  (masters upcast, no float32 copy of the model first);
+  (its float32 parameters upcast from it, no float32 copy of the model first);
 - on the meta device: build with ``torch.device("meta")`` and ``convert``; time and peak for Llama-3-8B and
   Llama-3-70B shapes, whose float32 weights (32 GB, 282 GB) this machine could not hold.
 

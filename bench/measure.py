@@ -37,7 +37,7 @@ class Counter(TorchDispatchMode):
         name = func._opname
         if name in SYNC_OPS:
             self.syncs += 1
-        if name == "_foreach_copy_":  # the masters' copy-back and the gradients' copy are casts too
+        if name == "_foreach_copy_":  # a copy between dtypes is a cast too
             for dst, src in zip(args[0], args[1]):
                 if src.dtype != dst.dtype and src.is_floating_point() and dst.is_floating_point():
                     self.casts += 1
@@ -200,7 +200,7 @@ class MemoryAccount:
     """Bytes of tensor storage a training recipe holds between steps, by what holds them, and its peak during
     a step. Each storage is counted once, under the first heading that claims it (in this order)."""
     params: int      # the module's parameters and buffers (low-precision weights included)
-    masters: int     # float32 master weights kept beside low-precision ones
+    masters: int     # float32 master weights kept beside low-precision ones (none in autocastfx's recipe now)
     grads: int       # gradients alive between steps: .grad of parameters and masters
     optimizer: int   # optimizer state (moments, step counts)
     scaler: int      # loss-scale state (GradScaler's, or the generated step's)
@@ -280,7 +280,7 @@ class Runner:
             self.model = autocastfx.convert(model, inputs, dtype=dtype, **convert_kw)
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)  # the step turns fused on itself
             self.step = autocastfx.train_step(self.model, loss_fn, self.opt, init_scale=INIT_SCALE)
-            self.masters = autocastfx.master_parameters(self.model)
+            # its parameters are the float32 model's, cast in the graph: no master copies beside them
         elif recipe == "autocast":
             self.model = model
             self.opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=fused)
@@ -495,7 +495,7 @@ def _float_casts(gm, kwargs) -> int:
 
 def accumulation_cast_bytes(model, inputs, target, loss_fn=F.cross_entropy, micro=4):
     """Cast bytes per optimizer update with ``micro`` micro-batches: autocast re-casts the weights on every
-    micro-batch's forward and every backward; autocastfx copies the masters back once per update."""
+    micro-batch's forward and every backward; autocastfx's graph casts each weight once per forward."""
     out = {}
     m1 = copy.deepcopy(model)
     opt = torch.optim.AdamW(m1.parameters(), lr=1e-3)
