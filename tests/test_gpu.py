@@ -182,8 +182,9 @@ def test_padding_is_exact_on_the_device():
     model = nn.Sequential(nn.Linear(250, 1001), nn.ReLU(), nn.Linear(1001, 499), nn.GELU(),
                           nn.Linear(499, 10)).to(DEV)
     x = torch.randn(1024, 250, device=DEV)  # large enough that the gate pads the misaligned GEMMs
-    g1 = autocastfx.convert(model, (x,), pad_multiple=1, master_weights=False)
-    g8 = autocastfx.convert(model, (x,), pad_multiple=8, master_weights=False)
+    # each from a copy: a converted module's parameters are its model's, and the two gradients must not add up
+    g1 = autocastfx.convert(copy.deepcopy(model), (x,), pad_multiple=1)
+    g8 = autocastfx.convert(copy.deepcopy(model), (x,), pad_multiple=8)
     assert autocastfx.report(g8).totals["padding"]["padded"]
     o1, o8 = g1(x), g8(x)
     torch.testing.assert_close(o8, o1, rtol=1e-3, atol=1e-3)
@@ -214,7 +215,7 @@ def test_every_small_model_trains_as_a_cuda_graph(name, request):
     model, inputs = model.to(DEV), _to(inputs)
     steps = []
     for graph in (False, True):
-        gm = autocastfx.convert(model, inputs)
+        gm = autocastfx.convert(copy.deepcopy(model), inputs)  # each step trains a model of its own
         steps.append(autocastfx.train_step(gm, _loss, torch.optim.AdamW(gm.parameters(), lr=2.0**-9),
                                            cuda_graph=graph))
     eager, gstep = steps

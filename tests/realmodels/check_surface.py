@@ -9,13 +9,13 @@ the default, and ``blocks=None``), checked in ``.train()`` and ``.eval()`` where
               conversion: the same keys (tied names too), every value ``torch.equal``;
   resume      3 steps of ``autocastfx.train_step``; ``torch.save`` of ``gm.state_dict()`` and ``step.state_dict()``;
               3 more steps; a model of another initialisation converted afresh, the checkpoint loaded into it
-              (``gm.load_state_dict``, then ``step.load_state_dict``): its 3 steps' losses and its masters after
-              them are bit-identical to the uninterrupted run's;
+              (``gm.load_state_dict``, then ``step.load_state_dict``): its 3 steps' losses and its float32 weights
+              after them are bit-identical to the uninterrupted run's;
   methods     nanoGPT: ``gm.generate`` (the training module, converted for ``(idx, targets)``: generate's call
               ``self(idx)`` is converted for on first use, on gm's weights), ``gm.get_num_params()``,
               ``gm.configure_optimizers(...)``; GPT-2: ``gm.config``, ``gm.generate`` (greedy, through the training
               module likewise), ``gm.save_pretrained`` read back
-              by ``GPT2LMHeadModel.from_pretrained`` equal to the float32 masters bit for bit;
+              by ``GPT2LMHeadModel.from_pretrained`` equal to gm's float32 weights bit for bit;
   assert      nanoGPT: a sequence longer than ``block_size`` raises the model's own AssertionError and message.
 
     python tests/realmodels/check_surface.py          # needs transformers; about a minute on 2 CPU cores
@@ -104,12 +104,12 @@ def check_state_dicts(name, blocks, gm, model, tied):
 
 def resume(name, blocks, build, convert, make_opt, loss_fn, batches):
     """Three steps, a checkpoint, three more; a fresh conversion of a model of another initialisation resumes from
-    the checkpoint: the same losses and masters, bit for bit. Returns the uninterrupted run's module."""
+    the checkpoint: the same losses and float32 weights, bit for bit. Returns the uninterrupted run's module."""
     model = build(seed=0)
     gm = convert(model).train()
     opt = make_opt(gm)
     step = autocastfx.train_step(gm, loss_fn, opt)
-    masters_f32 = all(p.dtype == torch.float32 for g in opt.param_groups for p in g["params"])
+    params_f32 = all(p.dtype == torch.float32 for g in opt.param_groups for p in g["params"])
     first = [step(b) for b in batches[:3]]
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "ckpt.pt"
@@ -128,12 +128,12 @@ def resume(name, blocks, build, convert, make_opt, loss_fn, batches):
     same_losses = all(torch.equal(a, b) for a, b in zip(went_on, resumed))
     after_ok, after = same_state(autocastfx.float32_state_dict(gm2), autocastfx.float32_state_dict(gm))
     finite = all(torch.isfinite(x).item() for x in first + went_on)
-    ok = masters_f32 and loaded_ok and not missing.missing_keys and same_losses and after_ok and finite
+    ok = params_f32 and loaded_ok and not missing.missing_keys and same_losses and after_ok and finite
     line(ok, name, blocks, "train", "resume",
          f"losses {' '.join(f'{float(x):.6f}' for x in first)} | saved | continued "
          f"{' '.join(f'{float(x):.6f}' for x in went_on)} | resumed {' '.join(f'{float(x):.6f}' for x in resumed)}: "
          f"{'bit-identical' if same_losses else 'DIFFER'}; checkpoint into the fresh conversion: {loaded}; "
-         f"masters after: {'bit-identical' if after_ok else after}; optimizer on float32 masters: {masters_f32}")
+         f"weights after: {'bit-identical' if after_ok else after}; optimizer on float32 parameters: {params_f32}")
     return gm, opt
 
 
@@ -321,14 +321,14 @@ def gpt2(blocks):
 
     @guarded(name, blocks, None, "save_pretrained")
     def _():
-        src = trained.get("gm", gm)  # after training: the masters differ from every bfloat16 value
-        masters = {k: v.clone() for k, v in autocastfx.float32_state_dict(src).items()}
+        src = trained.get("gm", gm)  # after training: the float32 weights differ from every bfloat16 value
+        weights = {k: v.clone() for k, v in autocastfx.float32_state_dict(src).items()}
         with tempfile.TemporaryDirectory() as d:
             src.save_pretrained(d)
             loaded = tf.GPT2LMHeadModel.from_pretrained(d)
-        ok, text = same_state(loaded.state_dict(), masters)
+        ok, text = same_state(loaded.state_dict(), weights)
         line(ok, name, blocks, None, "save_pretrained",
-             f"from_pretrained vs float32 masters{' after 6 steps' if 'gm' in trained else ''}: {text}")
+             f"from_pretrained vs float32 weights{' after 6 steps' if 'gm' in trained else ''}: {text}")
 
     @guarded(name, blocks, "eval", "generate")
     def _():
