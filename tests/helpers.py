@@ -84,19 +84,12 @@ def native_low_dtype() -> torch.dtype | None:
 FAST_LOW_DTYPE = native_low_dtype()
 
 
-def low_dtype_for_speed() -> torch.dtype:
-    """The low dtype for a test that measures something other than the dtype (bytes, modes, structure) on shapes
-    that need fast kernels: the native one, bfloat16 where there is none (with ``small_if_emulated`` shapes)."""
-    return FAST_LOW_DTYPE or torch.bfloat16
-
-
-def small_if_emulated(n: int, small: int, dtype: torch.dtype | None = None) -> int:
-    """``n`` (a batch, a length, a width) where ``dtype`` (default: bfloat16) has native kernels on this CPU,
-    ``small`` where it runs in torch's scalar loops: the same check, on fewer values. The shapes the suite was sized
-    by stay on CPUs with AVX512-BF16 or AMX."""
-    dtype = dtype or torch.bfloat16
-    fast = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-            torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported()}.get(dtype, True)
+def small_if_emulated(n: int, small: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """``n`` (a batch, a length, a width) where ``dtype`` has fast kernels on this CPU, ``small`` where its matmuls
+    run in torch's scalar loops: the same check on fewer values. The shapes the suite was sized by stay wherever
+    bfloat16 runs in oneDNN (AVX-512, AVX512-BF16, AMX)."""
+    fast = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
+            torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}[dtype]()
     return n if fast else small
 
 

@@ -351,3 +351,18 @@ def test_the_recorded_seconds_are_per_cpu_class():
     for cls, seconds in record.items():
         assert seconds and all(f.startswith("tests/test_") and s >= 0 for f, s in seconds.items()), cls
     assert "avx512_bf16" in record  # the record the suite's 8 minutes were first measured by
+
+
+def test_the_low_dtype_shapes_follow_the_cpus_bfloat16():
+    """helpers.small_if_emulated keeps the suite's shapes wherever torch runs bfloat16 in oneDNN, and always on a
+    CPU with AVX512-BF16 or AMX; it shrinks them only where bfloat16 falls back to torch's scalar loops."""
+    import torch
+    helpers, cpu_class = _tests_module("helpers"), _tests_module("cpu_class")
+    flags = cpu_class.cpu_flags()
+    onednn = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert helpers.small_if_emulated(16, 4) == (16 if onednn else 4)
+    assert (helpers.FAST_LOW_DTYPE == torch.bfloat16) == onednn
+    if {"avx512_bf16", "amx_bf16"} & flags:
+        assert onednn and helpers.small_if_emulated(16, 4) == 16
+    if flags and not {"avx512f", "avx_ne_convert"} & flags:  # no AVX-512, no AVX-NE-CONVERT: torch's own loops
+        assert not onednn and helpers.FAST_LOW_DTYPE is None and helpers.small_if_emulated(16, 4) == 4
