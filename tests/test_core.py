@@ -103,6 +103,9 @@ def test_aten_policy_forward_and_backward(name, dtype):
         assert c.in_dtypes[0] == torch.float32
 
 
+_Calls = collections.namedtuple("_Calls", "calls")  # AtenRecorder.float_casts over the calls given
+
+
 class _WeightCasts(AtenRecorder):
     """An AtenRecorder that also counts the float casts whose source is one of ``model``'s parameters (the same
     storage and shape), and the bytes they move."""
@@ -113,9 +116,8 @@ class _WeightCasts(AtenRecorder):
         self.counts, self.nbytes = collections.Counter(), 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        before = len(self.float_casts())
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if len(self.float_casts()) > before:
+        if AtenRecorder.float_casts(_Calls(self.calls[-1:])):  # this call alone: a float cast?
             src = [a for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, torch.Tensor)][0]
             name = self.params.get((src.data_ptr(), tuple(src.shape)))
             if name is not None:
