@@ -10,10 +10,11 @@ the step went from 47.8 ms to 27.6 ms with the model and input in channels_last)
 - ``"channels_last"``: channels_last wherever there are 2-D convolutions, on any device (the CPU tests use it);
 - ``"preserve"``: layouts are left as they are.
 
-In channels_last the pass converts each graph input that reaches a convolution once, at the start, gives
-every 2-D convolution's float32 weight channels_last strides in place (``store_weights``: the same Parameter,
-shared with the model, as ``model.to(memory_format=torch.channels_last)`` does; its gradient follows its
-layout, so a fused optimizer pairs them right), and then lets the layout flow: elementwise ops, batch norm, pooling, ``F.pad``, ``cat``
+In channels_last the pass converts each graph input that reaches a convolution once, at the start, has every
+2-D convolution read its weight channels_last through the graph (``weights_channels_last``: the weight's cast to
+the low dtype writes NHWC, ``w.to(dtype, memory_format=torch.channels_last)``, one copy as before; a weight read
+in float32 gets a ``contiguous`` node), so the float32 parameter, the model's own, keeps its layout and its
+gradient comes back in it, and then lets the layout flow: elementwise ops, batch norm, pooling, ``F.pad``, ``cat``
 and casts (``.to(dtype)`` keeps the memory format) all keep channels_last. A conversion back to NCHW is
 inserted only where it is needed, found by running the graph once on the example inputs:
 
@@ -76,7 +77,7 @@ class LayoutPlan:
     requested: str
     memory_format: str                   # "channels_last" | "preserve"
     reason: str
-    params: list[str] = dataclasses.field(default_factory=list)       # weights stored channels_last
+    params: list[str] = dataclasses.field(default_factory=list)       # weights read channels_last
     inputs: list[str] = dataclasses.field(default_factory=list)       # graph inputs converted at the start
     to_channels_last: list[str] = dataclasses.field(default_factory=list)  # "value: why", mid-graph
     to_contiguous: list[str] = dataclasses.field(default_factory=list)     # "value: why"
@@ -91,7 +92,7 @@ class LayoutPlan:
     def __str__(self) -> str:
         lines = [f"LayoutPlan({self.memory_format}: {self.reason})"]
         if self.memory_format == "channels_last":
-            lines.append(f"  weights stored channels_last: {len(self.params)}; inputs converted once: "
+            lines.append(f"  weights read channels_last: {len(self.params)}; inputs converted once: "
                          f"{', '.join(self.inputs) or 'none'}")
             lines += [f"  to channels_last {v}" for v in self.to_channels_last]
             lines += [f"  to contiguous {v}" for v in self.to_contiguous]
@@ -151,13 +152,8 @@ def apply_layout(gm: fx.GraphModule, plan: LayoutPlan, args: tuple, kwargs: dict
 
 
 def undo(gm: fx.GraphModule) -> None:
-    """Take out the layout nodes of an earlier conversion and give the weights it stored channels_last their
-    NCHW layout back (a channels_last weight alone makes a convolution run NHWC)."""
-    params = dict(gm.named_parameters(remove_duplicate=False))
-    for name in gm.meta.pop(_TAG, ()):
-        p = params.get(name)
-        if p is not None:
-            _set_param(gm, params, p, p.detach().contiguous())
+    """Take out the layout nodes of an earlier conversion (its weight casts go with the cast plan's undo)."""
+    gm.meta.pop(_TAG, None)
     changed = False
     for node in list(gm.graph.nodes):
         if _TAG in node.meta:
@@ -194,19 +190,29 @@ def _is_nhwc(v: Any) -> bool:
     return isinstance(v, torch.Tensor) and v.is_floating_point() and _order(v) == "nhwc"
 
 
-def store_weights(gm: fx.GraphModule, plan: LayoutPlan) -> None:
-    """Give the convolution weights the plan names channels_last strides, in place (module docstring)."""
+def weights_channels_last(gm: fx.GraphModule, plan: LayoutPlan) -> None:
+    """Every 2-D convolution reads its weight channels_last (module docstring): its cast to the low dtype writes
+    NHWC, or a weight read in float32 goes through a ``contiguous(memory_format=torch.channels_last)`` node. Called
+    after the cast plan's casts are in the graph; the parameters themselves are not changed."""
     if plan.memory_format != "channels_last":
         return
-    params = dict(gm.named_parameters(remove_duplicate=False))
-    done = []
-    for name in plan.params:
-        p = params.get(name)
-        if p is None or p.dim() != 4 or p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous():
+    for node in list(gm.graph.nodes):
+        if not is_conv2d(node) or len(node.args) < 2 or not isinstance(node.args[1], fx.Node):
             continue
-        _set_param(gm, params, p, p.detach().contiguous(memory_format=torch.channels_last))
-        done.append(name)
-    gm.meta[_TAG] = done  # undone by a later conversion
+        w = node.args[1]
+        info = w.meta.get(K.INFO)
+        if not isinstance(info, TensorInfo) or len(info.shape) != 4:
+            continue
+        if getattr(w.meta.get("autocastfx"), "kind", None) == "cast":
+            w.kwargs = {**w.kwargs, "memory_format": torch.channels_last}
+            continue
+        with gm.graph.inserting_before(node):
+            cl = gm.graph.call_method("contiguous", (w,), {"memory_format": torch.channels_last})
+        cl.meta[K.INFO] = info
+        cl.meta[_TAG] = "the convolution's weight, read channels_last"
+        node.update_arg(1, cl)
+    gm.graph.lint()
+    gm.recompile()
 
 
 def _conv_weights(gm: fx.GraphModule) -> list[str]:
@@ -221,13 +227,6 @@ def _conv_weights(gm: fx.GraphModule) -> list[str]:
         if isinstance(w, fx.Node) and w.op == "get_attr" and w.target not in names:
             names.append(str(w.target))
     return names
-
-
-def _set_param(gm: fx.GraphModule, params: dict[str, nn.Parameter], p: nn.Parameter, value: torch.Tensor) -> None:
-    """``p`` holds ``value`` (the same values in another layout) from now on: the same Parameter object, so the
-    model that shares it and an optimizer built over it keep it."""
-    with torch.no_grad():
-        p.data = value
 
 
 def _convert_inputs(gm: fx.GraphModule) -> list[str]:

@@ -57,8 +57,8 @@ def run_passes(gm: fx.GraphModule, model: nn.Module, args: tuple, kwargs: dict, 
         and not policy.widest else frozenset()
     plan = _plan.build_plan(gm, policy, dtype, keep_io_types=options.keep_io_types, free_inputs=free)
     _inputs_as_planned(gm, plan, free)
-    _layout.store_weights(gm, layout)
     _rewrite.apply_plan(gm, plan)  # the casts: nodes of the graph
+    _layout.weights_channels_last(gm, layout)  # a convolution's weight read NHWC, through its cast
     if entry_casts:
         _rewrite.entry_casts(gm)
     return Passed(plan=plan, absorbed=absorbed, layout=layout, padding=pad_plan)

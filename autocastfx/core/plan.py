@@ -293,6 +293,10 @@ def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, keep_io_
     # 1. every node, in the graph's order: its fixed label or its op class, and what it needs of its inputs
     for node in gm.graph.nodes:
         _plan_node(st, node)
+    for value, reader in st.widen:  # a parameter a widening op reads: say why it gets no cast there
+        if value in st.nodes and st.nodes[value].reason == "parameter, kept float32":
+            st.nodes[value].reason = (f"parameter read by {reader}, which does not round a float32 value "
+                                      "(Policy.widest, as autocast): kept float32")
     # 2. the free labels by a min-cut, and the cost of the naive rule to compare with
     problem = Problem(st.fixed, st.free, st.weight, st.reqs, st.multi, widen=st.widen)
     order = [n.name for n in gm.graph.nodes]

@@ -69,14 +69,23 @@ def low_read_names(unit: nn.Module) -> list[str]:
         for node in g.nodes:
             if node.op != "get_attr" or str(node.target) not in params:
                 continue
-            low = bool(node.users) and all(_is_low_cast(u, info.dtype) for u in node.users)
+            low = bool(node.users) and all(_reaches_low_cast(u, info.dtype) for u in node.users)
             verdict[str(node.target)] = verdict.get(str(node.target), True) and low
     return [n for n, low in verdict.items() if low and info.dtype != torch.float32]
 
 
-def _is_low_cast(node: fx.Node, dtype: torch.dtype) -> bool:
+_SHAPE_ONLY = {"pad", "t", "transpose", "permute", "view", "reshape", "contiguous", "flatten", "unsqueeze", "squeeze"}
+
+
+def _reaches_low_cast(node: fx.Node, dtype: torch.dtype) -> bool:
+    """Whether ``node`` is a cast to ``dtype``, or an op that only moves or pads values (``F.pad`` of a padded
+    weight, ``w.t()``) whose every reader is one."""
     decision = node.meta.get("autocastfx")
-    return getattr(decision, "kind", None) == "cast" and getattr(decision, "dtype", None) == dtype
+    if getattr(decision, "kind", None) == "cast":
+        return getattr(decision, "dtype", None) == dtype
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return (name in _SHAPE_ONLY and bool(node.users) and node.op in ("call_method", "call_function")
+            and all(_reaches_low_cast(u, dtype) for u in node.users))
 
 
 def _graphs_of(unit: nn.Module) -> list:

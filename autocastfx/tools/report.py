@@ -96,7 +96,7 @@ class Report:
         if lay:
             lines.append(f"layout: {lay['memory_format']} ({lay['reason']})")
             if lay["memory_format"] == "channels_last":
-                lines.append(f"  convolution weights stored channels_last: {lay['params_channels_last']}; inputs "
+                lines.append(f"  convolution weights read channels_last: {lay['params_channels_last']}; inputs "
                              f"converted once: {', '.join(lay['inputs']) or 'none'}")
                 for key, label in (("to_channels_last", "to channels_last"), ("to_contiguous", "to contiguous"),
                                    ("reshape_copies", "reshape copy")):
