@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn as nn
 
 from . import cost as _hw
 from ..base.meta import TensorInfo
