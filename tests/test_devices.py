@@ -36,8 +36,15 @@ def test_auto_picks_by_the_cpus_own_flags(monkeypatch, flags, want):
     assert devices.choose(torch.device("cpu"))[0] == want
     gm = _convert(dtype="auto")
     assert gm.meta["autocastfx"].dtype == want
-    has_low = {p.dtype for p in gm.parameters()} & {torch.float16, torch.bfloat16}
-    assert has_low == (set() if want == torch.float32 else {want})
+    assert {p.dtype for p in gm.parameters()} == {torch.float32}  # the model's own parameters, whatever the dtype
+    assert _cast_dtypes(gm) == (set() if want == torch.float32 else {want})
+
+
+def _cast_dtypes(gm):
+    """The low dtypes the graphs (the module's and its converted blocks') cast to."""
+    from autocastfx.core.weights import converted_units
+    return {n.meta["autocastfx"].dtype for _, u in converted_units(gm) for n in u.graph.nodes
+            if getattr(n.meta.get("autocastfx"), "kind", None) == "cast"} - {torch.float32}
 
 
 def test_auto_on_cuda_is_float16():
@@ -51,7 +58,7 @@ def test_auto_says_why_in_the_report(monkeypatch):
     text = str(autocastfx.report(_convert(dtype="auto")))
     assert "compute dtype float32 (auto: float32 on this CPU: AVX2 without AVX-512" in text
     assert "avx512_bf16, amx_bf16" in text and "emulated, tens of times slower than float32" in text
-    assert "casts per forward: 0 (0 bytes)" in text and "none stored low (no masters)" in text
+    assert "casts per forward: 0 (0 bytes)" in text and "parameters: float32, read as they are (no casts)" in text
     assert "all in float32" in text
     for nonsense in ("low dtype fp32", "low dtype:", "parameters stored low", "in low precision",
                      "float32 masters kept", "padding to"):
@@ -160,7 +167,7 @@ def test_an_explicit_low_dtype_still_converts_on_a_cpu_without_it(monkeypatch):
     with pytest.warns(autocastfx.SlowDtypeWarning, match="bfloat16 has no fast kernels"):
         gm = _convert(dtype=torch.bfloat16)
     assert gm.meta["autocastfx"].dtype == torch.bfloat16
-    assert torch.bfloat16 in {p.dtype for p in gm.parameters()}
+    assert torch.bfloat16 in _cast_dtypes(gm) and autocastfx.master_parameters(gm)
 
 
 def test_an_explicit_slow_dtype_is_warned_about_once_the_default_only_in_the_report(monkeypatch):

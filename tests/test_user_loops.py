@@ -549,6 +549,8 @@ def test_accelerate_loop():
             model = autocastfx.convert(model, (torch.randn(8, 8),), dtype=BF16)
         opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
         dl = DataLoader(_mlp_data(), batch_size=8, shuffle=False)
+        AcceleratorState._reset_state(True)  # another test's Trainer may have set the process's state
+        GradientState._reset_state()
         accelerator = Accelerator(cpu=True, mixed_precision=mixed_precision)
         try:
             model, opt, dl = accelerator.prepare(model, opt, dl)
