@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -87,7 +88,7 @@ def _sources(cls: str, sources: list[str]) -> str:
         return f"no record, {UNKNOWN_FILE_SECONDS:.0f} s a file"
     borrowed = " and ".join(f"{s}'s" for s in sources if s != cls)
     if sources[0] != cls:
-        return f"no record of its own, seconds per file from {borrowed} (scaled)"
+        return f"no record of its own, seconds per file from {borrowed}"
     return "seconds per file from its record" + (f", a file it lacks from {borrowed} (scaled)" if borrowed else "")
 
 
@@ -151,10 +152,15 @@ def run(jobs: int, pytest_args: list[str], record: bool) -> int:
         pump.start()
         pumps.append(pump)
     codes = []
-    for number, (proc, pump) in enumerate(zip(procs, pumps), 1):
-        codes.append(proc.wait())
-        pump.join()
-        _say(lock, f"[{number}] exit {codes[-1]} after {time.monotonic() - start:.0f} s\n")
+    try:
+        for number, (proc, pump) in enumerate(zip(procs, pumps), 1):
+            codes.append(proc.wait())
+            pump.join()
+            _say(lock, f"[{number}] exit {codes[-1]} after {time.monotonic() - start:.0f} s\n")
+    finally:  # stopped (Ctrl-C, a SIGTERM): the pytest processes stop too, rather than run on alone
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
     measured: dict[str, float] = {}
     for name in outs:
         try:
@@ -200,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error("--jobs must be at least 1")
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     return run(args.jobs, extra, args.record)
 
 
