@@ -2,8 +2,10 @@
 the suite does fast (``FAST_LOW_DTYPE``, ``small_if_emulated``) or not at all (``cpu_autocast``)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
+import warnings
 
 import pytest
 import torch
@@ -132,3 +134,17 @@ def cpu_autocast(fn, dtype: torch.dtype):
         if reason is None:
             raise
         pytest.skip(reason)
+
+
+@contextlib.contextmanager
+def one_thread_quiet():
+    """Toy sizes: one thread is fastest and waits on no other process's cores; warnings (the CPU's slow-bfloat16
+    one among them) are expected. Used as an autouse fixture's body."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        torch.set_num_threads(threads)

@@ -20,23 +20,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autocastfx
-from helpers import AtenRecorder
+from helpers import AtenRecorder, one_thread_quiet
 
 BF16 = torch.bfloat16
 
 
 @pytest.fixture(autouse=True)
 def _one_thread_quiet():
-    """Toy sizes: one thread is fastest, and waits on no other process's cores. The CPU's slow-bfloat16 warning
-    is expected here."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        torch.set_num_threads(threads)
+    with one_thread_quiet():
+        yield
 
 
 class Net(nn.Module):

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autocastfx
+from helpers import one_thread_quiet
 from autocastfx.training.recompute import block_names, checkpointed, compiled
 from test_blocks import Layer, Stack, ids
 
@@ -23,14 +24,8 @@ from measure import MemoryTracker, alive_storage_keys, step_memory, tensors_in  
 
 @pytest.fixture(autouse=True)
 def _quiet():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # toy sizes: one thread is fastest, and waits on no other process's cores
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        torch.set_num_threads(threads)
+    with one_thread_quiet():
+        yield
 
 
 def lm_loss(out, y):
