@@ -331,9 +331,8 @@ def _keep_non_persistent(gm: nn.Module, model: nn.Module) -> None:
 def _one_recompile(gm: fx.GraphModule):
     """Generate and compile ``gm``'s code once, when the passes are done. Each pass calls ``gm.recompile()``
     after its edits, as a pass run on its own must; inside ``convert()`` none of them needs the code (shapes are
-    propagated by an interpreter), and every recompile writes and compiles the whole forward again: the five
-    of them (the traced module's first included, see ``capture(compile_code=False)``) were 40% of the
-    conversion time of a 3,700-node graph."""
+    propagated by an interpreter), and every recompile writes and compiles the whole forward again
+    (docs/benchmarks.md, conversion time)."""
     gm.recompile = no_recompile  # an instance attribute, in front of the method
     try:
         yield

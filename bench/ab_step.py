@@ -35,7 +35,7 @@ def recipe(name):
     gm = autocastfx.convert(m, (x,), dtype=BF16)
     f = torch.compile(gm) if compiled else gm
     if name == "fx-step":
-        step = autocastfx.train_step(f, loss_fn, torch.optim.AdamW(gm.parameters(), lr=1e-4))
+        step = autocastfx.train_step(f, loss_fn, torch.optim.AdamW(gm.parameters(), lr=1e-4, fused=True))
         return lambda: step(x, y)
     opt = fused(gm.parameters())
     def run():

@@ -16,7 +16,7 @@ Recipes (one model's weights, seed 0, copied into each):
 - torch.autocast: ``torch.autocast("cpu", dtype=torch.bfloat16)`` around the forward and the loss; backward and
   the same AdamW step outside it (bfloat16 needs no GradScaler).
 - autocastfx: ``gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)``; training:
-  ``step = autocastfx.train_step(gm, loss_fn, torch.optim.AdamW(gm.parameters(), lr=1e-4))`` and ``step(x, y)``
+  ``step = autocastfx.train_step(gm, loss_fn, torch.optim.AdamW(gm.parameters(), lr=1e-4, fused=True))`` and ``step(x, y)``
   (the step switches AdamW to its fused kernel itself); inference: ``gm.eval()`` and ``gm(x)`` under no_grad.
 - autocastfx, plain loop (training only): the same ``gm`` in the loop the float32 row runs (zero_grad, forward,
   loss, backward, fused AdamW over ``gm.parameters()``), with no ``train_step``: what a user's own loop gets.
@@ -150,7 +150,7 @@ def build(mode: str, recipe: str, model: torch.nn.Module, x, y, loss_fn, backend
         del model
         target = torch.compile(gm, backend=backend) if compiled else gm
         if mode == "train":
-            step = autocastfx.train_step(target, loss_fn, torch.optim.AdamW(gm.parameters(), lr=LR))
+            step = autocastfx.train_step(target, loss_fn, torch.optim.AdamW(gm.parameters(), lr=LR, fused=True))
             return lambda: step(x, y)
         gm.eval()
 

@@ -69,7 +69,7 @@ def train(recipe: str, model: nn.Module, batches: list, lr: float = 1e-3) -> tup
     if recipe.startswith("autocastfx"):
         x0, y0 = batches[0]
         gm = autocastfx.convert(model, (x0, y0), dtype=LOW, policy=_policy(recipe.endswith("widest")))
-        opt = torch.optim.AdamW(gm.parameters(), lr=lr)
+        opt = torch.optim.AdamW(gm.parameters(), lr=lr, fused=True)
         step = autocastfx.train_step(gm, lambda out: out[1], opt)
         for x, y in batches:
             t = time.perf_counter()

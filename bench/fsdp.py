@@ -133,7 +133,7 @@ def run_recipe(recipe: str, rank: int, world: int, args) -> dict:
             fully_shard(gm)
         elif recipe == "FSDP2 shard()":
             autocastfx.shard(gm)
-        opt = torch.optim.AdamW(gm.parameters(), lr=1e-3)
+        opt = torch.optim.AdamW(gm.parameters(), lr=1e-3, fused=True)
         ts = autocastfx.train_step(wrapped, fsdp_train.loss_fn, opt, clip_grad_norm=1.0, init_scale=2.0**10)
         inner = opt.step
 

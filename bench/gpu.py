@@ -278,7 +278,7 @@ def _compile_blocks(gm, dry: bool) -> str:
 
 
 def _autocastfx(gm, loss_fn, graph: bool) -> Built:
-    opt = torch.optim.AdamW(gm.parameters(), lr=LR)  # train_step switches it to the fused kernel itself
+    opt = torch.optim.AdamW(gm.parameters(), lr=LR, fused=True)
     kw = {"cuda_graph": True} if graph else {}
     try:
         step = autocastfx.train_step(gm, loss_fn, opt, init_scale=INIT_SCALE, **kw)

@@ -278,7 +278,7 @@ class Runner:
         self.masters = []
         if recipe == "autocastfx":
             self.model = autocastfx.convert(model, inputs, dtype=dtype, **convert_kw)
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)  # the step turns fused on itself
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, fused=True)
             self.step = autocastfx.train_step(self.model, loss_fn, self.opt, init_scale=INIT_SCALE)
             # its parameters are the float32 model's, cast in the graph: no master copies beside them
         elif recipe == "autocast":
@@ -511,7 +511,7 @@ def accumulation_cast_bytes(model, inputs, target, loss_fn=F.cross_entropy, micr
         scaler.update()
 
     gm = autocastfx.convert(copy.deepcopy(model), inputs)
-    step = autocastfx.train_step(gm, loss_fn, torch.optim.AdamW(gm.parameters(), lr=1e-3), init_scale=INIT_SCALE,
+    step = autocastfx.train_step(gm, loss_fn, torch.optim.AdamW(gm.parameters(), lr=1e-3, fused=True), init_scale=INIT_SCALE,
                                  accum_steps=micro)
 
     def autocastfx_update():

@@ -166,7 +166,7 @@ class Run:
         dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
         # the one autocastfx line: captured through torch.export (Hugging Face models do not trace symbolically)
         self.gm = autocastfx.convert(self.model, example_kwargs=example, dtype=dtype)
-        self.optimizer = torch.optim.AdamW(param_groups(self.model, args.weight_decay), lr=args.lr)
+        self.optimizer = torch.optim.AdamW(param_groups(self.model, args.weight_decay), lr=args.lr, fused=True)
         warmup = max(1, round(args.warmup * args.steps))
         self.scheduler = transformers.get_linear_schedule_with_warmup(self.optimizer, warmup, args.steps)
         # the model computes its own loss from labels=: the step takes the batch dict and no target

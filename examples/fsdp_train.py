@@ -19,7 +19,7 @@ its own shards and reads its slices of the weights.
     autocastfx.shard(gm)                               # FSDP2 units, still on meta
     weights = torch.load(path, mmap=True)              # the float32 model's state dict, memory-mapped
     autocastfx.materialize(gm, device, weights, buffers=...)   # each rank: its shards, its slices; rotary tables
-    optimizer = torch.optim.AdamW(gm.parameters(), lr=...)
+    optimizer = torch.optim.AdamW(gm.parameters(), lr=..., fused=True)
     step = autocastfx.train_step(gm, loss_fn, optimizer, clip_grad_norm=1.0, accum_steps=...)
     loss = step(ids, targets)                          # each rank its own slice of the global batch
     autocastfx.save_checkpoint(step, dir)              # each rank writes its shards
@@ -233,7 +233,7 @@ def train(args, rank, world, device, cuda):
     else:
         autocastfx.materialize(gm, device, weights, buffers=tables(args))  # every rank the whole model
         wrapped = nn.parallel.DistributedDataParallel(gm)
-    optimizer = torch.optim.AdamW(gm.parameters(), lr=args.lr, weight_decay=0.01)
+    optimizer = torch.optim.AdamW(gm.parameters(), lr=args.lr, weight_decay=0.01, fused=True)
     step = autocastfx.train_step(wrapped, loss_fn, optimizer, clip_grad_norm=1.0, accum_steps=args.accum)
     start = 0
     if args.resume:

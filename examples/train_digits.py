@@ -128,7 +128,7 @@ def main():
     chosen = gm.meta["autocastfx"].dtype
     name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[chosen]
     print(f"autocastfx dtype: {str(chosen)[6:]} ({autocastfx.report(gm).totals.get('dtype_choice') or 'asked for'})\n")
-    opt_mixed = torch.optim.AdamW(mixed_source.parameters(), lr=3e-3, weight_decay=1e-4)
+    opt_mixed = torch.optim.AdamW(mixed_source.parameters(), lr=3e-3, weight_decay=1e-4, fused=True)
     # float16 gradients need loss scaling; bfloat16's range and float32's do not
     step = autocastfx.train_step(gm, F.cross_entropy, opt_mixed,
                                  loss_scale="dynamic" if chosen == torch.float16 else None)

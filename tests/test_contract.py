@@ -36,7 +36,7 @@ class ContractRecorder(TorchDispatchMode):
 
 
 def _train_steps(gm, inputs, loss_fn, target, n=2, **step_kw):
-    opt = torch.optim.AdamW(gm.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(gm.parameters(), lr=1e-3, fused=True)
     step = autocastfx.train_step(gm, loss_fn, opt, **step_kw)
     for _ in range(n):
         step(inputs, target)

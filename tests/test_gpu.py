@@ -47,7 +47,7 @@ def _loss(out, t):
 
 
 def _train(gm, inputs, target, steps=5):
-    step = autocastfx.train_step(gm, _loss, torch.optim.AdamW(gm.parameters(), lr=3e-3))
+    step = autocastfx.train_step(gm, _loss, torch.optim.AdamW(gm.parameters(), lr=3e-3, fused=True))
     losses = [step(inputs, target) for _ in range(3)]  # warm-up: first kernels, cuDNN choices
     if DEV == "cuda":
         torch.cuda.synchronize()
@@ -155,7 +155,7 @@ def test_every_norm_type_on_the_device(kind, capture):
     ref = copy.deepcopy(model).eval()(x)
     torch.testing.assert_close(gm(x).float(), ref, rtol=2e-2, atol=1e-2)
     gm.train()
-    step = autocastfx.train_step(gm, F.cross_entropy, torch.optim.AdamW(gm.parameters(), lr=3e-3))
+    step = autocastfx.train_step(gm, F.cross_entropy, torch.optim.AdamW(gm.parameters(), lr=3e-3, fused=True))
     losses = [float(step(x, y)) for _ in range(8)]
     assert losses[-1] < losses[0], losses
 
@@ -216,7 +216,7 @@ def test_every_small_model_trains_as_a_cuda_graph(name, request):
     steps = []
     for graph in (False, True):
         gm = autocastfx.convert(copy.deepcopy(model), inputs)  # each step trains a model of its own
-        steps.append(autocastfx.train_step(gm, _loss, torch.optim.AdamW(gm.parameters(), lr=2.0**-9),
+        steps.append(autocastfx.train_step(gm, _loss, torch.optim.AdamW(gm.parameters(), lr=2.0**-9, fused=True),
                                            cuda_graph=graph))
     eager, gstep = steps
     with torch.no_grad():
@@ -268,7 +268,7 @@ def test_huggingface_gpt2_trains_on_the_device():
     assert contract.violations == []
     for p in gm.parameters():
         p.grad = None
-    step = autocastfx.train_step(gm, lambda out: out.loss, torch.optim.AdamW(gm.parameters(), lr=3e-3))
+    step = autocastfx.train_step(gm, lambda out: out.loss, torch.optim.AdamW(gm.parameters(), lr=3e-3, fused=True))
     batch = {"input_ids": ids, "attention_mask": mask, "labels": ids}
     losses = [float(step(batch)) for _ in range(6)]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses

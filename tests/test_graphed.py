@@ -43,9 +43,9 @@ def batch(seed=0, n=8):
 
 
 OPTIMIZERS = {
-    "adamw": lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=2.0**-6),
-    "adam": lambda ps: torch.optim.Adam(ps, lr=LR),
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=2.0**-6, fused=True),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=LR, fused=True),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9, fused=True),
     "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=LR),
 }
 
@@ -629,7 +629,7 @@ def cuda_steps(name, count, make_opt=None, loss_fn=flat_ce, **kw):
     model, inputs = example(name, batch=8)
     model = model.cuda()
     inputs = tuple(x.cuda() for x in inputs)
-    make_opt = make_opt or (lambda ps: torch.optim.AdamW(ps, lr=2.0**-10, weight_decay=2.0**-6))
+    make_opt = make_opt or (lambda ps: torch.optim.AdamW(ps, lr=2.0**-10, weight_decay=2.0**-6, fused=True))
     out = []
     for _ in range(count):
         gm = autocastfx.convert(copy.deepcopy(model), inputs)
@@ -725,7 +725,7 @@ def test_stuck_scale_raises_within_two_calls():
 @pytest.mark.gpu
 @needs_cuda
 def test_lr_scheduler_changes_the_replayed_update():
-    sgd = lambda ps: torch.optim.SGD(ps, lr=2.0**-4, momentum=0.9)   # noqa: E731
+    sgd = lambda ps: torch.optim.SGD(ps, lr=2.0**-4, momentum=0.9, fused=True)   # noqa: E731
     with reproducible():
         (gm_e, eager), (gm_g, step), (gm_n, plain) = cuda_steps("resnet", 3, make_opt=sgd)
         gstep, gplain = CudaGraphStep(step, warmup=2), CudaGraphStep(plain, warmup=2)
@@ -859,7 +859,7 @@ def test_dropout_in_the_graph_draws_what_the_eager_step_draws():
     for graph in (False, True):
         torch.manual_seed(0)
         gm = autocastfx.convert(DropoutMLP().cuda(), (data[0][0],), pad_multiple=1)
-        step = autocastfx.train_step(gm, F.cross_entropy, torch.optim.AdamW(gm.parameters(), lr=LR))
+        step = autocastfx.train_step(gm, F.cross_entropy, torch.optim.AdamW(gm.parameters(), lr=LR, fused=True))
         run = CudaGraphStep(step, warmup=3) if graph else step
         torch.cuda.manual_seed(1)
         losses = torch.stack([run(x, y).clone() for x, y in data])
@@ -895,11 +895,11 @@ def test_a_failed_capture_names_its_cause_and_leaves_the_eager_step_usable():
 
 
 def test_train_step_with_cuda_graph_refuses_before_touching_the_optimizer():
-    """cuda_graph=True on a CPU model: refused before the optimizer is made fused or capturable."""
+    """cuda_graph=True on a CPU model: refused before the optimizer is made capturable."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     gm = autocastfx.convert(model, (torch.randn(4, 8),))
-    opt = torch.optim.AdamW(gm.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(gm.parameters(), lr=1e-3, fused=True)
     groups = [list(g["params"]) for g in opt.param_groups]
     settings = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
     with pytest.raises(ValueError, match="CUDA"):

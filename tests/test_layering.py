@@ -26,6 +26,9 @@ SIBLINGS_APART = {("training", "tools"), ("tools", "training")}
 
 MAX_FUNCTION_LINES = 80
 MAX_CLASS_LINES = 200
+# names with a leading underscore that one module takes from another of the package (``from .x import _f`` or
+# ``x._f`` on an imported module): a name another module needs is part of its module's interface, and says so
+MAX_PRIVATE_IMPORTS = 0
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -113,6 +116,40 @@ def test_units_are_short(kind):
                 long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({size} lines)")
     limit = MAX_FUNCTION_LINES if kind == "function" else MAX_CLASS_LINES
     assert not long, f"{kind}s over {limit} lines:\n" + "\n".join(long)
+
+
+def _private_imports(root: pathlib.Path) -> list[str]:
+    """Every use, in a module of the package, of another package module's underscored name."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        modules = set()  # local names bound to the package's modules or names
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("autocastfx")):
+                for a in node.names:
+                    if a.name.startswith("_") and not a.name.startswith("__"):
+                        out.append(f"{path.relative_to(root)}:{node.lineno} from {node.module or '.'} import {a.name}")
+                    else:
+                        modules.add(a.asname or a.name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules \
+                    and node.attr.startswith("_") and not node.attr.startswith("__"):
+                out.append(f"{path.relative_to(root)}:{node.lineno} {node.value.id}.{node.attr}")
+    return out
+
+
+def test_few_private_names_cross_modules():
+    found = _private_imports(PACKAGE)
+    assert len(found) <= MAX_PRIVATE_IMPORTS, \
+        f"{len(found)} private names taken across modules (at most {MAX_PRIVATE_IMPORTS}):\n" + "\n".join(found)
+
+
+def test_the_private_import_count_sees_both_spellings(tmp_path):
+    pkg = tmp_path / "autocastfx"
+    (pkg / "core").mkdir(parents=True)
+    (pkg / "core" / "plan.py").write_text("def _f():\n    pass\n")
+    (pkg / "api.py").write_text("from .core import plan as p\nfrom .core.plan import _f\np._f()\n")
+    assert sorted(_private_imports(pkg)) == ["api.py:2 from core.plan import _f", "api.py:3 p._f"]
 
 
 def test_the_layering_check_sees_a_cycle_and_an_upward_import(tmp_path, monkeypatch):

@@ -94,10 +94,10 @@ def test_memory_format_is_validated(bad, error, match):
 def test_torch_memory_format_objects_are_accepted():
     model, inputs = _model("resnet")
     gm = autocastfx.convert(model, inputs, memory_format=torch.channels_last, pad_multiple=1)
-    assert gm.meta["autocastfx"].options["memory_format"] == "channels_last"
+    assert gm.meta["autocastfx"].options.memory_format == "channels_last"
     assert autocastfx.report(gm).totals["layout"]["memory_format"] == "channels_last"
     gm = autocastfx.convert(model, inputs, memory_format=torch.preserve_format, pad_multiple=1)
-    assert gm.meta["autocastfx"].options["memory_format"] == "preserve"
+    assert gm.meta["autocastfx"].options.memory_format == "preserve"
 
 
 def test_auto_changes_nothing_on_the_cpu():

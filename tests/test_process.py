@@ -72,8 +72,9 @@ def test_a_conversion_in_one_thread_leaves_another_threads_reads_and_prints_alon
 
 def test_after_convert_and_a_step_torch_and_the_optimizer_are_as_they_were():
     """No patch is left behind: torch's clipping functions, nn.Module's attribute lookup, the garbage collector's
-    state, sys.stdout/stderr and the optimizer (the same object, holding the same parameters) are unchanged after
-    convert() and a generated training step."""
+    state, sys.stdout/stderr and the optimizer (the same object, holding the same parameters, with the options its
+    owner gave it: not switched to its fused kernel) are unchanged after convert() and a generated training
+    step."""
     import torch.nn.utils as utils
     torch.manual_seed(0)
     model = _Flagged()
@@ -83,6 +84,8 @@ def test_after_convert_and_a_step_torch_and_the_optimizer_are_as_they_were():
               "getattribute": nn.Module.__dict__.get("__getattribute__"), "gc": gc.isenabled(),
               "stdout": sys.stdout, "stderr": sys.stderr, "adamw_step": torch.optim.AdamW.step}
     params = [list(g["params"]) for g in opt.param_groups]
+    options = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    defaults = dict(opt.defaults)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
@@ -94,4 +97,6 @@ def test_after_convert_and_a_step_torch_and_the_optimizer_are_as_they_were():
     assert after == before
     assert step.optimizer is opt
     assert [list(g["params"]) for g in opt.param_groups] == params  # the same tensors: not re-pointed
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == options
+    assert opt.defaults == defaults and not getattr(opt, "_step_supports_amp_scaling", False)
     assert {id(p) for p in gm.parameters()} == {id(p) for p in model.parameters()}

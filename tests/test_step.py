@@ -47,12 +47,13 @@ def setup(opt="sgd", model=None, **kw):
     model = model or MLP()
     x, y = data()
     gm = autocastfx.convert(model, (x,), pad_multiple=1)
+    # fused: the kernels that take found_inf and skip an overflowed update on the device, with no host read
     if opt == "sgd":
-        o = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+        o = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4, fused=True)
     elif opt == "adamw":
-        o = torch.optim.AdamW(gm.parameters(), lr=1e-2, weight_decay=0.01)
+        o = torch.optim.AdamW(gm.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
     else:
-        o = torch.optim.Adam(gm.parameters(), lr=1e-2)
+        o = torch.optim.Adam(gm.parameters(), lr=1e-2, fused=True)
     step = autocastfx.train_step(gm, F.cross_entropy, o, **kw)
     return gm, o, step, x, y
 
@@ -223,6 +224,39 @@ def test_zero_host_syncs_per_step(opt, kw):
     assert counter.syncs == [], counter.syncs
     assert isinstance(loss, torch.Tensor)
     assert int(step.stats.skipped) == 1
+
+
+def test_an_optimizer_without_fused_kernels_skips_after_one_host_read_and_keeps_its_options():
+    """A plain (foreach) AdamW: the step leaves its options as built, reads found_inf once per update to skip an
+    overflowed one (GradScaler's way), and trains exactly as the same loop over a fused AdamW does."""
+    torch.manual_seed(0)
+    gm = autocastfx.convert(MLP(), (data()[0],), pad_multiple=1)
+    ref = copy.deepcopy(gm)
+    plain = torch.optim.AdamW(gm.parameters(), lr=1e-2, weight_decay=0.01)
+    options = [{k: v for k, v in g.items() if k != "params"} for g in plain.param_groups]
+    step = autocastfx.train_step(gm, F.cross_entropy, plain, loss_scale=128.0)
+    step_ref = autocastfx.train_step(ref, F.cross_entropy, torch.optim.AdamW(ref.parameters(), lr=1e-2,
+                                                                              weight_decay=0.01, fused=True),
+                                     loss_scale=128.0)
+    assert "if not bool(S.found_inf):" in step.code  # the host read, in the source it runs
+    x, y = data()
+    step(x, y)
+    step_ref(x, y)
+    inject(gm, when={1})
+    inject(ref, when={1})
+    counter, counter_ref = SyncCounter(), SyncCounter()
+    with counter:
+        for _ in range(3):
+            step(x, y)
+    with counter_ref:
+        for _ in range(3):
+            step_ref(x, y)
+    # at least the read of found_inf per update (AdamW's per-parameter CPU loop reads its step counts too)
+    assert len(counter.syncs) >= 3 and counter_ref.syncs == []
+    assert int(step.stats.skipped) == 1 == int(step_ref.stats.skipped)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in plain.param_groups] == options
+    for a, b in zip(gm.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_gradscaler_syncs_for_comparison():
@@ -571,7 +605,7 @@ def test_auto_scale_is_the_largest_safe_power_of_two_and_the_first_update_counts
     amax = _float32_grad_amax(model, x, y)
     assert amax * 2.0**16 > 65504  # the model this is about: 2^16 overflows
     gm = autocastfx.convert(model, (x,), pad_multiple=1)
-    o = torch.optim.SGD(gm.parameters(), lr=1e-3)
+    o = torch.optim.SGD(gm.parameters(), lr=1e-3, fused=True)
     step = autocastfx.train_step(gm, F.cross_entropy, o, init_scale="auto")
     assert "init auto" in step.code and "S.update_auto(grads)" in step.code
     masters0 = [m.clone() for m in autocastfx.master_parameters(gm)]

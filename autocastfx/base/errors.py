@@ -8,7 +8,7 @@ class CaptureError(RuntimeError):
     """Neither symbolic tracing nor torch.export could capture the model."""
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     """The first line of an error as Python prints it, cut to 300 characters."""
     lines = [ln for ln in "".join(traceback.format_exception_only(type(e), e)).splitlines() if ln.strip()]
     text = lines[0] if lines else type(e).__name__

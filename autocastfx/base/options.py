@@ -1,7 +1,6 @@
 """ConvertOptions: what ``convert()`` was asked, checked once and frozen; every pass reads it, none writes it."""
 from __future__ import annotations
 
-import collections.abc
 import dataclasses
 from typing import Any
 
@@ -13,7 +12,7 @@ SAVED = ("pad_multiple", "keep_io_types", "memory_format")
 
 
 @dataclasses.dataclass(frozen=True)
-class ConvertOptions(collections.abc.Mapping):
+class ConvertOptions:
     """The options of one ``convert()`` call, as the passes read them (``info.options`` of a converted module).
 
     ``dtype``        the low dtype (torch.float16 or torch.bfloat16), resolved from ``"auto"``/``None``
@@ -24,8 +23,7 @@ class ConvertOptions(collections.abc.Mapping):
     ``memory_format`` "auto", "channels_last" or "preserve" (core.layout)
     ``blocks``       "auto", a list of names, or None: converted block by block (tree)
 
-    Built by ``convert()`` after it has checked every value (api._check_inputs, layout.check_memory_format).
-    Also a read-only mapping of its fields (``info.options["memory_format"]``)."""
+    Built by ``convert()`` after it has checked every value (api._check_inputs, layout.check_memory_format)."""
     dtype: torch.dtype = torch.float16
     policy: Any = None
     pad_multiple: int = 8
@@ -46,19 +44,3 @@ class ConvertOptions(collections.abc.Mapping):
         return (f"dtype={str(self.dtype).removeprefix('torch.')}, pad_multiple={self.pad_multiple}, "
                 f"keep_io_types={self.keep_io_types}, "
                 f"memory_format={self.memory_format}, blocks={blocks}")
-
-    # the mapping view: the fields by name
-    def __getitem__(self, key: str) -> Any:
-        if key not in self._fields():
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def __iter__(self):
-        return iter(self._fields())
-
-    def __len__(self) -> int:
-        return len(self._fields())
-
-    @classmethod
-    def _fields(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))

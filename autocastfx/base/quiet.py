@@ -31,7 +31,7 @@ def torch_internal_warnings_off():
 
 
 @contextlib.contextmanager
-def _quiet():
+def quiet_torch_logs():
     """Meanwhile, torch.export's and fake tensors' loggers speak only of errors (a failing capture logs a traceback
     per op that raises; the raised error says it all). Nothing else of the process is touched."""
     loggers = [logging.getLogger(n) for n in ("torch.fx.experimental.symbolic_shapes", "torch._export",
@@ -47,7 +47,7 @@ def _quiet():
 
 
 @contextlib.contextmanager
-def _quiet_logger(name: str):
+def quiet_logger(name: str):
     """FakeTensorMode logs a traceback for every op that raises; the caller reports failures itself."""
     logger = logging.getLogger(name)
     level = logger.level

@@ -56,7 +56,7 @@ class _Float32Results(ReadsThrough):
     """A converted block as torch.export sees it while the model around it is exported: only its signature and
     its result's structure, shapes and dtypes matter there (the block's code is not kept). A block whose every
     result has its first input's shape (a residual block: a decoder layer) gives copies of that input, so the
-    export does not trace the block at all (a 12-layer model's export 7x faster); otherwise the model's
+    export does not trace the block at all; otherwise the model's
     float32 block it was converted from runs (its code as the model wrote it), or, where that is not known,
     the converted block with its low results given back in float32."""
 

@@ -10,10 +10,10 @@ import collections
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from ..base.errors import _one_line, CaptureError
-from ..core.modes import _SWAPS, BY_MODE, by_mode, EVAL, GIVEN, MEMBERS, MODE_ARGS, TRAIN
+from ..base.errors import one_line, CaptureError
+from ..core.modes import SWAPS, BY_MODE, by_mode, EVAL, GIVEN, MEMBERS, MODE_ARGS, TRAIN
 from ..base import keys as K
-from .trace import _capture, _copy
+from .trace import capture_graph, copy_model
 from ..core.propagate import propagate
 from ..base.quiet import warn_user
 
@@ -22,7 +22,7 @@ class ProgramMismatch(Exception):
     """Two captures cannot be laid over one another (other inputs, another output structure)."""
 
 
-_SWAP_CLASS = {t: "batch_norm_update" for t in _SWAPS}
+_SWAP_CLASS = {t: "batch_norm_update" for t in SWAPS}
 
 
 def _fetch(mod: nn.Module, target: str):
@@ -321,7 +321,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy, ctx: CaptureCon
     and the model's tensors. A model that cannot be captured in training mode (batch norm on a batch of one)
     or in eval mode is captured in the mode it can be, as one program whose known flags follow the mode
     (:func:`record`), and a warning says so."""
-    work = _copy(model, share_tensors)
+    work = copy_model(model, share_tensors)
     given = {name: m.training for name, m in work.named_modules()}
     mixed = len(set(given.values())) > 1
     current = GIVEN if mixed else (TRAIN if model.training else EVAL)
@@ -352,24 +352,24 @@ def _capture_programs(model: nn.Module, work: nn.Module, given: dict[str, bool],
     why = None
     reads: list = []
     try:
-        gm, how = _capture(work.train(), args, kwargs, policy, ctx, compile_code=False, reads=reads)
+        gm, how = capture_graph(work.train(), args, kwargs, policy, ctx, compile_code=False, reads=reads)
         programs[TRAIN] = gm
         if not reads and not _switches_itself(work):  # nothing read the mode: one graph serves both
             return programs, how, why, _one_for_both(gm, how, work, given, args, kwargs, ctx)
         for key in (EVAL, GIVEN) if mixed else (EVAL,):
             work.eval() if key == EVAL else _restore(work, given)
             try:
-                programs[key] = _capture(work, args, kwargs, policy, ctx, compile_code=False, method=how,
+                programs[key] = capture_graph(work, args, kwargs, policy, ctx, compile_code=False, method=how,
                                          check=False)[0]  # the union is propagated (_merged)
             except Exception as e:  # noqa: BLE001 - told below, and the one program still works
-                why = f"it cannot be captured in {key} mode ({_one_line(e)})"
+                why = f"it cannot be captured in {key} mode ({one_line(e)})"
                 break
     except CaptureError as e:
         if model.training:
             raise
-        why = f"it cannot be captured in training mode ({_one_line(e).splitlines()[0]})"
+        why = f"it cannot be captured in training mode ({one_line(e).splitlines()[0]})"
         _restore(work, given)
-        gm, how = _capture(work, args, kwargs, policy, ctx, compile_code=False)
+        gm, how = capture_graph(work, args, kwargs, policy, ctx, compile_code=False)
         programs = {current: gm}
     finally:
         _restore(work, given)
@@ -426,7 +426,7 @@ def _merged(programs: dict[str, fx.GraphModule], why: str | None, current: str, 
     try:
         propagate(gm, args, kwargs, meta_device=ctx.meta_device)
     except Exception as e:  # noqa: BLE001 - the other capture does not run on the inputs: the first alone
-        why = f"its {EVAL} capture does not run on the example inputs ({_one_line(e)})"
+        why = f"its {EVAL} capture does not run on the example inputs ({one_line(e)})"
         _erase_added(gm.graph, before, outputs)
         return _single(gm, why, model, args, kwargs, decisions, how, ctx)
     return gm, how, list({str(d): d for d in decisions}.values())  # the programs share most calls

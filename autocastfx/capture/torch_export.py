@@ -6,21 +6,21 @@ import copy
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from ..base.errors import _one_line, CaptureError
+from ..base.errors import one_line, CaptureError
 import functools
 from .around import block_modules, export_around
 from .context import CaptureContext
-from ..core.propagate import _check_example_values, propagate
-from .watch import _outer_units, watch_training
-from ..base.quiet import _quiet, torch_internal_warnings_off
+from ..core.propagate import check_example_values, propagate
+from .watch import outer_units, watch_training
+from ..base.quiet import quiet_torch_logs, torch_internal_warnings_off
 
 
 def capture_export(model: nn.Module, args: tuple, kwargs: dict, ctx: CaptureContext = CaptureContext(),
                    trace_error: BaseException | None = None, check: bool = True, reads: list | None = None) -> tuple[fx.GraphModule, str]:
-    _check_example_values(torch.utils._pytree.tree_leaves((tuple(args), dict(kwargs))), ctx.meta_device)
-    units = _outer_units(model)
+    check_example_values(torch.utils._pytree.tree_leaves((tuple(args), dict(kwargs))), ctx.meta_device)
+    units = outer_units(model)
     try:
-        with _quiet():  # torch.export prints graphs and shape warnings while it fails; the error says it all
+        with quiet_torch_logs():  # torch.export prints graphs and shape warnings while it fails; the error says it all
             if units:  # the converted blocks inside stay calls of one graph around them
                 seen: list | None = [] if reads is not None else None
                 with watch_training(seen):
@@ -40,8 +40,8 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict, ctx: CaptureCont
         export_error = e
     raise CaptureError(
         f"cannot capture {type(model).__name__} as a graph.\n"
-        f"  torch.fx.symbolic_trace failed: {_one_line(trace_error) if trace_error else 'not tried'}\n"
-        f"  torch.export.export(strict=False) failed: {_one_line(export_error)}\n"
+        f"  torch.fx.symbolic_trace failed: {one_line(trace_error) if trace_error else 'not tried'}\n"
+        f"  torch.export.export(strict=False) failed: {one_line(export_error)}\n"
         "Ways out: convert a submodule that traces (autocastfx.convert(model.backbone, ...)); mark the "
         "module that breaks tracing as a leaf (Policy.default().override(leaf_modules=(MyBlock,))); remove "
         "data-dependent Python control flow from forward (if x.sum() > 0: ...); or pass example_inputs "
@@ -111,7 +111,7 @@ def _constants_with_values(ep, model: nn.Module, args: tuple, kwargs: dict, targ
         raise CaptureError(
             f"the model's code makes tensors from Python values ({', '.join(sorted(missing - set(found)))}: an index "
             "list such as x[:, [-1]], a torch.tensor([...])), which on the meta device have no values, and they "
-            f"could not be found another way ({_one_line(error) if error else 'the program made them otherwise'}). "
+            f"could not be found another way ({one_line(error) if error else 'the program made them otherwise'}). "
             "Convert the model materialised (on its device), or make such values from the inputs' device in its "
             "code") from error
     for k, v in found.items():

@@ -10,7 +10,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..core.policy import Policy
-from ..base.errors import _one_line, CaptureError
+from ..base.errors import one_line, CaptureError
 from ..base import keys as K
 from .torch_export import capture_export
 from ..base.meta import is_converted
@@ -20,7 +20,7 @@ from .watch import watch_training
 from .context import CaptureContext
 
 
-class _Tracer(fx.Tracer):
+class ModelTracer(fx.Tracer):
     def __init__(self, policy: Policy):
         super().__init__()
         self.policy = policy
@@ -76,16 +76,16 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, *, comp
     whole model is ever made; the capture itself never writes to a tensor.
     """
     try:
-        gm, how = _capture(_copy(model, share_tensors).train(), args, kwargs, policy, ctx, compile_code)
+        gm, how = capture_graph(copy_model(model, share_tensors).train(), args, kwargs, policy, ctx, compile_code)
         gm.meta[K.CAPTURED_TRAINING] = True
         return gm, how
     except CaptureError:
         if model.training:
             raise
-    return _capture(_copy(model, share_tensors), args, kwargs, policy, ctx, compile_code)
+    return capture_graph(copy_model(model, share_tensors), args, kwargs, policy, ctx, compile_code)
 
 
-def _copy(model: nn.Module, share_tensors: bool, keep: Iterable[nn.Module] = ()) -> nn.Module:
+def copy_model(model: nn.Module, share_tensors: bool, keep: Iterable[nn.Module] = ()) -> nn.Module:
     """A deep copy of ``model``; with ``share_tensors`` its parameters, buffers and converted blocks are the
     model's own; the modules in ``keep`` are the model's own too (the caller puts something else in their
     place before it hands the copy on)."""
@@ -99,7 +99,7 @@ def _copy(model: nn.Module, share_tensors: bool, keep: Iterable[nn.Module] = ())
     return copy.deepcopy(model, memo)
 
 
-def _capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, ctx: CaptureContext,
+def capture_graph(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, ctx: CaptureContext,
              compile_code: bool = True,
              method: str | None = None, check: bool = True, reads: list | None = None
              ) -> tuple[fx.GraphModule, str]:
@@ -110,7 +110,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, ctx: C
     if method == "torch.export":
         return capture_export(model, args, kwargs, ctx, check=check, reads=reads)
     try:
-        tracer = _Tracer(policy)
+        tracer = ModelTracer(policy)
         with watch_training(reads):
             graph = tracer.trace(model)
         gm = _graph_module(tracer.root, graph, model.__class__.__name__, compile_code)
@@ -123,7 +123,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, ctx: C
         return gm, "symbolic_trace"
     except Exception as e:  # noqa: BLE001 - every tracing failure goes to the fallback
         if method is not None:
-            raise CaptureError(f"cannot trace {type(model).__name__} in this mode: {_one_line(e)}") from e
+            raise CaptureError(f"cannot trace {type(model).__name__} in this mode: {one_line(e)}") from e
         trace_error = e
     return capture_export(model, args, kwargs, ctx, trace_error, reads=reads)
 

@@ -62,7 +62,7 @@ def watch_reads(callback):
                 del nn.Module.__getattribute__
 
 
-def _outer_units(model: nn.Module) -> dict[str, nn.Module]:
+def outer_units(model: nn.Module) -> dict[str, nn.Module]:
     """The converted blocks inside ``model`` (not the model itself), outermost only, by qualified name."""
     out: dict[str, nn.Module] = {}
     for n, m in model.named_modules():

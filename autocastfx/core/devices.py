@@ -1,12 +1,9 @@
 """Which dtype pays on which device: ``convert(dtype="auto")``.
 
-CUDA GPUs run float16 and bfloat16 on tensor cores (float16 by default: the seed documents' recipe, with loss
-scaling). On a CPU only the dtypes its instruction set computes natively are fast: bfloat16 with AVX512-BF16 or
-AMX-BF16, float16 with AVX512-FP16 or AMX-FP16. Elsewhere the kernels convert element by element and run far
-slower than float32: on a 2-core AVX512-BF16 machine without float16 hardware, a 512x512 matmul ran 17.9
-GFLOP/s in float32, 34.8 in bfloat16 and 2.7 in float16, and 2048x2048 ones under 1 GFLOP/s in float16 against
-98 in float32 (docs/benchmarks.md); on a 2-core AVX2 machine (no AVX-512), 69 GFLOP/s in float32 and about 1.3
-in both bfloat16 and float16. There ``"auto"`` computes in float32: the converted module keeps the model's
+CUDA GPUs run float16 and bfloat16 on tensor cores (float16 by default, with loss scaling). On a CPU only the
+dtypes its instruction set computes natively are fast: bfloat16 with AVX512-BF16 or AMX-BF16, float16 with
+AVX512-FP16 or AMX-FP16. Elsewhere the kernels convert element by element and run many times slower than float32
+(docs/benchmarks.md has the rates measured per CPU). There ``"auto"`` computes in float32: the converted module keeps the model's
 dtypes. Where the flags cannot be read (no /proc/cpuinfo, or another architecture's), one small matmul per
 dtype, timed once per process, decides instead.
 """

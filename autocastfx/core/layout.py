@@ -1,8 +1,8 @@
 """Memory layout: a convolutional model runs channels_last (NHWC) end to end.
 
 cuDNN's tensor-core convolutions work in NHWC. Fed NCHW tensors, every convolution transposes its input,
-weight and output, forward and backward (measured on an H100: ~4.5 ms of nchwToNhwc per ResNet-50 b128 step;
-the step went from 47.8 ms to 27.6 ms with the model and input in channels_last). ``memory_format``:
+weight and output, forward and backward (docs/layout.md has what an H100
+showed). ``memory_format``:
 
 - ``"auto"`` (default): channels_last when the model has 2-D convolutions (4-D activations) and runs on a
   CUDA device (the example inputs or parameters are there); otherwise nothing changes, so a model converted
@@ -40,7 +40,7 @@ import torch.fx as fx
 
 from . import cost as _hw
 from ..base.meta import TensorInfo
-from .propagate import _flatten_inputs
+from .propagate import flatten_inputs
 from .policy import op_name
 from ..base import keys as K
 
@@ -356,7 +356,7 @@ class _LayoutRun(fx.Interpreter):
 
 def _run_quietly(gm: fx.GraphModule, run: fx.Interpreter, args: tuple, kwargs: dict) -> None:
     """One run on the example inputs without gradients; buffers and the random state are restored after."""
-    flat = _flatten_inputs(gm, args, kwargs)
+    flat = flatten_inputs(gm, args, kwargs)
     saved = {k: v.detach().clone() for k, v in gm.state_dict(keep_vars=True).items()}
     devices = sorted({a.device.index or 0 for a in flat if isinstance(a, torch.Tensor) and a.is_cuda})
     try:

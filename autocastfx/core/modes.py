@@ -68,9 +68,9 @@ def _flag_positions() -> dict:
 
 _FLAGS = _flag_positions()
 # batch norm ops whose mode is their target, not an argument (same signature both ways)
-_SWAPS = {}
+SWAPS = {}
 if hasattr(_aten, "_batch_norm_with_update") and hasattr(_aten, "_batch_norm_no_update"):
-    _SWAPS = {_aten._batch_norm_with_update.default: (_aten._batch_norm_with_update.default,
+    SWAPS = {_aten._batch_norm_with_update.default: (_aten._batch_norm_with_update.default,
                                                        _aten._batch_norm_no_update.default),
               _aten._batch_norm_no_update.default: (_aten._batch_norm_with_update.default,
                                                      _aten._batch_norm_no_update.default)}
@@ -133,8 +133,8 @@ def record(gm: fx.GraphModule, model: nn.Module) -> int:
             value = _get(node, index, keyword)
             if isinstance(value, float) and value > 0 and mode_at_capture(node):
                 mark = ModeArg("value", index, keyword, train_value=value, eval_value=0.0)
-        elif node.op == "call_function" and node.target in _SWAPS:
-            train_t, eval_t = _SWAPS[node.target]
+        elif node.op == "call_function" and node.target in SWAPS:
+            train_t, eval_t = SWAPS[node.target]
             if (node.target is train_t) == mode_at_capture(node):
                 mark = ModeArg("swap", train_target=train_t, eval_target=eval_t)
         elif (node.op == "call_function" and node.target is _aten.add_.Tensor and node.args
@@ -382,7 +382,7 @@ class _Switchable:
         """GraphModule's copy registers every buffer persistent: the copy keeps which ones are not (a rotary
         table stays out of the state dict, as in the model)."""
         out = super().__deepcopy__(memo)
-        _add_model_surface(out)  # the copy's class is made anew
+        add_model_surface(out)  # the copy's class is made anew
         copies = dict(out.named_modules(remove_duplicate=False))
         for name, m in self.named_modules(remove_duplicate=False):
             c = copies.get(name)
@@ -431,7 +431,7 @@ def _check_fsdp_param_dtype(unit: nn.Module) -> None:
 _BASES: dict[type, type] = {}
 
 
-def _add_model_surface(gm: nn.Module) -> None:
+def add_model_surface(gm: nn.Module) -> None:
     """Put on the converted module's own class (one per module) what the model answered and the converted module
     does not: the model's methods, properties and class attributes (``gm.generate()``, also for code that reads
     them from ``type(self)``, as Hugging Face's ``generate`` finds its decoding loop), its plain attributes
@@ -466,7 +466,7 @@ def install(gm: fx.GraphModule) -> None:
     gm.__dict__.pop("train", None)  # ep.module() sets instance attributes that raise NotImplementedError
     gm.__dict__.pop("eval", None)
     gm.__class__ = type("GraphModuleImpl", (base,), {})  # GraphModule keeps forward on a class of its own
-    _add_model_surface(gm)
+    add_model_surface(gm)
     keys = gm.meta.get(K.PROGRAM_KEYS)
     current = gm.meta.pop(K.CURRENT_PROGRAM, None)
     if keys and _programs_differ(gm.graph, keys):  # one graph per mode; run the one of the model's mode

@@ -1,8 +1,8 @@
 """Propagation: the dtype, shape and device of every value of a graph (``TensorInfo`` in ``node.meta``), found
 on fake tensors (no op runs), or on the real example values where a fake run cannot work.
 
-Like torch.fx's ``passes/shape_prop.py``, with the model's tensors virtualized (a 10 GB model propagates in the
-memory of its activations' shapes) and module calls cached by structure (a repeated block is run once).
+Like torch.fx's ``passes/shape_prop.py``, with the model's tensors virtualized (a model propagates in the memory
+of its activations' shapes) and module calls cached by structure (a repeated block is run once).
 """
 from __future__ import annotations
 import collections
@@ -14,10 +14,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily  # noqa: E402
-from ..base.errors import _one_line, CaptureError
+from ..base.errors import one_line, CaptureError
 from ..base import keys as K
 from ..base.meta import is_converted, tensor_info, TensorInfo
-from ..base.quiet import _quiet_logger
+from ..base.quiet import quiet_logger
 
 
 class _Recorder(fx.Interpreter):
@@ -61,13 +61,13 @@ def propagate(gm: fx.GraphModule, args: tuple, kwargs: dict, *, mode: str = "fak
 
 
 def _propagate(gm: fx.GraphModule, args: tuple, kwargs: dict, mode: str) -> Any:
-    flat_args = _flatten_inputs(gm, args, kwargs)
-    _check_example_values(flat_args, _META_DEVICE.get())
+    flat_args = flatten_inputs(gm, args, kwargs)
+    check_example_values(flat_args, _META_DEVICE.get())
     if mode == "fake":
         try:
             out = _FakeRun(gm).run(flat_args)
         except Exception as e:  # noqa: BLE001 - whatever the fake run cannot do, the real run decides
-            reason = _one_line(e)
+            reason = one_line(e)
             propagate_counts["fallback"] += 1
             _log.info("fake propagation of %s failed (%s); running it on the example values",
                       type(gm).__name__, reason)
@@ -106,7 +106,7 @@ def _output_info(gm: fx.GraphModule) -> Any:
     return out.meta.get(K.INFO)
 
 
-def _check_example_values(flat_args: list, meta_device: torch.device | None) -> None:
+def check_example_values(flat_args: list, meta_device: torch.device | None) -> None:
     if meta_device is not None:
         return  # converting on the meta device: shapes alone
     for i, a in enumerate(torch.utils._pytree.tree_leaves(flat_args)):
@@ -166,7 +166,7 @@ class _FakeRun:
     def run(self, flat_args: list) -> Any:
         env: dict[fx.Node, Any] = {}
         inputs = iter(flat_args)
-        with torch.no_grad(), _quiet_logger("torch._subclasses.fake_tensor"):
+        with torch.no_grad(), quiet_logger("torch._subclasses.fake_tensor"):
             for node in self.gm.graph.nodes:
                 op = node.op
                 if op == "placeholder":  # as fx.Interpreter: ``*args`` takes every input left
@@ -464,13 +464,13 @@ def placeholder_values(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list[tu
     """(placeholder, the example value it takes) for each of ``gm``'s inputs; empty where they cannot be paired."""
     places = [n for n in gm.graph.nodes if n.op == "placeholder"]
     try:
-        values = _flatten_inputs(gm, args, kwargs)
+        values = flatten_inputs(gm, args, kwargs)
     except TypeError:
         return []
     return list(zip(places, values)) if len(values) == len(places) else []
 
 
-def _flatten_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list:
+def flatten_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list:
     """Positional values for the graph's placeholders, in order."""
     in_spec = getattr(gm, "_in_spec", None)
     if in_spec is not None:  # torch.export module: the graph takes the flattened (args, kwargs)

@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 from ..core import modes as _modes, rewrite as _rewrite
 from ..base import keys as K
@@ -52,8 +53,7 @@ def for_inference(gm: fx.GraphModule, example_inputs: tuple | None = None, *,
     inf = convert(f32, tuple(example_inputs or ()), example_kwargs=example_kwargs,
                   dtype="auto" if float32 else info.dtype,
                   policy=info.policy, pad_multiple=1,
-                  keep_io_types=info.options.get("keep_io_types", True),
-                  memory_format=info.options.get("memory_format", "auto"))
+                  keep_io_types=info.options.keep_io_types, memory_format=info.options.memory_format)
     inf.eval()
     low = inf.meta["autocastfx"].dtype
     stored = store_every_weight_low(inf, low) if low != torch.float32 else []
@@ -144,14 +144,13 @@ def fold_batch_norms(gm: fx.GraphModule) -> list[str]:
         if bias_arg is not None and not _is_get_param(gm, bias_arg):
             continue
         gamma, beta, mean, var, eps, out = bn
-        w = _attr(gm, conv.args[1].target).detach().float()
-        b = _attr(gm, bias_arg.target).detach().float() if bias_arg is not None else torch.zeros_like(mean)
-        scale = (gamma.detach().float() if gamma is not None else torch.ones_like(var)) / torch.sqrt(var.float() + eps)
-        new_w = w * scale.reshape(-1, *([1] * (w.dim() - 1)))
-        new_b = (b - mean.float()) * scale + (beta.detach().float() if beta is not None else 0)
+        f32 = lambda t: t.detach().float() if t is not None else None  # noqa: E731
+        new_w, new_b = fuse_conv_bn_weights(f32(_attr(gm, conv.args[1].target)),
+                                            f32(_attr(gm, bias_arg.target)) if bias_arg is not None else None,
+                                            f32(mean), f32(var), eps, f32(gamma), f32(beta))
         base = f"_folded_{conv.name}"
-        gm.register_parameter(f"{base}_weight", nn.Parameter(new_w, requires_grad=False))
-        gm.register_parameter(f"{base}_bias", nn.Parameter(new_b, requires_grad=False))
+        gm.register_parameter(f"{base}_weight", new_w.requires_grad_(False))
+        gm.register_parameter(f"{base}_bias", new_b.requires_grad_(False))
         with gm.graph.inserting_before(conv):
             wn, bn_ = gm.graph.get_attr(f"{base}_weight"), gm.graph.get_attr(f"{base}_bias")
         args = list(conv.args) + [None] * max(0, 3 - len(conv.args))

@@ -15,7 +15,9 @@ def train_step(gm, loss_fn, optimizer, *, loss_scale=DYNAMIC, init_scale="auto",
     path beside a plain loop, which trains the same float32 parameters.
 
     The step owns backward, ``/ accum_steps``, unscaling, clipping, ``optimizer.step()`` on the float32
-    parameters (``fused=True`` where the optimizer has a fused kernel) and freeing the gradients: the loop keeps the data, the learning rate (``group["lr"]`` or a scheduler on ``optimizer``),
+    parameters and freeing the gradients; an optimizer built with ``fused=True`` skips an overflowing update on
+    the device, any other with one host read per update (as under ``GradScaler``); the optimizer's options stay
+    the caller's. The loop keeps the data, the learning rate (``group["lr"]`` or a scheduler on ``optimizer``),
     ``gm.eval()``/``gm.train()`` and checkpoints (``gm.state_dict()`` or ``step.state_dict()``); no
     ``loss.backward()``, ``clip_grad_norm_``, ``optimizer.step()`` or ``zero_grad()`` of its own.
     ``torch.compile(gm)`` and ``gm.compile()`` are taken as ``gm``.
@@ -46,7 +48,7 @@ def train_step(gm, loss_fn, optimizer, *, loss_scale=DYNAMIC, init_scale="auto",
                          "flag on the host, which a replayed CUDA graph cannot do. Use on_overflow='skip' (the "
                          "default) with cuda_graph=True, or keep retry without the graph")
     if cuda_graph:
-        graphed.refuse_before_building(gm, optimizer, on_overflow)  # before the optimizer is set to fused
+        graphed.refuse_before_building(gm, optimizer, on_overflow)  # before anything is built
     parallel = parallel_for(gm) if isinstance(gm, nn.Module) else None
     step = TrainStep(gm, loss_fn, optimizer, parallel=parallel, loss_scale=loss_scale, init_scale=init_scale,
                      growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval,

@@ -1,7 +1,7 @@
 """The generated training step as CUDA graphs: one launch per step instead of hundreds.
 
-A small model's step is bound by kernel launches, not by the GPU: on an H100, ResNet-18 at batch 8 takes 8.0 ms
-per eager step and 1.6 ms as one graph. The generated step never reads the device from the host (the optimizer
+A small model's step is bound by kernel launches, not by the GPU (docs/benchmarks.md has the H100's figures).
+The generated step never reads the device from the host (the optimizer
 skips overflowing updates itself, the scale moves on the device), so the whole of it can be captured once and
 replayed:
 
@@ -485,14 +485,13 @@ class CudaGraphStep:
 
 def refuse_before_building(model, optimizer, on_overflow: str) -> None:
     """The refusals of :func:`_refuse_what_cannot_be_captured`, for ``train_step(..., cuda_graph=True)`` before the
-    step is built (building it re-points the optimizer and switches it to its fused kernel)."""
+    step is built."""
     import types
 
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     gm = model.module if ddp else model
     params = list(gm.parameters()) if isinstance(gm, torch.nn.Module) else []
-    fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False)
-                 or "fused" in getattr(optimizer, "defaults", {}))
+    fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
     device = params[0].device if params else torch.device("cpu")
     kind = "ddp" if ddp else "fsdp" if _is_fsdp(gm) else "local"
     _refuse_what_cannot_be_captured(types.SimpleNamespace(
@@ -501,11 +500,8 @@ def refuse_before_building(model, optimizer, on_overflow: str) -> None:
 
 
 def _is_fsdp(module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return isinstance(module, torch.nn.Module) and any(isinstance(m, FSDPModule) for m in module.modules())
+    from .parallel import is_fsdp
+    return isinstance(module, torch.nn.Module) and any(is_fsdp(m) for m in module.modules())
 
 
 def _refuse_what_cannot_be_captured(step) -> None:
@@ -529,9 +525,9 @@ def _refuse_what_cannot_be_captured(step) -> None:
     if not step.fused:
         name = type(step.optimizer).__name__
         raise ValueError(
-            f"{name} cannot run inside a CUDA graph here: it has no fused kernel that takes found_inf, so the step "
-            "reads found_inf on the host to skip an overflowing update, and a replay cannot. Use Adam, AdamW or SGD "
-            "(switched to their fused, capturable kernels), or the eager step.")
+            f"{name} cannot run inside a CUDA graph here: it is not a fused optimizer, which takes found_inf, so the "
+            "step reads found_inf on the host to skip an overflowing update, and a replay cannot. Build Adam, AdamW "
+            "or SGD with fused=True (the graph makes them capturable), or use the eager step.")
     tensors = step.all_params + list(step.gm.buffers())
     devices = {t.device for t in tensors} | {step.state.scale.device}
     if len(devices) != 1 or next(iter(devices)).type != "cuda":

@@ -2,18 +2,28 @@
 or one sharded with FSDP2's ``fully_shard``; :func:`parallel_for` picks them."""
 from __future__ import annotations
 import contextlib
+import sys
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from .checks import StepError
 from .step import Local, compiled_module
 
-try:  # FSDP2 and DTensor: torch >= 2.6 on every platform with torch.distributed
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - torch built without distributed
-    FSDPModule = DTensor = MixedPrecisionPolicy = fully_shard = None
 
+def loaded_class(module: str, name: str):
+    """Class ``name`` of torch module ``module`` where that module has been imported, else None: no object can be
+    an instance of a class never loaded, and importing FSDP2 and DTensor costs a second at ``import autocastfx``."""
+    return getattr(sys.modules.get(module), name, None)
+
+
+def is_fsdp(module: nn.Module) -> bool:
+    cls = loaded_class("torch.distributed.fsdp", "FSDPModule")
+    return cls is not None and isinstance(module, cls)
+
+
+def is_dtensor(t) -> bool:
+    cls = loaded_class("torch.distributed.tensor", "DTensor")
+    return cls is not None and isinstance(t, cls)
 
 
 def parallel_for(model: nn.Module) -> Local:
@@ -27,9 +37,9 @@ def parallel_for(model: nn.Module) -> Local:
         return parallel
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return DDP(model)
-    if FSDPModule is not None and isinstance(model, FSDPModule):
+    if is_fsdp(model):
         return FSDP(model)
-    if FSDPModule is not None and any(isinstance(m, FSDPModule) for m in model.modules()):
+    if any(is_fsdp(m) for m in model.modules()):
         raise StepError("some submodules of this module are sharded with fully_shard() but the module itself is "
                         "not: call fully_shard(gm) on the converted module too, after its blocks (FSDP2 needs "
                         "the root to be sharded last), or use autocastfx.shard(gm)")
@@ -66,23 +76,23 @@ class FSDP(Local):
         super().__init__(model)
         meshes = []
         for p in model.parameters():
-            if isinstance(p, DTensor) and all(p.device_mesh != m for m in meshes):
+            if is_dtensor(p) and all(p.device_mesh != m for m in meshes):
                 meshes.append(p.device_mesh)
         if len(meshes) != 1:
             raise StepError(f"the sharded module's parameters live on {len(meshes)} device meshes: the step reduces "
                             "its overflow flag over one mesh; shard every block and the root on the same mesh")
         self.mesh = meshes[0]
         self.group = self.mesh.get_group()
-        unsharded = [n for n, p in model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+        unsharded = [n for n, p in model.named_parameters() if p.requires_grad and not is_dtensor(p)]
         if unsharded:
             raise StepError(f"parameters {unsharded[:3]} of the sharded module are not sharded (fully_shard(..., "
                             "ignored_params=...)?): the step needs every trainable parameter under FSDP2")
 
     def local(self, t):
-        return t._local_tensor if isinstance(t, DTensor) else t
+        return t._local_tensor if is_dtensor(t) else t
 
     def locals(self, ts):
-        return [t._local_tensor if isinstance(t, DTensor) else t for t in ts]
+        return [t._local_tensor if is_dtensor(t) else t for t in ts]
 
     def all_reduce_max(self, t: torch.Tensor) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
@@ -102,7 +112,7 @@ class FSDP(Local):
         """Forget the gradients of an unfinished accumulation cycle: with gradient sync off, FSDP2 keeps them
         unsharded inside its own parameter state, where setting ``.grad = None`` on the shards does not reach."""
         for m in self.model.modules():
-            if not isinstance(m, FSDPModule):
+            if not is_fsdp(m):
                 continue
             for group in getattr(m._get_fsdp_state(), "_fsdp_param_groups", ()):
                 for fp in group.fsdp_params:

@@ -8,12 +8,7 @@ from ..core import weights as _weights
 from ..core.weights import converted_units
 from ..base import keys as K
 from ..base.meta import is_converted
-
-try:  # FSDP2 and DTensor: torch >= 2.6 on every platform with torch.distributed
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - torch built without distributed
-    FSDPModule = DTensor = MixedPrecisionPolicy = fully_shard = None
+from .parallel import is_fsdp
 
 
 
@@ -49,11 +44,14 @@ def shard(gm: nn.Module, mesh=None, reshard_after_forward: bool = True) -> nn.Mo
     ``gm.load_state_dict`` of a sharded module takes full tensors, and with a state dict read by
     ``torch.load(path, mmap=True)`` a rank reads its slices alone, never a whole weight.
     """
-    if FSDPModule is None:
-        raise RuntimeError("autocastfx.shard needs torch.distributed with FSDP2 (torch.distributed.fsdp.fully_shard)")
+    try:
+        import torch.distributed.fsdp  # noqa: F401  (FSDP2: torch >= 2.6 wherever torch.distributed is built)
+    except ImportError:  # pragma: no cover - torch built without distributed
+        raise RuntimeError("autocastfx.shard needs torch.distributed with FSDP2 "
+                           "(torch.distributed.fsdp.fully_shard)") from None
     if not is_converted(gm):
         raise TypeError(f"shard() takes the module autocastfx.convert() returned, got {type(gm).__name__}")
-    if any(isinstance(m, FSDPModule) for m in gm.modules()):
+    if any(is_fsdp(m) for m in gm.modules()):
         raise ValueError("this module is already sharded with fully_shard(): shard() applies the whole policy "
                          "itself, to a converted module that is not sharded yet")
     if mesh is None:
@@ -75,6 +73,7 @@ def _shard_unit(unit: nn.Module, owners: "_Owners", mesh, reshard_after_forward)
     """FSDP2 groups of one converted unit (see :func:`shard`). The root group is the unit itself: it holds the
     low weights, or, where the unit holds float32 parameters of its own (a position table, a class token kept
     float32 by the plan), those, the low weights' owners then being groups of their own."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     info = unit.meta["autocastfx"]
     low = info.dtype
     fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
@@ -107,6 +106,7 @@ def _groups(unit: nn.Module, modules: list[nn.Module], mesh, reshard: bool, mp) 
     are two groups."""
     if not modules:
         return []
+    from torch.distributed.fsdp import fully_shard
     names = {id(m): n for n, m in unit.named_modules()}
     if hasattr(unit, "graph"):
         called = {str(n.target) for g in _graphs(unit) for n in g.nodes if n.op == "call_module"}
@@ -138,6 +138,7 @@ def _full_tensors_to_shards(unit, state_dict, prefix, *_):
     DTensor over this rank's slice of it (a view: nothing is copied until the parameter's own ``copy_``), so that
     ``load_state_dict`` (and :func:`autocastfx.materialize`) takes the float32 model's state dict on every rank.
     DTensors (``torch.distributed.checkpoint``, ``set_model_state_dict``) and mismatched shapes pass as they are."""
+    from torch.distributed.tensor import DTensor  # a sharded unit's parameters are DTensors: loaded already
     for name, p in unit.named_parameters(remove_duplicate=False):
         value = state_dict.get(prefix + name)
         if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \

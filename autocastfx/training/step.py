@@ -297,7 +297,7 @@ class TrainStep:
         if missing:
             raise KeyError(f"not a train_step state_dict: missing {sorted(missing)}")
         self.gm.load_state_dict(sd["model"])
-        _load_optimizer(self.optimizer, sd["optimizer"], self.fused)
+        _load_optimizer(self.optimizer, sd["optimizer"])
         self.state.load_state_dict(sd["scaler"])
         self.micro = sd.get("micro", 0)
         for p in self.all_params:  # gradients of this run's micro-batches are not the checkpoint's
@@ -331,51 +331,41 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, gm: nn.Module, info) -> N
 
 
 def _use_fused_skip(opt: torch.optim.Optimizer, parallel: Local) -> bool:
-    """Fused optimizers take ``found_inf`` and skip the update on the device; turn it on where it exists."""
-    if getattr(opt, "_step_supports_amp_scaling", False):
-        return True
-    if "fused" not in opt.defaults or not parallel.allows_fused(opt):
+    """Whether the optimizer skips an overflowed update on the device: a fused kernel built by its owner
+    (``fused=True``) takes ``found_inf``. The optimizer's options are the caller's: one without a fused kernel
+    skips by one host read of ``found_inf`` per update, as under ``GradScaler``."""
+    if not getattr(opt, "_step_supports_amp_scaling", False) or not parallel.allows_fused(opt):
         return False
-    for group in opt.param_groups:
-        group["fused"] = True
-        if "foreach" in group:
-            group["foreach"] = False
-        if group.get("differentiable"):
-            return False
-    opt.defaults["fused"] = True
-    opt._step_supports_amp_scaling = True
     if isinstance(opt, torch.optim.SGD):
-        # a skipped first step would leave fused SGD's momentum buffers uninitialised: start them at zero
-        # (equal to PyTorch's first-step buffer when dampening == 0)
+        # a fused SGD whose first update is skipped would keep uninitialised momentum buffers (its kernel allocates
+        # them empty and fills them on a first step that did not run): start them at zero, PyTorch's own first-step
+        # buffer when dampening == 0
         for group in opt.param_groups:
             if group["momentum"] and not group["dampening"]:
                 for p in group["params"]:
                     opt.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
     return True
 
-def _load_optimizer(optimizer: torch.optim.Optimizer, sd: dict[str, Any], fused: bool) -> None:
-    """Load a checkpoint's optimizer state into the step's optimizer, keeping what the step set up on it.
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+    """Load a checkpoint's optimizer state into the step's optimizer, keeping its own kernel options.
 
     The optimizer keeps the checkpoint's tensors where no cast is needed: they are copied, so that training on does
-    not write into the caller's checkpoint. Then the fused, on-device skip again where the step uses it (a
-    checkpoint from a plain optimizer carries fused=False in its groups)."""
+    not write into the caller's checkpoint. Its ``fused``/``foreach``/``capturable`` stay its own (a checkpoint from a
+    plain loop carries ``fused=False`` in its groups, which would leave a fused optimizer's ``found_inf`` unread)."""
     opt_sd = dict(sd)
     opt_sd["state"] = {k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in st.items()}
                        for k, st in sd["state"].items()}
-    own = [{k: g[k] for k in ("capturable",) if k in g} for g in optimizer.param_groups]
+    own = [{k: g[k] for k in ("capturable", "fused", "foreach") if k in g} for g in optimizer.param_groups]
     optimizer.load_state_dict(opt_sd)
-    for group, keep in zip(optimizer.param_groups, own):  # a CUDA-graph step's checkpoint says
-        group.update(keep)                                # capturable=True: this step's own flag stays
+    for group, keep in zip(optimizer.param_groups, own):  # the kernels are this optimizer's own choice: a
+        group.update(keep)                                # checkpoint of another kind (a plain loop's, a CUDA
+        # graph's capturable one) does not switch them
         if not (group.get("capturable") or group.get("fused")):
             for p in group["params"]:  # where torch keeps `step` for a plain loop: on the CPU
                 st = optimizer.state.get(p, {})
                 if torch.is_tensor(st.get("step")) and st["step"].device.type != "cpu":
                     st["step"] = st["step"].to("cpu", torch.float32)
-    if fused and "fused" in optimizer.defaults:
-        for group in optimizer.param_groups:
-            group["fused"] = True
-            if "foreach" in group:
-                group["foreach"] = False
 
 
 __all__ = ["TrainStep", "Local", "StepStats", "LossScaleError", "StepError", "DYNAMIC"]

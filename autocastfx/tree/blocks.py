@@ -37,29 +37,29 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
-from ..base.errors import _one_line, CaptureError
+from ..base.errors import one_line, CaptureError
 from ..base.meta import FIRST, is_converted, ReadsThrough, TensorInfo
 from ..base import keys as K
-from ..capture.trace import _copy, _Tracer
-from .piecewise import _piecewise
+from ..capture.trace import copy_model, ModelTracer
+from .piecewise import piecewise_units
 from ..core.propagate import placeholder_values
 from ..base.quiet import torch_internal_warnings_off
 from ..capture.watch import watch_reads
 from .parts import BLOCK_META, Conversions
 from ..base.options import ConvertOptions
 from ..capture.context import CaptureContext, free_sizes
-from .parts import _RootError
-from .parts import _data_dependent
-from .parts import _describe
-from .parts import _float32
-from .parts import _float_dtypes
-from .parts import _has_gemm
-from .parts import _inside
-from .parts import _keep_containers
-from .parts import _no_autocast
-from .parts import _put
-from .parts import _quiet_run
-from .parts import _set_modes
+from .parts import RootError
+from .parts import data_dependent
+from .parts import describe_units
+from .parts import to_float32
+from .parts import float_dtypes
+from .parts import has_gemm
+from .parts import is_inside
+from .parts import keep_containers
+from .parts import no_autocast
+from .parts import put_module
+from .parts import quiet_run
+from .parts import set_modes
 from .parts import why_not_captured
 
 
@@ -76,11 +76,11 @@ def choose(model: nn.Module, blocks: Any, policy) -> list[str]:
     if blocks == AUTO or blocks is True:
         names: list[str] = []
         for name, m in model.named_modules():
-            if not isinstance(m, nn.ModuleList) or _inside(name, set(names)):
+            if not isinstance(m, nn.ModuleList) or is_inside(name, set(names)):
                 continue
             kinds = collections.Counter(type(c) for c in m.children())
             for key, c in m.named_children():
-                if kinds[type(c)] >= 2 and not policy.is_leaf(c) and _has_gemm(c):
+                if kinds[type(c)] >= 2 and not policy.is_leaf(c) and has_gemm(c):
                     names.append(f"{name}.{key}" if name else key)
         return names
     if callable(blocks):
@@ -99,7 +99,7 @@ def choose(model: nn.Module, blocks: Any, policy) -> list[str]:
     order = {n: i for i, n in enumerate(named)}
     out: list[str] = []
     for n in sorted(set(picked), key=order.__getitem__):
-        if not _inside(n, out):
+        if not is_inside(n, out):
             out.append(n)
     return out
 
@@ -129,7 +129,7 @@ class _Stand(ReadsThrough):
             raise _CalledTwice(self.name)
         if not is_converted(self.unit):  # not converted: it runs as the code around the blocks does
             return self.unit(*args, **kwargs)
-        with _no_autocast(args):
+        with no_autocast(args):
             out = _as_unit_gives(self.unit, self.block, args, kwargs)
         self.template = _residual_template(self.unit, args, out)
         return out
@@ -172,7 +172,7 @@ def _as_unit_gives(unit: nn.Module, block: nn.Module, args: tuple, kwargs: dict)
     out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
     want = [getattr(a.meta.get(K.INFO), "dtype", None) if isinstance(a, fx.Node) else None
             for a in torch.utils._pytree.tree_leaves(out_node.args[0])]
-    up = _float32((args, kwargs))
+    up = to_float32((args, kwargs))
     try:
         out = block(*up[0], **up[1])
     except Exception:  # noqa: BLE001 - the converted block then
@@ -242,10 +242,10 @@ def convert_tree(model: nn.Module, names: list[str], args: tuple, kwargs: dict, 
     traced = _traces_around(model, names, options.policy)
     try:
         return _tree(model, names, args, kwargs, conv, options, ctx, piecewise=False)
-    except _RootError as e:
+    except RootError as e:
         why = why_not_captured(e.__cause__) if isinstance(e.__cause__, CaptureError) else \
             f"{traced}; {e}" if traced is not None else str(e)
-        if traced is not None and _data_dependent(e):  # its Python branches on values: as one graph neither
+        if traced is not None and data_dependent(e):  # its Python branches on values: as one graph neither
             return _tree(model, names, args, kwargs, conv, options, ctx, piecewise=True, why=why)
     if not explicit:
         try:
@@ -266,9 +266,9 @@ def _tree(model, names, args, kwargs, conv, options, ctx, *, piecewise: bool, wh
     stands = {}
     for name in names:
         stands[name] = _Stand(name, tree.get_submodule(name), make)
-        _put(tree, name, stands[name])
+        put_module(tree, name, stands[name])
     try:
-        with _quiet_run(tree, None if piecewise else options.dtype, (args, kwargs)), _fake_on(ctx.meta_device):
+        with quiet_run(tree, None if piecewise else options.dtype, (args, kwargs)), _fake_on(ctx.meta_device):
             tree(*args, **kwargs)
     except _CalledTwice as e:  # a block called twice (weights shared between calls) is no block: again without
         rest = [n for n in names if n != str(e)]
@@ -277,14 +277,14 @@ def _tree(model, names, args, kwargs, conv, options, ctx, *, piecewise: bool, wh
         return _tree(model, rest, args, kwargs, conv, options, ctx, piecewise=piecewise, why=why)
     finally:
         _put_back(tree, stands, keep)
-        _set_modes(tree, model, modes)
+        set_modes(tree, model, modes)
     units = {n: st.unit for n, st in stands.items() if st.unit is not None and is_converted(st.unit)}
     skipped = {n: make.failed.get(n, "not called by the model's forward on the example inputs") for n in stands
                if n not in units}
     if not units:
         return conv.whole(model, args, kwargs, options, ctx)
     if piecewise:
-        return _piecewise(model, tree, units, skipped, args, kwargs, conv, options, ctx, modes, why)
+        return piecewise_units(model, tree, units, skipped, args, kwargs, conv, options, ctx, modes, why)
     # what torch.export traces for the converted blocks: a copy of the input where that has the block's
     # result's shape, else the model's own block
     sources = {id(u): (model.get_submodule(n), stands[n].template) for n, u in units.items()}
@@ -298,7 +298,7 @@ def _tree_copy(model: nn.Module, names: list[str]) -> tuple[nn.Module, dict[int,
     # other place would keep the model's own module)
     seen = collections.Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
     keep = {id(m): m for m in (model.get_submodule(n) for n in names) if seen[id(m)] == 1}
-    tree = _copy(model, share_tensors=True, keep=keep.values())
+    tree = copy_model(model, share_tensors=True, keep=keep.values())
     return tree, keep
 
 
@@ -307,7 +307,7 @@ def _put_back(tree: nn.Module, stands: dict[str, _Stand], keep: dict[int, nn.Mod
     that block is the model's own module, see :func:`_tree_copy`)."""
     for name, st in stands.items():
         m = st.unit if st.unit is not None else st.block
-        _put(tree, name, _copy(m, share_tensors=True) if id(m) in keep else m)
+        put_module(tree, name, copy_model(m, share_tensors=True) if id(m) in keep else m)
 
 
 class _Maker:
@@ -369,16 +369,16 @@ class _Maker:
         refuses a low input; returns (unit, the inputs it was converted for, their signature, the attributes
         its conversion read). Raises the :class:`CaptureError` of a block that does not capture."""
         try:
-            with _no_autocast(a), _watch_attributes(block) as read:
+            with no_autocast(a), _watch_attributes(block) as read:
                 unit = self.conv.block(block, a, k, self.block_options, self.block_ctx)
         except Exception:  # noqa: BLE001 - the block's float32 code refuses a low input (a convolution's
-            f32 = _float32(given)  # float32 bias): converted for a float32 input
-            if _float_dtypes(a) == _float_dtypes(f32):
+            f32 = to_float32(given)  # float32 bias): converted for a float32 input
+            if float_dtypes(a) == float_dtypes(f32):
                 raise
             self.low_refused[type(block)] = True
             a = f32
             key = _signature(block, a, k)
-            with _no_autocast(a), _watch_attributes(block) as read:
+            with no_autocast(a), _watch_attributes(block) as read:
                 unit = self.conv.block(block, a, k, self.block_options, self.block_ctx)
         return unit, a, key, read
 
@@ -400,9 +400,9 @@ def _hidden_low(args: tuple, low: torch.dtype) -> tuple:
 
 
 def _planned_inputs(unit: nn.Module, args: tuple, kwargs: dict) -> list:
-    """The dtype a converted block takes each float input in (``_float_dtypes``'s order): the example's, or the
+    """The dtype a converted block takes each float input in (``float_dtypes``'s order): the example's, or the
     one its plan chose for an input it was free to choose (see ``api._free_inputs``)."""
-    given = _float_dtypes((args, kwargs))
+    given = float_dtypes((args, kwargs))
     chosen = {}
     for p, v in placeholder_values(unit, args, kwargs):
         info = p.meta.get(K.INFO)
@@ -569,12 +569,12 @@ def _root(model, tree, units, skipped, args, kwargs, conv: Conversions, options:
     try:
         gm = conv.whole(tree, args, kwargs, options, ctx)
     except (CaptureError, ValueError) as e:
-        raise _RootError(f"the model around its blocks does not convert ({_one_line(e).splitlines()[0]})") from e
-    _keep_containers(gm, tree, units)
-    _set_modes(gm, model, modes)
+        raise RootError(f"the model around its blocks does not convert ({one_line(e).splitlines()[0]})") from e
+    keep_containers(gm, tree, units)
+    set_modes(gm, model, modes)
     info = gm.meta["autocastfx"]
     info.source_params = names_by_id(model)
-    info.extra_totals["blocks"] = _describe(units, skipped)
+    info.extra_totals["blocks"] = describe_units(units, skipped)
     return gm
 
 
@@ -584,12 +584,12 @@ def _traces_around(model: nn.Module, names: list[str], policy) -> str | None:
     policy = policy if policy is not None else Policy.default()
     leaves = set(names)
 
-    class Around(_Tracer):
+    class Around(ModelTracer):
         def is_leaf_module(self, m, qualname):
             return qualname in leaves or super().is_leaf_module(m, qualname)
 
     try:
         Around(policy).trace(model)
     except Exception as e:  # noqa: BLE001 - any failure means: not as one graph around the blocks
-        return f"the model's forward does not trace around its blocks ({_one_line(e).splitlines()[0]})"
+        return f"the model's forward does not trace around its blocks ({one_line(e).splitlines()[0]})"
     return None

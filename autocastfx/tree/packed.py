@@ -21,10 +21,10 @@ import torch
 import torch.nn as nn
 from torch.nn.utils.rnn import PackedSequence
 
-from ..core.modes import _add_model_surface
+from ..core.modes import add_model_surface
 from ..base import keys as K
-from ..base.errors import _one_line, CaptureError
-from .parts import _float_dtypes
+from ..base.errors import one_line, CaptureError
+from .parts import float_dtypes
 
 _TYPES = (nn.LSTM, nn.GRU, nn.RNN)
 _CALLS = {"LSTM": torch.lstm, "GRU": torch.gru, "RNN_TANH": torch.rnn_tanh, "RNN_RELU": torch.rnn_relu}
@@ -143,7 +143,7 @@ def _take_packed_calls(part: nn.Module, stand_in: _Packed) -> None:
     if sub is None:
         sub = _CLASSES[base] = type(f"Packed{base.__name__}", (PackedCall, base), {"__module__": __name__})
     part.__class__ = type("GraphModuleImpl", (sub,), {})
-    _add_model_surface(part)
+    add_model_surface(part)
     part.recompile()
     part.meta[K.PACKED] = {key: getattr(stand_in, key) for key in _CONFIG}
 
@@ -159,12 +159,12 @@ def convert_packed(m: nn.RNNBase, a: tuple, k: dict, whole, options, ctx) -> tup
     except CaptureError:
         raise
     except Exception as e:  # noqa: BLE001 - the layer then runs as the model's float32 code; the report says why
-        raise CaptureError(f"its call on the packed sequence did not convert: {_one_line(e)}") from e
+        raise CaptureError(f"its call on the packed sequence did not convert: {one_line(e)}") from e
     _take_packed_calls(part, stand_in)
     info = part.meta[K.CONVERTED]
     weights = "float32 weights, cast as the plan says"
     plan = (f"converted ({info.capture}) as its call on the packed sequence, torch.{_CALLS[m.mode].__name__}(data, "
             f"batch_sizes, state, weights), low dtype {str(options.dtype).removeprefix('torch.')}; {weights}; "
             "float32 at its boundary")
-    return part, plan, _float_dtypes(example)
+    return part, plan, float_dtypes(example)
 

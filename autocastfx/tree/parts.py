@@ -9,7 +9,7 @@ import warnings
 import torch
 import torch.nn as nn
 from ..base import keys as K
-from ..base.errors import _one_line
+from ..base.errors import one_line
 from ..base.meta import is_converted
 from ..core import weights as _weights
 
@@ -17,7 +17,7 @@ from ..core import weights as _weights
 BLOCK_META = K.BLOCK  # gm.meta of a converted block: its name, its inputs' dtypes, whence its plan
 
 
-def _inside(name: str, outer) -> bool:
+def is_inside(name: str, outer) -> bool:
     """Whether ``name`` is one of ``outer`` (qualified names) or inside one: its dotted prefixes looked up."""
     outer = outer if isinstance(outer, (set, frozenset, dict)) else set(outer)
     if name in outer:
@@ -33,7 +33,7 @@ def _inside(name: str, outer) -> bool:
 _GEMM_TYPES: tuple[type, ...] = (nn.Linear, nn.modules.conv._ConvNd, nn.MultiheadAttention)
 
 
-def _has_gemm(m: nn.Module) -> bool:
+def has_gemm(m: nn.Module) -> bool:
     """Whether a module holds a matmul or convolution with weights: what converting it is for."""
     return any(isinstance(s, _GEMM_TYPES) or type(s).__name__ == "Conv1D" for s in m.modules())
 
@@ -43,18 +43,18 @@ def _parent(root: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (root.get_submodule(parent) if parent else root), key
 
 
-def _put(root: nn.Module, name: str, m: nn.Module) -> None:
+def put_module(root: nn.Module, name: str, m: nn.Module) -> None:
     parent, key = _parent(root, name)
     parent._modules[key] = m
 
 
-def _set_modes(tree: nn.Module, model: nn.Module, modes: dict) -> None:
+def set_modes(tree: nn.Module, model: nn.Module, modes: dict) -> None:
     """Every module of the tree in the mode its model's module has (a converted unit switched as one)."""
     originals = dict(model.named_modules())
     units: set[str] = set()
     for name, m in tree.named_modules():
         o = originals.get(name)
-        if o is None or _inside(name, units):
+        if o is None or is_inside(name, units):
             continue
         if is_converted(m) and m is not tree:
             units.add(name)
@@ -72,7 +72,7 @@ def _set_modes(tree: nn.Module, model: nn.Module, modes: dict) -> None:
             set_mode(tree, model.training)
             for name, m in tree.named_modules():
                 o = originals.get(name)
-                if o is not None and not _inside(name, units) and not is_converted(m):
+                if o is not None and not is_inside(name, units) and not is_converted(m):
                     m.training = modes[id(o)]
 
 
@@ -83,13 +83,13 @@ def _device_type(value: Any) -> str:
     return "cpu"
 
 
-def _no_autocast(value: Any):
+def no_autocast(value: Any):
     kind = _device_type(value)
     return torch.autocast(kind, enabled=False) if kind != "meta" else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
-def _quiet_run(tree: nn.Module, low: torch.dtype | None = None, inputs: Any = None):
+def quiet_run(tree: nn.Module, low: torch.dtype | None = None, inputs: Any = None):
     """The one run: eval mode, no gradients, the RNG as it was before. With ``low``, the model's own code
     between the blocks runs under torch.autocast, so that a block's low output is taken by the float32 code
     after it (the converted model's plan casts there instead); the blocks themselves run without it."""
@@ -109,18 +109,18 @@ def _quiet_run(tree: nn.Module, low: torch.dtype | None = None, inputs: Any = No
                     m.training = f
 
 
-def _float32(value: Any) -> Any:
+def to_float32(value: Any) -> Any:
     return torch.utils._pytree.tree_map(
         lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t,
         value)
 
 
-def _float_dtypes(value: Any) -> list:
+def float_dtypes(value: Any) -> list:
     return [t.dtype if isinstance(t, torch.Tensor) and t.is_floating_point() else None
             for t in torch.utils._pytree.tree_leaves(value)]
 
 
-def _keep_containers(gm: nn.Module, tree: nn.Module, units: dict) -> None:
+def keep_containers(gm: nn.Module, tree: nn.Module, units: dict) -> None:
     """The blocks' containers (``layers``, a ModuleList) in place of the bare modules fx made on their paths,
     holding what ``gm`` holds at each index (a converted block, or fx's copy of a module the graph reads)."""
     done = set()
@@ -137,10 +137,10 @@ def _keep_containers(gm: nn.Module, tree: nn.Module, units: dict) -> None:
         kept = copy.copy(container)
         kept._modules = {k: made._modules[k] if k in made._modules else
                          (c if is_converted(c) else copy.deepcopy(c)) for k, c in container._modules.items()}
-        _put(gm, parent, kept)
+        put_module(gm, parent, kept)
 
 
-def _describe(units: dict, skipped: dict) -> dict:
+def describe_units(units: dict, skipped: dict) -> dict:
     out = {}
     for name, unit in units.items():
         b = unit.meta[BLOCK_META]
@@ -152,11 +152,11 @@ def _describe(units: dict, skipped: dict) -> dict:
     return out
 
 
-class _RootError(Exception):
+class RootError(Exception):
     pass
 
 
-def _data_dependent(e: BaseException) -> bool:
+def data_dependent(e: BaseException) -> bool:
     """Whether torch.export failed on a branch on a tensor's values (then no way of capturing takes the model
     as one graph either)."""
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -172,7 +172,7 @@ def _data_dependent(e: BaseException) -> bool:
 def why_not_captured(e: BaseException) -> str:
     """A capture error in one line: what each way of capturing said."""
     lines = [ln.strip() for ln in str(e).splitlines() if "failed:" in ln]
-    return "; ".join(lines)[:400] if lines else _one_line(e).splitlines()[0][:400]
+    return "; ".join(lines)[:400] if lines else one_line(e).splitlines()[0][:400]
 
 
 class Conversions(NamedTuple):

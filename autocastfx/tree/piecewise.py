@@ -5,14 +5,14 @@ import torch
 import torch.nn as nn
 from .parts import BLOCK_META
 from ..base.errors import CaptureError
-from ..capture.trace import _copy
-from .parts import _describe
-from .parts import _float_dtypes
-from .parts import _has_gemm
-from .parts import _keep_containers
-from .parts import _put
-from .parts import _quiet_run
-from .parts import _set_modes
+from ..capture.trace import copy_model
+from .parts import describe_units
+from .parts import float_dtypes
+from .parts import has_gemm
+from .parts import keep_containers
+from .parts import put_module
+from .parts import quiet_run
+from .parts import set_modes
 from .parts import why_not_captured
 from ..base.meta import ConvertInfo, is_converted, names_by_id
 from ..base.options import ConvertOptions
@@ -28,11 +28,11 @@ def convert_piecewise(model: nn.Module, args: tuple, kwargs: dict, conv: Convers
     """A model with no blocks that does not capture: its children that hold matmuls or convolutions converted,
     the rest its own Python; None when no part of it converts."""
     modes = {id(m): m.training for m in model.modules()}
-    tree = _copy(model, share_tensors=True)
-    return _piecewise(model, tree, {}, {}, args, kwargs, conv, options, ctx, modes, why, need_parts=True)
+    tree = copy_model(model, share_tensors=True)
+    return piecewise_units(model, tree, {}, {}, args, kwargs, conv, options, ctx, modes, why, need_parts=True)
 
 
-def _piecewise(model, tree, units, skipped, args, kwargs, conv: Conversions, options: ConvertOptions,
+def piecewise_units(model, tree, units, skipped, args, kwargs, conv: Conversions, options: ConvertOptions,
                ctx: CaptureContext, modes, reason, need_parts: bool = False) -> nn.Module | None:
     """The model's own Python around converted parts: its children that hold matmuls or convolutions and
     capture are converted (float32 at their boundaries), recursing into those that do not."""
@@ -45,7 +45,7 @@ def _piecewise(model, tree, units, skipped, args, kwargs, conv: Conversions, opt
         hooks.append(tree.get_submodule(name).register_forward_pre_hook(
             lambda m, a, k, name=name: inputs.setdefault(name, (a, k)) and None, with_kwargs=True))
     try:
-        with _quiet_run(tree):
+        with quiet_run(tree):
             tree(*args, **kwargs)
     except Exception:  # noqa: BLE001 - the model does not run on its example: the capture's error says why
         if need_parts:
@@ -71,7 +71,7 @@ def _piecewise(model, tree, units, skipped, args, kwargs, conv: Conversions, opt
                     lambda mm, aa, kk, n=n: inputs.setdefault(n, (aa, kk)) and None, with_kwargs=True)
                     for n in inner]
                 try:
-                    with _quiet_run(m):
+                    with quiet_run(m):
                         m(*a, **k)
                 finally:
                     for h in hooks:
@@ -79,21 +79,21 @@ def _piecewise(model, tree, units, skipped, args, kwargs, conv: Conversions, opt
                 todo = [n for n in inner if n in inputs] + todo
             continue
         part.meta[BLOCK_META] = {"name": name, "inputs": dtypes, "plan": plan}
-        _keep_containers(part, m, {n[len(name) + 1:]: u for n, u in units.items() if n.startswith(name + ".")})
+        keep_containers(part, m, {n[len(name) + 1:]: u for n, u in units.items() if n.startswith(name + ".")})
         parts[name] = part
-        _put(tree, name, part)
+        put_module(tree, name, part)
     for name in list(inputs):
         if name not in parts and name not in eager:
             eager[name] = "not reached"
     if need_parts and not parts:
         return None
-    _set_modes(tree, model, modes)
+    set_modes(tree, model, modes)
     every = {**units, **parts}
     tree.meta = {"autocastfx": ConvertInfo(
         dtype=options.dtype, policy=options.policy,
         capture="piecewise", plan=CastPlan(options.dtype, {}, {}, [], [], (0, 0), (0, 0), {}),
         absorbed=[], source_params=names_by_id(model), options=options,
-        extra_totals={"blocks": _describe(every, skipped), "eager": eager})}
+        extra_totals={"blocks": describe_units(every, skipped), "eager": eager})}
     if options.keep_io_types:
         tree.register_forward_hook(_outputs_float32)
     lines = [f"{n or type(model).__name__}: {why}" for n, why in eager.items()]
@@ -112,7 +112,7 @@ def _convert_part(m: nn.Module, a: tuple, k: dict, conv: Conversions, options: C
         if takes_packed(m, a, k, options.policy):
             return convert_packed(m, a, k, conv.whole, options, ctx)
         part = conv.whole(m, a, k, options, ctx)
-    return part, f"converted ({part.meta['autocastfx'].capture}), float32 at its boundary", _float_dtypes((a, k))
+    return part, f"converted ({part.meta['autocastfx'].capture}), float32 at its boundary", float_dtypes((a, k))
 
 
 def _outputs_float32(module, args, out):
@@ -130,6 +130,6 @@ def _candidates(root: nn.Module, prefix: str, units: dict) -> list[str]:
             continue
         if isinstance(c, (nn.ModuleList, nn.ModuleDict)):
             out += _candidates(c, name, units)
-        elif _has_gemm(c) or has_recurrent(c):
+        elif has_gemm(c) or has_recurrent(c):
             out.append(name)
     return out
