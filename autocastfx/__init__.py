@@ -1,5 +1,6 @@
 """autocastfx: any PyTorch model as an explicit mixed-precision torch.fx program."""
-from .api import ConvertInfo, convert, float32_state_dict, float32_weights, master_parameters, materialize
+from .api import (ConvertInfo, ConvertOptions, convert, convert_graph, float32_state_dict, float32_weights,
+                  master_parameters, materialize)
 from .base.errors import CaptureError
 from .training.checks import StepError
 from .core.devices import SlowDtypeWarning
@@ -19,7 +20,7 @@ from .training.scaling import LossScaleError
 from .training.step import StepStats, TrainStep
 from .training.heap import keep_cpu_memory
 
-__all__ = ["convert", "report", "master_parameters", "Policy", "OpClass", "Report", "CastPlan", "Decision",
+__all__ = ["convert", "convert_graph", "ConvertOptions", "report", "master_parameters", "Policy", "OpClass", "Report", "CastPlan", "Decision",
            "ConvertInfo", "CaptureError", "train_step", "TrainStep", "StepStats", "LossScaleError", "StepError",
            "export", "save", "load", "FormatError", "ExportCheckError", "ExportError", "for_inference", "calibrate",
            "grad_histogram", "GradHistogram", "CudaGraphStep", "shard", "save_checkpoint", "load_checkpoint",

@@ -3,9 +3,10 @@
     convert                       options checked and frozen (ConvertOptions), the capture context made
       _convert_any                a low-precision checkpoint: its float32 twin on meta, then its values
         _convert_model            blocks as modules of their own (tree), else one graph, else piecewise (tree)
-          convert_graph           capture (both modes) + core.pipeline.run_passes + ConvertInfo (the model's tensors shared)
+          _convert_one_graph      capture (both modes) + core.pipeline.run_passes + ConvertInfo (the model's tensors shared)
+    convert_graph                 the same passes on a module the caller captured (symbolic_trace, torch.export)
 
-The tree of blocks is given ``convert_graph`` (and the whole conversion, for its root) as callbacks: it never
+The tree of blocks is given ``_convert_one_graph`` (and the whole conversion, for its root) as callbacks: it never
 imports this file.
 """
 from __future__ import annotations
@@ -28,7 +29,8 @@ from .base.runtime import no_recompile
 from .capture import inline as _inline
 from .capture.context import CaptureContext
 from .capture.programs import capture as capture_programs
-from .core import calls as _calls
+from .converted import calls as _calls
+from .converted import module as _module
 from .core import devices as _devices
 from .core import layout as _layout
 from .core import modes as _modes
@@ -40,7 +42,8 @@ from .core.propagate import propagate
 from .tree.blocks import Conversions, choose, convert_tree, why_not_captured
 from .tree.piecewise import convert_piecewise
 
-__all__ = ["convert", "ConvertInfo", "master_parameters", "float32_state_dict", "float32_weights", "materialize"]
+__all__ = ["convert", "convert_graph", "ConvertOptions", "ConvertInfo", "master_parameters", "float32_state_dict",
+           "float32_weights", "materialize"]
 
 
 def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kwargs: dict | None = None,
@@ -81,6 +84,47 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
     return out
 
 
+def convert_graph(gm: fx.GraphModule, example_inputs: tuple | None = None, config: ConvertOptions | None = None,
+                  *, example_kwargs: dict | None = None) -> fx.GraphModule:
+    """Convert a module the caller has already captured as one graph, as ``prepare_pt2e`` takes one.
+
+    The passes are ``convert()``'s (cast plan, padding, layout, the casts as nodes); no capture of the model
+    runs, so the graph given is the program converted, whatever captured it.
+
+    Args:
+        gm: a ``torch.fx.GraphModule``: ``torch.fx.symbolic_trace(model)`` or
+            ``torch.export.export(model, args).module()``. Its parameters and buffers are the result's, shared.
+        example_inputs: a call of ``gm`` (a tuple of its positional inputs), for the shapes and dtypes of every
+            value; ``example_kwargs`` its keyword inputs.
+        config: the options, an ``autocastfx.ConvertOptions`` (``ConvertOptions(dtype=torch.bfloat16)``);
+            ``None`` for the defaults. Its ``blocks`` does not apply: the graph is converted whole.
+
+    Returns:
+        The converted ``GraphModule``, as ``convert()`` returns it (``report()``, ``train_step``, ``export``).
+
+    Example::
+
+        gm = torch.export.export(model, (x,)).module()
+        low = autocastfx.convert_graph(gm, (x,), autocastfx.ConvertOptions(dtype=torch.bfloat16))
+    """
+    if not isinstance(gm, fx.GraphModule):
+        raise TypeError(f"convert_graph takes a torch.fx.GraphModule, got {type(gm).__name__}: capture the model "
+                        "first (torch.export.export(model, args).module() or torch.fx.symbolic_trace(model)), or "
+                        "use autocastfx.convert(model, example_inputs), which captures it itself")
+    config = config if config is not None else ConvertOptions()
+    if not isinstance(config, ConvertOptions):
+        raise TypeError(f"config must be an autocastfx.ConvertOptions, got {type(config).__name__}")
+    leaves = _gemm_leaves(gm)
+    if leaves:
+        raise ValueError(f"the graph calls {leaves[0][1]} {leaves[0][0]!r} as a leaf module ({len(leaves)} such "
+                         "calls): the matmuls inside are out of reach of a pass over the graph, and nothing would "
+                         "run low. Capture with torch.export.export(model, args).module(), whose graph holds the "
+                         "aten ops, or let autocastfx.convert(model, example_inputs) capture the model")
+    return convert(gm, example_inputs, example_kwargs=example_kwargs, dtype=config.dtype, policy=config.policy,
+                   pad_multiple=config.pad_multiple, keep_io_types=config.keep_io_types,
+                   memory_format=config.memory_format, blocks=None)
+
+
 def _convert_any(model: nn.Module, args: tuple, kwargs: dict, options: ConvertOptions,
                  ctx: CaptureContext) -> nn.Module:
     """A float32 model (or one on meta), or a low-precision checkpoint (converted as its float32 twin)."""
@@ -100,7 +144,7 @@ def _conversions() -> Conversions:
         return _convert_any(module, args, kwargs, options.replace(blocks=None), ctx)
 
     def block(module, args, kwargs, options, ctx):
-        return convert_graph(module, args, kwargs, options, ctx, entry_casts=True)
+        return _convert_one_graph(module, args, kwargs, options, ctx, entry_casts=True)
 
     return Conversions(whole=whole, block=block)
 
@@ -190,7 +234,7 @@ def _keep_checks(out: nn.Module, model: nn.Module, args: tuple, kwargs: dict) ->
 
 def _convert_for_call(gm: nn.Module, args: tuple, kwargs: dict) -> nn.Module:
     """The model (kept on meta) converted for a call of another structure than ``gm``'s example, with ``gm``'s
-    options, its tensors made ``gm``'s own (core.calls.other_call); a TypeError naming both calls where it
+    options, its tensors made ``gm``'s own (converted.calls.other_call); a TypeError naming both calls where it
     cannot be."""
     info = gm.meta[K.CONVERTED]
     try:
@@ -238,7 +282,7 @@ def _convert_model(model: nn.Module, args: tuple, kwargs: dict, options: Convert
                 if ctx.meta_device is None or blocks != "auto":
                     raise
     try:
-        return convert_graph(model, args, kwargs, options, ctx)
+        return _convert_one_graph(model, args, kwargs, options, ctx)
     except CaptureError as e:
         if blocks is None or blocks is False or isinstance(model, fx.GraphModule):
             raise
@@ -248,14 +292,14 @@ def _convert_model(model: nn.Module, args: tuple, kwargs: dict, options: Convert
         return part
 
 
-def convert_graph(model: nn.Module, args: tuple, kwargs: dict, options: ConvertOptions, ctx: CaptureContext,
+def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: ConvertOptions, ctx: CaptureContext,
                   entry_casts: bool = False) -> fx.GraphModule:
     """``model`` captured as one graph (both modes), planned and rewritten by the core passes, owning its
     tensors. ``entry_casts``: a block of a model, converted as a module of its own: its inputs and outputs in
     the dtypes its plan prefers (or, with ``keep_io_types``, its outputs in its first input's dtype); an input
     first becomes the dtype the block was converted for, no copy when it already is."""
     model_class, model_attrs = _model_surface(model)
-    if isinstance(model, fx.GraphModule):
+    if isinstance(model, fx.GraphModule) and not _gemm_leaves(model):  # the graph is the program: converted as it is
         gm, how, inlined, model_class, model_attrs = _reconvert(model, args, kwargs, ctx, model_class, model_attrs)
     else:
         _check_params(model)
@@ -277,8 +321,23 @@ def convert_graph(model: nn.Module, args: tuple, kwargs: dict, options: ConvertO
                           "modes": _modes.describe(gm),
                           **({"opaque_calls": [str(d) for d in inlined]} if inlined else {})})
         _rewrite.rebuild_output_type(gm)
-        _modes.install(gm)
+        _module.install(gm)
     return gm
+
+
+def _gemm_leaves(gm: fx.GraphModule) -> list[tuple[str, str]]:
+    """(target, class name) of each call of a Linear or convolution module the graph makes as a leaf (plain
+    ``torch.fx.symbolic_trace``): a pass over the graph cannot reach their matmuls. None in a module autocastfx
+    converted (its tracer traces through them) or one torch.export captured (aten ops)."""
+    if K.CONVERTED in gm.meta:
+        return []
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            m = gm.get_submodule(n.target)
+            if isinstance(m, (nn.Linear, nn.modules.conv._ConvNd)) and not is_converted(m):
+                out.append((str(n.target), type(m).__name__))
+    return out
 
 
 def _reconvert(model: fx.GraphModule, args: tuple, kwargs: dict, ctx: CaptureContext, model_class, model_attrs):

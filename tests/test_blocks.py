@@ -440,7 +440,8 @@ def test_a_tree_trains_as_a_cuda_graph_as_it_trains_eagerly(fake_cuda):  # noqa:
         torch.manual_seed(0)
         gm = converted(Stack(layers=3), ids(batch=4))
         steps.append(autocastfx.train_step(gm, lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
-                                           torch.optim.AdamW(gm.parameters(), lr=2.0 ** -9), cuda_graph=graph))
+                                           torch.optim.AdamW(gm.parameters(), lr=2.0 ** -9, fused=True),
+                                           cuda_graph=graph))
     eager, gstep = steps
     x, y = ids(batch=4), ids(batch=4, seed=5)
     losses = [(eager(x, y).clone(), gstep(x, y).clone()) for _ in range(8)]

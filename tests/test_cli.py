@@ -34,20 +34,21 @@ def run(capsys, monkeypatch):
     return call
 
 
-def test_the_module_entry_point_prints_the_report_and_one_line_errors():
-    p = run_process("inspect", "small_models:TinyGPT", "--input", "2x16", "--input-dtype", "long", "--dtype", "bf16",
-                    "--json")
-    assert p.returncode == 0, p.stderr
-    d = json.loads(p.stdout)
-    assert d["totals"]["dtype"] == "bf16" and d["totals"]["capture"] == "torch.export"
+def test_the_module_entry_point_exits_2_with_one_line():
+    """``python -m autocastfx``: main()'s status is the process's, and a model that fails prints one line."""
     p = run_process("inspect", "small_models:TinyResNet", "--input", "1x5x16x16")
     assert p.returncode == 2 and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert p.stderr.startswith("autocastfx: error:")
 
 
-def test_inspect_text(run):
+def test_inspect_text_and_json(run):
     p = run("inspect", "small_models:TinyResNet", "--input", "2x3x16x16")
     assert p.returncode == 0, p.stderr
     assert "casts per forward" in p.stdout and "conv2d" in p.stdout
+    p = run("inspect", "small_models:TinyGPT", "--input", "2x16", "--input-dtype", "long", "--dtype", "bf16", "--json")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["totals"]["dtype"] == "bf16" and d["totals"]["capture"] == "torch.export"
 
 
 def test_export_writes_loadable_pt2(run, tmp_path):

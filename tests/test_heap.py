@@ -15,6 +15,9 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 SCRIPT = r"""
 import resource, sys, torch, torch.nn as nn, autocastfx
 from autocastfx.training import heap
+if sys.argv[1] == "settings":  # keep_cpu_memory() alone, under the environment's allocator settings
+    print(autocastfx.keep_cpu_memory(), 0, heap.status(), sep="\n")
+    sys.exit(0)
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
 x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
@@ -66,9 +69,11 @@ def _huge_pages_always():
 
 
 def test_the_users_allocator_settings_stand():
-    kept, faults, doc = _run("keep", MALLOC_TRIM_THRESHOLD_="1000000")
+    """keep_cpu_memory() changes nothing where the environment already set glibc's malloc options (a step never
+    touches the allocator: the test above)."""
+    kept, faults, doc = _run("settings", MALLOC_TRIM_THRESHOLD_="1000000")
     assert not kept and "the environment sets MALLOC_TRIM_THRESHOLD_" in doc
-    kept, faults, doc = _run("keep", GLIBC_TUNABLES="glibc.malloc.trim_threshold=1000000")
+    kept, faults, doc = _run("settings", GLIBC_TUNABLES="glibc.malloc.trim_threshold=1000000")
     assert not kept and "glibc.malloc tunables in GLIBC_TUNABLES" in doc
-    kept, faults, doc = _run("keep", GLIBC_TUNABLES="glibc.pthread.rseq=0")  # not the allocator's: kept
+    kept, faults, doc = _run("settings", GLIBC_TUNABLES="glibc.pthread.rseq=0")  # not the allocator's: kept
     assert kept, doc

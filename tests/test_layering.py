@@ -14,12 +14,13 @@ LAYERS = {
     "base": 0,          # shared vocabulary: meta keys, TensorInfo, ConvertInfo, ConvertOptions, runtime helpers
     "core": 1,          # passes over one captured graph
     "capture": 2,       # model -> graph module (trace, torch.export, programs per mode, inline, around)
-    "tree": 3,          # blocks and piecewise conversion, given the per-graph conversion as callbacks
-    "api": 4,           # convert()
-    "training": 5,      # the generated step, scaling, CUDA graphs, data parallel, sharding, checkpoints
-    "tools": 5,         # report, graph, diagnose, inference, export, cli
-    "integrations": 6,  # Lightning, Hugging Face
-    "": 7,              # the package's __init__, __main__ and the autocastfx.lightning alias
+    "converted": 3,     # the converted module's class and runtime: modes, calls, the model's surface
+    "tree": 4,          # blocks and piecewise conversion, given the per-graph conversion as callbacks
+    "api": 5,           # convert()
+    "training": 6,      # the generated step, scaling, CUDA graphs, data parallel, sharding, checkpoints
+    "tools": 6,         # report, graph, diagnose, inference, export, cli
+    "integrations": 7,  # Lightning, Hugging Face
+    "": 8,              # the package's __init__, __main__ and the autocastfx.lightning alias
 }
 # training and tools share a rank and must not import each other
 SIBLINGS_APART = {("training", "tools"), ("tools", "training")}

@@ -52,9 +52,11 @@ def test_master_gradients_are_freed_after_each_update():
 
 
 def test_load_state_dict_copies_the_checkpoint_and_keeps_the_fused_skip():
+    """A checkpoint whose groups say fused=False (a plain loop's) loads into a fused optimizer's step: the
+    optimizer keeps its own kernel, whose found_inf the step feeds."""
     model, inputs, target, loss_fn = _workload("resnet")
     gm = autocastfx.convert(model, inputs)
-    step = autocastfx.train_step(gm, loss_fn, torch.optim.AdamW(gm.parameters(), lr=1e-3))
+    step = autocastfx.train_step(gm, loss_fn, torch.optim.AdamW(gm.parameters(), lr=1e-3, fused=True))
     step(inputs, target)
     sd = step.state_dict()
     for group in sd["optimizer"]["param_groups"]:  # as a checkpoint of a plain optimizer would have it

@@ -113,9 +113,9 @@ class ConvertInfo:
     free_dims: tuple = ()
     # the model on the meta device (no memory): a call that fails is run on it with meta copies of its inputs,
     # so that the model's own checks (an assert on the sequence length) raise their own message (calls.py)
-    checks: Any = dataclasses.field(default=None, repr=False)  # core.calls.ModelChecks
+    checks: Any = dataclasses.field(default=None, repr=False)  # converted.calls.ModelChecks
     # (converted module, args, kwargs) -> the model converted for that call, its tensors shared (api): a call of
-    # another structure (targets given where the example had none) is converted on first use (core.calls)
+    # another structure (targets given where the example had none) is converted on first use (converted.calls)
     convert_call: Any = dataclasses.field(default=None, repr=False)
 
 

@@ -11,7 +11,6 @@ from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
-from ..core.calls import free_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +30,15 @@ class CaptureContext:
         if "sources" in changes:
             changes["sources"] = types.MappingProxyType(dict(changes["sources"]))
         return dataclasses.replace(self, **changes)
+
+
+def free_axes(t: torch.Tensor) -> tuple[int, ...]:
+    """The dims of a model input whose sizes are free to vary: a tensor's first (the batch), and an integer
+    tensor of two dimensions' second (a sequence length). One rule for the capture (:func:`free_sizes`),
+    the compile marks (``converted.calls.free_dims``) and the conversion for another call (``converted.calls.widened``)."""
+    if not t.dim():
+        return ()
+    return (0, 1) if not t.is_floating_point() and not t.is_complex() and t.dim() == 2 else (0,)
 
 
 def free_sizes(args: tuple, kwargs: dict) -> frozenset[int]:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from . import cost as _hw
+from . import cost
 from ..base.meta import TensorInfo
 from .propagate import flatten_inputs
 from .policy import op_name
@@ -112,7 +112,7 @@ def plan_layout(gm: fx.GraphModule, memory_format: str) -> LayoutPlan:
     requested = check_memory_format(memory_format)
     undo(gm)
     n = sum(1 for node in gm.graph.nodes if is_conv2d(node))
-    device = _hw.model_device(gm)
+    device = cost.model_device(gm)
     if requested == "preserve":
         return LayoutPlan(requested, "preserve", "memory_format='preserve': layouts left as they are")
     if not n:

@@ -113,7 +113,7 @@ def float32_state_dict(gm: nn.Module) -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------------------------- the model's names for tied weights
 # A traced graph reads a tied weight under one name; the converted module class's ``state_dict`` and
-# ``_load_from_state_dict`` (modes._Switchable) run the two hooks below so that its state dict has the model's keys.
+# ``_load_from_state_dict`` (converted.module._Switchable) run the two hooks below so that its state dict has the model's keys.
 
 def model_names_into_state_dict(unit: nn.Module, out: dict, prefix: str) -> None:
     """Every name the model had for a tied weight, where the converted module keeps fewer (a traced graph reads
@@ -212,7 +212,7 @@ def _is_persistent(gm: nn.Module, name: str) -> bool:
 
 
 # ------------------------------------------------------------- one set of tensors for two conversions of a model
-# A converted module converted again for a call of another structure (core.calls.other_call) runs on the first's
+# A converted module converted again for a call of another structure (converted.calls.other_call) runs on the first's
 # tensors: the same Parameter objects (so training either trains both) and buffers.
 
 def pair_modules(main: nn.Module, other: nn.Module) -> list[tuple[nn.Module, nn.Module]]:

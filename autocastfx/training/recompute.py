@@ -61,7 +61,7 @@ def _is_impl(c: type) -> bool:
 
 def _base(m: nn.Module) -> type:
     """The class to subclass: for a GraphModule, the first class of its MRO that is not the per-instance
-    ``GraphModuleImpl`` (as GraphModule.__new__ and autocastfx.core.modes.install take it); else the module's class."""
+    ``GraphModuleImpl`` (as GraphModule.__new__ and autocastfx.converted.module.install take it); else the module's class."""
     if isinstance(m, fx.GraphModule):
         return next(c for c in type(m).__mro__ if not _is_impl(c))
     return type(m)

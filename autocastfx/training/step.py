@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from ..core import calls as _calls
+from ..converted import calls as _calls
 from .checks import InputChecker, StepError, check_grad_mode, check_loss, signature, unique_by_id
 from . import heap as _heap
 from .scaling import HISTORY, LossScaleError, ScalerConfig, ScaleState

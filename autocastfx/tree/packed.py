@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from torch.nn.utils.rnn import PackedSequence
 
-from ..core.modes import add_model_surface
+from ..converted.module import add_model_surface
 from ..base import keys as K
 from ..base.errors import one_line, CaptureError
 from .parts import float_dtypes
@@ -135,7 +135,7 @@ _CLASSES: dict[type, type] = {}
 
 
 def _take_packed_calls(part: nn.Module, stand_in: _Packed) -> None:
-    """``part``'s class made one over its own with :class:`PackedCall` first (as modes.install makes the converted
+    """``part``'s class made one over its own with :class:`PackedCall` first (as converted.module.install makes the converted
     class), its code written again for that class, the stand-in's surface put back on it, the layer's sizes and
     flags in its meta."""
     base = next(c for c in type(part).__mro__ if c.__qualname__.split(".")[-1] != "GraphModuleImpl")

@@ -64,7 +64,7 @@ def set_modes(tree: nn.Module, model: nn.Module, modes: dict) -> None:
         else:
             m.training = modes[id(o)]
     if is_converted(tree) and hasattr(tree, "graph"):
-        from ..core.modes import set_mode
+        from ..converted.module import set_mode
         flags = {modes[id(s)] for s in model.modules()}
         programs = tree.meta.get(K.PROGRAMS)
         if programs is not None and len(flags) == 1:  # the root's running program is its mode's

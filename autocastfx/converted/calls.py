@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 from ..base import keys as K
-from . import weights as _weights
+from ..capture.context import free_axes
+from ..core import weights as _weights
 
 
 def _kind(v: Any) -> str:
@@ -152,15 +153,6 @@ def _is_model_check(e: BaseException) -> bool:
 # sequence length) are marked as maybe-dynamic before a compiled call, so the first compile already leaves them
 # free: no recompile for a new batch or sequence length where the model allows it (where its code fixes a size,
 # the compiler specialises it as before, with no error).
-
-def free_axes(t: torch.Tensor) -> tuple[int, ...]:
-    """The dims of a model input whose sizes are free to vary: a tensor's first (the batch), and an integer
-    tensor of two dimensions' second (a sequence length). One rule for the capture (capture.context.free_sizes),
-    the compile marks (:func:`free_dims`) and the conversion for another call (:func:`widened`)."""
-    if not t.dim():
-        return ()
-    return (0, 1) if not t.is_floating_point() and not t.is_complex() and t.dim() == 2 else (0,)
-
 
 def free_dims(args: tuple, kwargs: dict) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """(flat input index, dims) of the example's sizes free to vary (:func:`free_axes`); sizes of 0 and 1 are
