@@ -69,23 +69,33 @@ def low_read_names(unit: nn.Module) -> list[str]:
         for node in g.nodes:
             if node.op != "get_attr" or str(node.target) not in params:
                 continue
-            low = bool(node.users) and all(_reaches_low_cast(u, info.dtype) for u in node.users)
+            users = [u for u in node.users if u.target not in _CHECKS]
+            low = bool(users) and all(_reaches_low_cast(u, info.dtype) for u in users)
             verdict[str(node.target)] = verdict.get(str(node.target), True) and low
     return [n for n, low in verdict.items() if low and info.dtype != torch.float32]
 
 
-_SHAPE_ONLY = {"pad", "t", "transpose", "permute", "view", "reshape", "contiguous", "flatten", "unsqueeze", "squeeze"}
+_SHAPE_ONLY = {"pad", "t", "transpose", "permute", "view", "reshape", "contiguous", "flatten", "unsqueeze", "squeeze",
+               "constant_pad_nd", "_unsafe_view", "clone"}
+# the graph's casts as torch.export writes them, in a program loaded from a file (no node annotations there)
+_ATEN_CASTS = {torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype_layout}
+_CHECKS = {torch.ops.aten._assert_tensor_metadata.default}  # export's dtype assertions: read nothing
 
 
 def _reaches_low_cast(node: fx.Node, dtype: torch.dtype) -> bool:
-    """Whether ``node`` is a cast to ``dtype``, or an op that only moves or pads values (``F.pad`` of a padded
-    weight, ``w.t()``) whose every reader is one."""
+    """Whether ``node`` is a cast to ``dtype`` (a cast node of the plan, or an aten cast of a loaded program), or
+    an op that only moves or pads values (``F.pad`` of a padded weight, ``w.t()``) whose every reader is one."""
     decision = node.meta.get("autocastfx")
     if getattr(decision, "kind", None) == "cast":
         return getattr(decision, "dtype", None) == dtype
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return (name in _SHAPE_ONLY and bool(node.users) and node.op in ("call_method", "call_function")
-            and all(_reaches_low_cast(u, dtype) for u in node.users))
+    if node.op == "call_function" and node.target in _ATEN_CASTS:
+        to = node.kwargs.get("dtype", node.args[1] if len(node.args) > 1 else None)
+        return to == dtype
+    target = node.target
+    name = target if isinstance(target, str) else getattr(target, "_opname", None) or getattr(target, "__name__", "")
+    users = [u for u in node.users if u.target not in _CHECKS]
+    return (name in _SHAPE_ONLY and bool(users) and node.op in ("call_method", "call_function")
+            and all(_reaches_low_cast(u, dtype) for u in users))
 
 
 def _graphs_of(unit: nn.Module) -> list:

@@ -11,12 +11,6 @@ from ..base.meta import is_converted
 from .parallel import is_fsdp
 
 
-
-def _local_slice(full: torch.Tensor, like) -> torch.Tensor:
-    """This rank's part of ``full``, cut as the DTensor ``like`` is sharded (FSDP2's chunking, uneven included)."""
-    return _local_view(full, like).to(like.device).clone(memory_format=torch.contiguous_format).contiguous()
-
-
 def _local_view(full: torch.Tensor, like) -> torch.Tensor:
     """This rank's part of ``full`` as a view, cut as the DTensor ``like`` is sharded."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
