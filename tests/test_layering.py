@@ -82,6 +82,15 @@ def _layer(module: str) -> str:
     return "" if parts[1] in ("__main__", "lightning") else parts[1]
 
 
+def test_every_package_is_listed_for_installation():
+    """pyproject.toml names the packages an install copies: a folder missing there is missing from a wheel."""
+    import re
+    text = (PACKAGE.parent / "pyproject.toml").read_text()
+    listed = set(re.findall(r'"(autocastfx(?:\.\w+)*)"', text.split("packages =", 1)[1].split("]", 1)[0]))
+    found = {_module_name(p.parent / "__init__.py") for p in PACKAGE.rglob("__init__.py")}
+    assert found == listed, f"packages not listed: {sorted(found - listed)}; listed, not found: {sorted(listed - found)}"
+
+
 def test_every_module_is_in_a_known_layer():
     unknown = sorted(m for m in _modules() if _layer(m) not in LAYERS)
     assert not unknown, f"modules outside the layers {sorted(LAYERS)}: {unknown} (add a layer or move them)"
