@@ -533,3 +533,26 @@ def test_a_leaf_rnn_module_asked_low_runs_in_float32():
     assert row.dtype == "fp32" and "_cudnn_rnn" in row.reason
     assert all(p.dtype == torch.float32 for n, p in gm.named_parameters() if n.startswith("rnn."))
     assert torch.allclose(gm(x).float(), model(x), atol=5e-2)
+
+
+class _LastStep(nn.Module):
+    """An LSTM over float features: torch.export fixes its sequence length (only the batch of a float input is
+    left free)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.fc = nn.LSTM(8, 16, batch_first=True), nn.Linear(16, 4)
+
+    def forward(self, x):
+        y, _ = self.rnn(x)
+        return self.fc(y[:, -1])
+
+
+def test_a_size_the_capture_fixed_is_named_with_the_fix():
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = autocastfx.convert(_LastStep(), (torch.randn(2, 5, 8),), dtype=torch.bfloat16)
+    assert gm(torch.randn(3, 5, 8)).shape == (3, 4)  # another batch: free
+    with pytest.raises(ValueError, match=r"\[\(2, 7, 8\)\].*size\(\)\[1\] == 5.*Convert with example inputs of this size"):
+        gm(torch.randn(2, 7, 8))

@@ -59,6 +59,20 @@ def check(captured: tuple, args: tuple, kwargs: dict, error: BaseException) -> N
     ) from error
 
 
+def fixed_size(args: tuple, kwargs: dict, error: BaseException) -> None:
+    """Raise a ValueError saying which size the capture fixed, where ``error`` is torch.export's guard on an input
+    size (``Guard failed: x.size()[1] == 5``); return for any other error."""
+    message = str(error)
+    if not isinstance(error, AssertionError) or not message.startswith("Guard failed:"):
+        return
+    shapes = [tuple(t.shape) for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    raise ValueError(
+        f"this call's input sizes {shapes} differ from the example's in a size the capture fixed "
+        f"({message.splitlines()[0]}): torch.export leaves free only what varies freely in the model's code (every "
+        "input's batch, a token input's sequence length) and fixes the rest at the example's. Convert with example "
+        "inputs of this size (one converted module per size), or call with the example's sizes") from error
+
+
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 

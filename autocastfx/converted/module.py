@@ -196,6 +196,7 @@ class _Switchable:
                 _calls.check(info.call_signature, args, kwargs, e)  # a call of another shape: said so
             if info is not None:
                 _calls.model_check(info.checks, args, kwargs, e, self.training)  # the model's own checks
+                _calls.fixed_size(args, kwargs, e)  # else a size torch.export fixed at the example's: said so
             raise
 
     # the model's own names for its tied weights in the state dict (see weights.py)
