@@ -100,3 +100,51 @@ def test_after_convert_and_a_step_torch_and_the_optimizer_are_as_they_were():
     assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == options
     assert opt.defaults == defaults and not getattr(opt, "_step_supports_amp_scaling", False)
     assert {id(p) for p in gm.parameters()} == {id(p) for p in model.parameters()}
+
+
+def test_quieting_torch_in_two_threads_interleaved_leaves_nothing_behind():
+    """Two conversions in two threads quiet torch's internal warnings and logs; entering in one order and leaving
+    in the other (where save-and-restore would leave the first one's filters and levels for good), the process's
+    warning filters and logger levels end as they began, and inside, only torch's internal warnings are hidden."""
+    import logging
+    import threading
+    from autocastfx.base import quiet
+    names = ["torch._dynamo", "torch.export", "torch._subclasses.fake_tensor"]
+    levels = {n: logging.getLogger(n).level for n in names}
+    filters = list(warnings.filters)
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen, errors = {}, []
+
+    def a():
+        try:
+            with quiet.torch_internal_warnings_off(), quiet.quiet_torch_logs():
+                a_in.set()
+                b_in.wait(10)
+            a_out.set()
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+
+    def b():
+        try:
+            a_in.wait(10)
+            with quiet.torch_internal_warnings_off(), quiet.quiet_torch_logs():
+                b_in.set()
+                a_out.wait(10)  # A has left; B is still inside: still quiet
+                seen["level"] = logging.getLogger("torch._dynamo").level
+                with warnings.catch_warnings(record=True) as caught:  # the filters as they are: recorded, not shown
+                    warnings.warn("Attempted to insert a get_attr Node with no underlying reference in the owning "
+                                  "GraphModule! (torch's own, hidden)", UserWarning)
+                    warnings.warn("the model's own warning, shown", UserWarning)
+                seen["own"] = [str(w.message) for w in caught]
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    assert seen["level"] == logging.ERROR and seen["own"] == ["the model's own warning, shown"]
+    assert {n: logging.getLogger(n).level for n in names} == levels
+    assert warnings.filters == filters

@@ -5,6 +5,7 @@ import contextlib
 import os
 import sys
 import logging
+import threading
 import warnings
 
 
@@ -21,41 +22,84 @@ _TORCH_INTERNAL_WARNINGS = (
 )
 
 
+# The filters and logger levels below are the process's, shared by every thread. warnings.catch_warnings and a
+# saved-and-restored level are not thread-safe (CPython's documentation of catch_warnings says so: two threads that
+# enter and leave in an interleaved order leave the first one's state behind for good). So the first caller in
+# installs them, the last one out removes exactly what was installed, under one lock: nothing outlives the calls,
+# whatever the threads do meanwhile; another thread's torch-internal messages are hidden while a conversion runs.
+_LOCK = threading.Lock()
+_ACTIVE: dict[str, list] = {"warnings": [], "logs": []}   # per kind: [depth, what was installed or saved]
+_QUIET_LOGGERS = {"torch.fx.experimental.symbolic_shapes": logging.ERROR, "torch._export": logging.ERROR,
+                  "torch.export": logging.ERROR, "torch._dynamo": logging.ERROR,
+                  # fake tensors log a traceback for each op that raises: the raised error is enough
+                  "torch._subclasses.fake_tensor": logging.CRITICAL}
+
+
+def _install_warnings() -> list:
+    ours = []
+    for category, message in _TORCH_INTERNAL_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+        ours.append(warnings.filters[0])
+    return ours
+
+
+def _remove_warnings(ours: list) -> None:
+    warnings.filters[:] = [f for f in warnings.filters if not any(f is o for o in ours)]
+    # the per-module caches of what was shown are stale now: what filterwarnings itself calls, else a public call
+    # that makes it run (a filter no message matches, added and taken out again)
+    mutated = getattr(warnings, "_filters_mutated", None)
+    if mutated is not None:
+        mutated()
+    else:  # pragma: no cover - Pythons without the helper
+        warnings.filterwarnings("ignore", message="\0", append=True)
+        warnings.filters.pop()
+
+
+def _install_logs() -> list:
+    saved = []
+    for name, level in _QUIET_LOGGERS.items():
+        logger = logging.getLogger(name)
+        saved.append((logger, logger.level))
+        logger.setLevel(level)
+    return saved
+
+
+def _remove_logs(saved: list) -> None:
+    for logger, level in saved:
+        logger.setLevel(level)
+
+
+_INSTALL = {"warnings": (_install_warnings, _remove_warnings), "logs": (_install_logs, _remove_logs)}
+
+
 @contextlib.contextmanager
-def torch_internal_warnings_off():
-    """Meanwhile, torch's warnings about its own internals (``_TORCH_INTERNAL_WARNINGS``) are not shown."""
-    with warnings.catch_warnings():
-        for category, message in _TORCH_INTERNAL_WARNINGS:
-            warnings.filterwarnings("ignore", message=message, category=category)
+def _shared(kind: str):
+    install, remove = _INSTALL[kind]
+    with _LOCK:
+        active = _ACTIVE[kind]
+        if not active:
+            active[:] = [0, install()]
+        active[0] += 1
+    try:
         yield
+    finally:
+        with _LOCK:
+            active[0] -= 1
+            if active[0] == 0:
+                remove(active[1])
+                active.clear()
 
 
-@contextlib.contextmanager
+def torch_internal_warnings_off():
+    """Meanwhile, torch's warnings about its own internals (``_TORCH_INTERNAL_WARNINGS``) are not shown; every
+    other warning still is."""
+    return _shared("warnings")
+
+
 def quiet_torch_logs():
     """Meanwhile, torch.export's and fake tensors' loggers speak only of errors (a failing capture logs a traceback
-    per op that raises; the raised error says it all). Nothing else of the process is touched."""
-    loggers = [logging.getLogger(n) for n in ("torch.fx.experimental.symbolic_shapes", "torch._export",
-                                               "torch.export", "torch._dynamo", "torch._subclasses.fake_tensor")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:  # fake tensors log a traceback for each op that raises: the raised error is enough
-        lg.setLevel(logging.CRITICAL if lg.name == "torch._subclasses.fake_tensor" else logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, lv in zip(loggers, levels):
-            lg.setLevel(lv)
-
-
-@contextlib.contextmanager
-def quiet_logger(name: str):
-    """FakeTensorMode logs a traceback for every op that raises; the caller reports failures itself."""
-    logger = logging.getLogger(name)
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+    per op that raises; the raised error says it all)."""
+    return _shared("logs")
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from ..base.errors import one_line, CaptureError
 from ..base import keys as K
 from ..base.meta import is_converted, tensor_info, TensorInfo
-from ..base.quiet import quiet_logger
+from ..base.quiet import quiet_torch_logs
 
 
 class _Recorder(fx.Interpreter):
@@ -166,7 +166,7 @@ class _FakeRun:
     def run(self, flat_args: list) -> Any:
         env: dict[fx.Node, Any] = {}
         inputs = iter(flat_args)
-        with torch.no_grad(), quiet_logger("torch._subclasses.fake_tensor"):
+        with torch.no_grad(), quiet_torch_logs():  # fake tensors log a traceback per op that raises
             for node in self.gm.graph.nodes:
                 op = node.op
                 if op == "placeholder":  # as fx.Interpreter: ``*args`` takes every input left
