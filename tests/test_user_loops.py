@@ -34,6 +34,18 @@ from helpers import one_thread_quiet
 BF16 = torch.bfloat16
 
 
+def same_model(factory):
+    """The state of one fresh ``factory()``, and a function that builds the model again with exactly that state:
+    the converted run and each reference run start from the same weights."""
+    init = factory().state_dict()
+
+    def make():
+        m = factory()
+        m.load_state_dict(init)
+        return m
+    return init, make
+
+
 @pytest.fixture(autouse=True)
 def _one_thread_quiet():
     with one_thread_quiet():
@@ -342,14 +354,9 @@ def test_timm_loop_with_native_scaler_and_model_ema():
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
     torch.manual_seed(0)
-    init = TinyConvNet().state_dict()
+    init, make = same_model(TinyConvNet)
     data = _image_batches(6)
     decay = 0.9
-
-    def make():
-        m = TinyConvNet()
-        m.load_state_dict(init)
-        return m
 
     def run(convert, amp, track_ema=False):
         model = make()
@@ -473,14 +480,9 @@ def test_word_language_model_manual_sgd(update):
     over ``model.parameters()`` BEFORE the conversion (the parameters are shared, so it trains gm rather than
     silently training tensors gm never reads). Reference: the same loop under autocast on the unconverted model."""
     torch.manual_seed(0)
-    init = RNNModel().state_dict()
+    init, make = same_model(RNNModel)
     data = _lm_data()
     lr = 5.0
-
-    def make():
-        m = RNNModel()
-        m.load_state_dict(init)
-        return m
 
     def run(convert, amp):
         model = make()
@@ -529,12 +531,7 @@ def test_accelerate_loop():
     from torch.utils.data import DataLoader
 
     torch.manual_seed(0)
-    init = _mlp().state_dict()
-
-    def make():
-        m = _mlp()
-        m.load_state_dict(init)
-        return m
+    init, make = same_model(_mlp)
 
     def run(convert, mixed_precision):
         model = make()
@@ -591,12 +588,7 @@ def test_lightning_automatic_optimization_without_a_plugin(tmp_path):
     from torch.utils.data import DataLoader
 
     torch.manual_seed(0)
-    init = _mlp().state_dict()
-
-    def make():
-        m = _mlp()
-        m.load_state_dict(init)
-        return m
+    init, make = same_model(_mlp)
 
     class Lit(L.LightningModule):
         def __init__(self, convert):
@@ -647,14 +639,9 @@ def test_torch_compile_inside_the_loop():
     step sees the last one's update. Against the same compiled loop on the unconverted model under autocast,
     and in float32."""
     torch.manual_seed(0)
-    init = _mlp().state_dict()
+    init, make = same_model(_mlp)
     ds = _mlp_data()
     batches = [(ds.tensors[0][i:i + 8], ds.tensors[1][i:i + 8]) for i in range(0, 48, 8)]
-
-    def make():
-        m = _mlp()
-        m.load_state_dict(init)
-        return m
 
     def run(convert, amp):
         torch._dynamo.reset()
