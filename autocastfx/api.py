@@ -40,6 +40,7 @@ from .core.pipeline import run_passes
 from .core.policy import Policy
 from .core.propagate import propagate
 from .tree.blocks import Conversions, choose, convert_tree, why_not_captured
+from .tree.parts import has_gemm
 from .tree.piecewise import convert_piecewise
 
 __all__ = ["convert", "convert_graph", "ConvertOptions", "ConvertInfo", "master_parameters", "float32_state_dict",
@@ -92,8 +93,10 @@ def convert_graph(gm: fx.GraphModule, example_inputs: tuple | None = None, confi
     runs, so the graph given is the program converted, whatever captured it.
 
     Args:
-        gm: a ``torch.fx.GraphModule``: ``torch.fx.symbolic_trace(model)`` or
-            ``torch.export.export(model, args).module()``. Its parameters and buffers are the result's, shared.
+        gm: a ``torch.fx.GraphModule`` whose matmuls and convolutions are function or aten calls:
+            ``torch.export.export(model, args).module()``. One that calls ``nn.Linear`` or a convolution module
+            as a leaf (plain ``torch.fx.symbolic_trace``) is refused (ValueError). Its parameters and buffers
+            are the result's, shared.
         example_inputs: a call of ``gm`` (a tuple of its positional inputs), for the shapes and dtypes of every
             value; ``example_kwargs`` its keyword inputs.
         config: the options, an ``autocastfx.ConvertOptions`` (``ConvertOptions(dtype=torch.bfloat16)``);
@@ -326,18 +329,13 @@ def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: Con
 
 
 def _gemm_leaves(gm: fx.GraphModule) -> list[tuple[str, str]]:
-    """(target, class name) of each call of a Linear or convolution module the graph makes as a leaf (plain
-    ``torch.fx.symbolic_trace``): a pass over the graph cannot reach their matmuls. None in a module autocastfx
+    """(target, class name) of each call the graph makes of a module holding a Linear or a convolution, as a leaf
+    (plain ``torch.fx.symbolic_trace``): a pass over the graph cannot reach their matmuls. None in a module autocastfx
     converted (its tracer traces through them) or one torch.export captured (aten ops)."""
     if K.CONVERTED in gm.meta:
         return []
-    out = []
-    for n in gm.graph.nodes:
-        if n.op == "call_module":
-            m = gm.get_submodule(n.target)
-            if isinstance(m, (nn.Linear, nn.modules.conv._ConvNd)) and not is_converted(m):
-                out.append((str(n.target), type(m).__name__))
-    return out
+    leaves = [(str(n.target), gm.get_submodule(n.target)) for n in gm.graph.nodes if n.op == "call_module"]
+    return [(name, type(m).__name__) for name, m in leaves if has_gemm(m) and not is_converted(m)]
 
 
 def _reconvert(model: fx.GraphModule, args: tuple, kwargs: dict, ctx: CaptureContext, model_class, model_attrs):

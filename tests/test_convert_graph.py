@@ -1,6 +1,6 @@
 """convert_graph: the passes on a module the caller captured (symbolic_trace, torch.export), as prepare_pt2e takes
 one; the same program as convert() makes from the model, sharing the captured module's tensors."""
-import warnings
+import dataclasses
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import autocastfx
 from autocastfx.tools.report import report
-from helpers import AtenRecorder
+from helpers import AtenRecorder, one_thread_quiet
 
 
 class Net(nn.Module):
@@ -30,9 +30,8 @@ def _casts(gm):
 
 
 @pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+def _one_thread_quiet():
+    with one_thread_quiet():
         yield
 
 
@@ -83,6 +82,6 @@ def test_anything_but_a_graph_module_or_options_is_refused_naming_the_fix():
 
 def test_the_options_are_one_frozen_dataclass():
     config = autocastfx.ConvertOptions(dtype=torch.bfloat16)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         config.dtype = torch.float16
     assert not hasattr(config, "keys") and config.replace(pad_multiple=1).pad_multiple == 1

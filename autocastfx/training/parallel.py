@@ -83,16 +83,17 @@ class FSDP(Local):
                             "its overflow flag over one mesh; shard every block and the root on the same mesh")
         self.mesh = meshes[0]
         self.group = self.mesh.get_group()
+        self._dtensor = loaded_class("torch.distributed.tensor", "DTensor")  # loaded: the parameters are DTensors
         unsharded = [n for n, p in model.named_parameters() if p.requires_grad and not is_dtensor(p)]
         if unsharded:
             raise StepError(f"parameters {unsharded[:3]} of the sharded module are not sharded (fully_shard(..., "
                             "ignored_params=...)?): the step needs every trainable parameter under FSDP2")
 
     def local(self, t):
-        return t._local_tensor if is_dtensor(t) else t
+        return t._local_tensor if isinstance(t, self._dtensor) else t
 
     def locals(self, ts):
-        return [t._local_tensor if is_dtensor(t) else t for t in ts]
+        return [t._local_tensor if isinstance(t, self._dtensor) else t for t in ts]
 
     def all_reduce_max(self, t: torch.Tensor) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
