@@ -203,7 +203,7 @@ class MemoryAccount:
     masters: int     # float32 master weights kept beside low-precision ones (none in autocastfx's recipe now)
     grads: int       # gradients alive between steps: .grad of parameters and masters
     optimizer: int   # optimizer state (moments, step counts)
-    scaler: int      # loss-scale state (GradScaler's, or the generated step's)
+    scaler: int      # loss-scale state (GradScaler's, or autocastfx's step's)
     other: int       # every other tensor alive that the recipe created (the step's own buffers)
     peak: int        # the most bytes alive at once during one step, what is alive between steps included
     tracked_after: int  # the tracker's running count after the step: equals between() when nothing was missed

@@ -140,7 +140,7 @@ def main():
     print(f"train time on this machine: float32 {fp32_time:.1f}s, autocastfx {name} {mixed_time:.1f}s "
           f"({_speed_note(chosen)})\n")
     print(autocastfx.report(gm))
-    print("\nthe generated training step:\n")
+    print("\nthe training step:\n")
     print(step.code)
     print_scale(step, chosen == torch.float16)
     try:

@@ -3,7 +3,7 @@
 The model is written the way nanoGPT-style projects write one: a ``GPTConfig`` dataclass, causal self-attention,
 an MLP, a weight-tied head, ``forward(idx, targets=None) -> (logits, loss)``, ``configure_optimizers`` and
 ``generate``. The loop is the usual one (cosine learning rate with warm-up, gradient accumulation, clipping,
-periodic evaluation, a checkpoint, sampling), with the work the generated step owns taken out of it. The corpus
+periodic evaluation, a checkpoint, sampling), with the work autocastfx's step owns taken out of it. The corpus
 is built by the script (sentences from a small grammar, a few KB): nothing is downloaded.
 
     python examples/train_nanogpt.py [--iters 200] [--accum 2] [--out nanogpt_out] [--resume-check]
@@ -207,7 +207,7 @@ def estimate_loss(gm, splits, args):
 
 
 def build(cfg: GPTConfig, args, example, state=None):
-    """The model, converted once, its own optimizer, and the generated step. ``state``: a checkpoint to resume."""
+    """The model, converted once, its own optimizer, and autocastfx's step. ``state``: a checkpoint to resume."""
     torch.manual_seed(args.seed)
     model = GPT(cfg)
     if state is not None:

@@ -273,7 +273,7 @@ def test_a_model_that_does_not_capture_is_converted_piecewise():
     with AtenRecorder() as rec:
         gm(x)
     assert all(all(d == torch.float16 for d in c.in_dtypes) for c in rec.ops("addmm", "mm"))
-    # and it trains through the generated step with the model's own loss
+    # and it trains through autocastfx's step with the model's own loss
     step = autocastfx.train_step(gm, lambda loss: loss, torch.optim.SGD(gm.parameters(), lr=0.1))
     losses = [float(step({"ids": x, "labels": y})) for _ in range(5)]
     assert losses[-1] < losses[0]

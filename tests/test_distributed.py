@@ -33,7 +33,7 @@ def _worker(rank, init_file, out_dir, accum):
         step = autocastfx.train_step(ddp, F.cross_entropy, opt, init_scale=1024.0, accum_steps=accum)
         assert "P.all_reduce_max(S.found_inf)" in step.code
         if accum > 1:
-            assert "with P.sync(last):" in step.code
+            assert "step.parallel.sync(last)" in step.code and "micro-batches per update" in step.code
             assert type(step.parallel.sync(False)).__name__ == type(ddp.no_sync()).__name__
         # rank 0 alone sees an overflow in update 2: every rank must skip it
         p = dict(gm.named_parameters())["fc1.weight"]

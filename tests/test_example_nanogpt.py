@@ -1,5 +1,5 @@
 """examples/train_nanogpt.py, small: a model with its own loss, configure_optimizers and generate, trained by its own
-loop through the generated step; checkpointed, resumed, sampled from, and loaded back into the model as written."""
+loop through autocastfx's step; checkpointed, resumed, sampled from, and loaded back into the model as written."""
 import math
 import sys
 from pathlib import Path

@@ -59,7 +59,7 @@ def test_save_load_round_trip_and_resume_training(tmp_path):
     assert autocastfx.master_parameters(gm) and all(p.dtype == torch.float32 for p in autocastfx.master_parameters(gm))
     assert str(autocastfx.report(g2)) == str(autocastfx.report(gm))
     assert g2.meta["autocastfx"].policy.op_table == gm.meta["autocastfx"].policy.op_table
-    # the loaded module trains with the generated step
+    # the loaded module trains with autocastfx's step
     step = autocastfx.train_step(g2, F.cross_entropy, torch.optim.SGD(g2.parameters(), lr=0.1))
     x = torch.randn(2, 3, 16, 16)
     w0 = {n: p.clone() for n, p in g2.named_parameters()}

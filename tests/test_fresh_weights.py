@@ -3,7 +3,7 @@
 Its parameters are the float32 model's own, and its graph casts each weight to the low dtype in every forward.
 So whatever changes a parameter (an optimizer step of any implementation, ``load_state_dict``, an initialiser
 under ``torch.no_grad()``, an in-place ``.data`` edit, a new ``.data`` tensor, an edit made through the
-unconverted model, the generated training step) shows in the very next forward. Each test compares that forward
+unconverted model, the training step) shows in the very next forward. Each test compares that forward
 with a fresh conversion of the updated float32 weights (bit for bit: the same program on the same values) and
 requires that it moved away from the output before the change. ``for_inference`` is the one deliberate
 exception: a deployment copy, which keeps the weights it was made from.

@@ -1,4 +1,4 @@
-"""CudaGraphStep: the generated step captured and replayed as CUDA graphs.
+"""CudaGraphStep: autocastfx's step captured and replayed as CUDA graphs.
 
 CPU tier: every refusal that needs no GPU, the optimizer's transformation (capturable, a device lr that LR
 schedulers fill in place), the settings guard, the signature check, the capture schedule, loading into the

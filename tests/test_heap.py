@@ -33,7 +33,7 @@ for _ in range(6):
     t.fill_(1.0)
     del t
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(heap.kept(), max(faults[-2:]), step.code.splitlines()[1], sep="\n")
+print(heap.kept(), max(faults[-2:]), step.code.splitlines()[0], sep="\n")
 """
 
 

@@ -1,7 +1,7 @@
 """Real Hugging Face models that once went wrong after conversion, built from small configs (offline): Swin with
 stochastic depth (its hand-written drop-path ran in eval mode: random eval outputs) and DeBERTa-v2 (its attention
 mask filled with float32's smallest value, which float16 cannot hold). Each in eval and train mode, at the aten
-level, against the float32 model and torch.autocast in the same run, and through the generated step."""
+level, against the float32 model and torch.autocast in the same run, and through autocastfx's step."""
 import time
 import warnings
 
@@ -79,7 +79,7 @@ def test_real_model_in_both_modes_and_training(build):
 def test_deberta_with_labels_converts_piecewise_and_trains_on_its_own_loss():
     """DeBERTa-v2 called with labels= captures in no way (its loss branches on the labels' values: torch.export
     stops at a data-dependent guard): its encoder layers and the parts that capture are converted, the rest runs
-    as the model's own Python, and it trains through the generated step on its own out.loss."""
+    as the model's own Python, and it trains through autocastfx's step on its own out.loss."""
     torch.manual_seed(0)
     model, inputs = deberta()
     inputs = {**inputs, "labels": torch.tensor([1, 2])}

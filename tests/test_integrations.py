@@ -1,4 +1,4 @@
-"""Trainer integrations: the generated step inside Hugging Face's Trainer and Lightning's Trainer, with
+"""Trainer integrations: autocastfx's step inside Hugging Face's Trainer and Lightning's Trainer, with
 accumulation, clipping, a scheduler, evaluation, checkpoints and resume, against the same trainer in float32."""
 import math
 import os

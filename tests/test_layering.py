@@ -17,7 +17,7 @@ LAYERS = {
     "converted": 3,     # the converted module's class and runtime: modes, calls, the model's surface
     "tree": 4,          # blocks and piecewise conversion, given the per-graph conversion as callbacks
     "api": 5,           # convert()
-    "training": 6,      # the generated step, scaling, CUDA graphs, data parallel, sharding, checkpoints
+    "training": 6,      # autocastfx's step, scaling, CUDA graphs, data parallel, sharding, checkpoints
     "tools": 6,         # report, graph, diagnose, inference, export, cli
     "integrations": 7,  # Lightning, Hugging Face
     "": 8,              # the package's __init__, __main__ and the autocastfx.lightning alias

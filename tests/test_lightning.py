@@ -1,4 +1,4 @@
-"""Lightning: the precision plugin trains through the generated step, against the same Trainer in float32:
+"""Lightning: the precision plugin trains through autocastfx's step, against the same Trainer in float32:
 accumulation (with a short last window each epoch), clipping, a per-update scheduler, validation in eval mode,
 checkpoint and resume, logging at the logging interval, and the refusals."""
 import csv

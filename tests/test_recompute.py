@@ -62,7 +62,7 @@ def weights(gm):
 
 # ------------------------------------------------------------------------------------------------ (a)
 def test_checkpointed_blocks_train_bit_identical_with_dropout():
-    """5 SGD steps through the generated step on an 8-block language model with dropout 0.1: the same losses and
+    """5 SGD steps through autocastfx's step on an 8-block language model with dropout 0.1: the same losses and
     weights, bit for bit, with and without checkpointing; the checkpointed blocks do run twice per step."""
     plain, ck = converted(), converted()
     assert autocastfx.checkpoint_blocks(ck) is ck
@@ -125,7 +125,7 @@ def live_bytes(gm, x, y):
 
 
 def step_activation_peak(gm, x, y):
-    """One step of the generated step (SGD, after a warm-up step) under bench/measure.py's step_memory: the peak
+    """One step of autocastfx's step (SGD, after a warm-up step) under bench/measure.py's step_memory: the peak
     during the step less what is alive between steps (the float32 weights, buffers, scale state)."""
     step = autocastfx.train_step(gm, lm_loss, torch.optim.SGD(gm.parameters(), lr=0.01))
     step(x, y)
@@ -304,7 +304,7 @@ def test_compile_blocks_gives_the_same_outputs_and_trains():
     """Each block compiled on its own (block.compile(), as TorchTitan does), backend aot_eager (Dynamo and
     AOTAutograd without Inductor's C++ code generation, which takes about a minute for these two blocks on this
     2-core CPU; Inductor gave outputs within 2e-3 of eager, float16 rounding): the same outputs as the
-    uncompiled tree; it trains through the generated step, checkpointed too."""
+    uncompiled tree; it trains through autocastfx's step, checkpointed too."""
     ref, gm = converted(layers=2), converted(layers=2)
     assert autocastfx.compile_blocks(gm, backend="aot_eager") is gm
     assert all(compiled(b) for b in gm.layers) and not compiled(gm)

@@ -1,4 +1,4 @@
-"""Adapters that run a converted module's generated step inside the trainers people already use.
+"""Adapters that run a converted module's step inside the trainers people already use.
 
 They hold no mixed-precision logic of their own: they convert with ``autocastfx.convert``, train with
 ``autocastfx.train_step`` (its ``after_forward`` where the trainer's own code calls the model) and keep the

@@ -1,4 +1,4 @@
-"""Hugging Face ``Trainer`` with the generated, loss-scaled step: one line, ``autocastfx.integrations.hf.Trainer``
+"""Hugging Face ``Trainer`` with autocastfx's loss-scaled step: one line, ``autocastfx.integrations.hf.Trainer``
 in place of ``transformers.Trainer``.
 
     from autocastfx.integrations.hf import Trainer
@@ -9,13 +9,13 @@ How it hooks in (transformers 5.x):
 - ``train()`` converts the model first (``autocastfx.convert``; example inputs: the collated first examples of
   the training set, read without the sampler, so the data order is the one a float32 run sees), so that the
   checkpoint to resume from loads into the converted module;
-- ``create_optimizer()`` builds the optimizer as usual and the generated step over it
+- ``create_optimizer()`` builds the optimizer as usual and autocastfx's step over it
   (``loss_fn=lambda out: out.loss``: the model's own ``labels=`` loss; ``accum_steps`` from
   ``gradient_accumulation_steps``; ``clip_grad_norm`` from ``max_grad_norm``, which the Trainer's own clipping
   then leaves alone); the Trainer keeps a stand-in optimizer whose ``step()`` and ``zero_grad()`` do nothing,
-  because the generated step has already updated the float32 parameters, skipped an overflowing update and
+  because autocastfx's step has already updated the float32 parameters, skipped an overflowing update and
   freed the gradients; the learning-rate scheduler drives the real optimizer;
-- ``training_step()`` runs the generated step on the batch (forward, scaled backward, and on the last
+- ``training_step()`` runs autocastfx's step on the batch (forward, scaled backward, and on the last
   micro-batch the update);
 - checkpoints hold the step's state (loss scale and its history) in ``autocastfx_step.pt`` beside the
   optimizer's, and resuming loads it;
@@ -39,7 +39,7 @@ STEP_FILE = "autocastfx_step.pt"
 
 class _Applied(torch.optim.Optimizer):
     """What the Trainer holds as its optimizer: the real one's groups and state, with ``step()`` and
-    ``zero_grad()`` left to the generated step."""
+    ``zero_grad()`` left to autocastfx's step."""
 
     def __init__(self, real: torch.optim.Optimizer):  # noqa: D107 - no super().__init__: nothing of its own
         self.real = real
@@ -70,11 +70,11 @@ class _Applied(torch.optim.Optimizer):
         self.real.load_state_dict(state_dict)
 
     def __repr__(self):
-        return f"applied by the generated step: {self.real!r}"
+        return f"applied by autocastfx's step: {self.real!r}"
 
 
 class Trainer(transformers.Trainer):
-    """``transformers.Trainer`` whose training runs through autocastfx's generated step.
+    """``transformers.Trainer`` whose training runs through autocastfx's step.
 
     ``dtype`` (float16 or bfloat16), ``convert_kwargs`` (more ``autocastfx.convert`` options) and ``step_kwargs``
     (more ``autocastfx.train_step`` options, e.g. ``init_scale``) are this class's own keywords; everything else
@@ -125,7 +125,7 @@ class Trainer(transformers.Trainer):
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
-        # the schedule drives the real optimizer, whose groups the generated step steps
+        # the schedule drives the real optimizer, whose groups autocastfx's step steps
         return super().create_scheduler(num_training_steps, optimizer=self.real_optimizer)
 
     def training_step(self, model, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Lightning with the generated, loss-scaled step: a precision plugin, ``MixedPrecision``.
+"""Lightning with autocastfx's loss-scaled step: a precision plugin, ``MixedPrecision``.
 
     from autocastfx.integrations.lightning import MixedPrecision
     trainer = lightning.Trainer(plugins=[MixedPrecision()], accumulate_grad_batches=2, gradient_clip_val=1.0)
@@ -15,7 +15,7 @@ How it hooks in (Lightning 2.x):
   (``autocastfx.convert``) the first time it is called, with the inputs it is called with, and the converted
   module takes its place at the attribute (``example_input=`` converts at setup instead); the conversion leaves
   the random number generators as it found them;
-- with the converted module the generated step is built over the real optimizer (``train_step``: the optimizer holds the
+- with the converted module autocastfx's step is built over the real optimizer (``train_step``: the optimizer holds the
   converted module's float32 parameters, so the scheduler Lightning steps reaches the updates), with ``accum_steps``
   from ``accumulate_grad_batches`` and ``clip_grad_norm`` from ``gradient_clip_val``: clipped after unscaling,
   inside the step, so ``clip_gradients()`` has nothing left to do;
@@ -63,14 +63,14 @@ isolate_rng = importlib.import_module(pl.__name__ + ".utilities.seed").isolate_r
 
 class MixedPrecision(Precision):
     """Lightning precision plugin that converts the LightningModule's network and trains it through autocastfx's
-    generated step.
+    step.
 
     ``dtype``: float16 or bfloat16. ``attribute``: the LightningModule's attribute that holds the network (default:
     its one child module with parameters). ``convert_kwargs``: more ``autocastfx.convert`` options;
     ``step_kwargs``: more ``autocastfx.train_step`` options (e.g. ``init_scale``). ``example_input``: inputs of the
     network (a tensor, a tuple, a dict of keyword inputs, or a callable taking the LightningModule and returning
     one) to convert at setup; by default the network is converted on its first call. After ``fit`` the
-    LightningModule holds the converted module; ``self.step`` is the generated step (``step.stats``: loss scale,
+    LightningModule holds the converted module; ``self.step`` is autocastfx's step (``step.stats``: loss scale,
     skipped steps, gradient norm as device tensors)."""
 
     def __init__(self, dtype: torch.dtype = torch.float16, attribute: str | None = None,
@@ -127,14 +127,14 @@ class MixedPrecision(Precision):
                 "use Trainer(devices=1); for DDP or FSDP2 call autocastfx.train_step in a loop of your own "
                 "(docs/distributed.md)")
         if not model.automatic_optimization:
-            raise ValueError("autocastfx's Lightning plugin runs automatic optimization (the generated step does "
+            raise ValueError("autocastfx's Lightning plugin runs automatic optimization (autocastfx's step does "
                              "backward and the update): with manual optimization, build autocastfx.train_step(...) "
                              "yourself and call it in training_step, without the plugin")
         if optimizers is not None and len(optimizers) != 1:
-            raise ValueError(f"configure_optimizers returned {len(optimizers)} optimizers: the generated step "
+            raise ValueError(f"configure_optimizers returned {len(optimizers)} optimizers: autocastfx's step "
                              "updates through one; put the parameters in groups of one optimizer")
         if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value":
-            raise ValueError("the generated step clips by global norm, after unscaling: use "
+            raise ValueError("autocastfx's step clips by global norm, after unscaling: use "
                              "Trainer(gradient_clip_algorithm='norm'), or leave the algorithm unset")
 
     def _network_name(self, model) -> str:

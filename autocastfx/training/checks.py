@@ -80,7 +80,7 @@ class InputChecker:
 
     def __init__(self, gm: fx.GraphModule, device: torch.device):
         self.gm, self.device = gm, device
-        self.forwards = 0  # forwards the step ran through (counted by TrainStep._forward)
+        self.forwards = 0  # forwards the step ran through (counted by TrainStep.call_model)
         self.forward_sig = _forward_signature(gm)
         self.example = _example_infos(gm, self.forward_sig)
         self.seen: set = set()
@@ -138,7 +138,7 @@ class InputChecker:
         buffers = [(b, b.detach().clone()) for b in unique_by_id(self.gm.buffers())]
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        # whether the forward ran through is counted by the step's own call of the module (TrainStep._forward),
+        # whether the forward ran through is counted by the step's own call of the module (TrainStep.call_model),
         # not by a forward hook: a hook added for one call is a change torch.compile guards on (a recompile)
         forwards = self.forwards
         try:

@@ -1,4 +1,4 @@
-"""``train_step()``: the generated step for a converted module in one process, under DistributedDataParallel,
+"""``train_step()``: autocastfx's step for a converted module in one process, under DistributedDataParallel,
 or sharded with FSDP2 (training.parallel answers what depends on the wrapper), optionally as a CUDA graph."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from .step import DYNAMIC, TrainStep
 def train_step(gm, loss_fn, optimizer, *, loss_scale=DYNAMIC, init_scale="auto", growth_factor=2.0,
                backoff_factor=0.5, growth_interval=2000, min_scale=1.0, hysteresis=1, on_overflow="skip",
                max_retries=8, accum_steps=1, clip_grad_norm=None, cuda_graph: bool = False):
-    """A generated, loss-scaled training step for a converted module (see training.step): the optional faster
+    """A loss-scaled training step for a converted module (see training.step): the optional faster
     path beside a plain loop, which trains the same float32 parameters.
 
     The step owns backward, ``/ accum_steps``, unscaling, clipping, ``optimizer.step()`` on the float32

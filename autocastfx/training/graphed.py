@@ -1,7 +1,7 @@
-"""The generated training step as CUDA graphs: one launch per step instead of hundreds.
+"""The training step as CUDA graphs: one launch per step instead of hundreds.
 
 A small model's step is bound by kernel launches, not by the GPU (docs/benchmarks.md has the H100's figures).
-The generated step never reads the device from the host (the optimizer
+autocastfx's step never reads the device from the host (the optimizer
 skips overflowing updates itself, the scale moves on the device), so the whole of it can be captured once and
 replayed:
 
@@ -476,7 +476,7 @@ class CudaGraphStep:
                     torch._foreach_copy_([s for s, _ in pairs], [x for _, x in pairs], non_blocking=True)
             self._graphs[kind].replay()
             if self.step.accum_steps > 1:
-                self.step.micro += 1   # the host counter the generated step keeps, as the eager call would
+                self.step.micro += 1   # the host counter autocastfx's step keeps, as the eager call would
             self.replays += 1
             self.step.optimizer._opt_called = True   # it did step, inside the graph: LR schedulers check this flag
             self.step.state.poll()     # the stuck-scale flag the graph copied to the host: raises within two calls

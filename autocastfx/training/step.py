@@ -1,16 +1,9 @@
-"""The training step: generated Python source, compiled once, that carries out the mixed-precision recipe.
+"""The training step: the object that runs the mixed-precision recipe (autocastfx.training.recipe) on a converted
+module, its loss function and the user's optimizer.
 
-    forward (the graph casts the float32 parameters to the low dtype), the loss in float32
-    backward of loss * scale: float32 gradients on the parameters
-    gradients unscaled and checked for inf/NaN in one fused pass
-    optional clipping by global norm; the optimizer step, skipped on the device on overflow
-    the scale updated on the device
-
-``print(step.code)`` shows exactly what runs: only the branches the options need are generated. The source is
-written by autocastfx.training.source from the step's options alone; this module gathers what the step works on,
-compiles that source and runs it. Around it, ``TrainStep.__call__`` does the host-side work: the first call with a
-new input signature is checked and guarded (training.checks), and after every call a host copy of the "stuck at
-min_scale" flag is read.
+The recipe is plain Python over the step's frozen options; ``print(step.code)`` shows it as written. Around it,
+``TrainStep.__call__`` does the host-side work: the first call with a new input signature is checked and guarded
+(training.checks), and after every call a host copy of the "stuck at min_scale" flag is read.
 
 What depends on how the model is spread over processes, the step asks of a ``parallel`` object: :class:`Local`
 here (one process); training.parallel answers for DistributedDataParallel and FSDP2.
@@ -19,16 +12,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
 from ..converted import calls as _calls
-from .checks import InputChecker, StepError, check_grad_mode, check_loss, signature, unique_by_id
+from .checks import InputChecker, StepError, check_grad_mode, signature, unique_by_id
 from . import heap as _heap
 from .scaling import HISTORY, LossScaleError, ScalerConfig, ScaleState
-from .source import SourceOptions, step_source
+from . import recipe
+from .recipe import StepOptions
 
 
 class _DynamicDefault(str):
@@ -209,27 +204,18 @@ class TrainStep:
         self._compiled_free = inner.meta["autocastfx"].free_dims if inner is not self.model \
             and "autocastfx" in getattr(inner, "meta", {}) else ()
         self.heap = _heap.status() if torch.device(device).type == "cpu" else None  # said in the step's docstring
-        self.code = self._generate()
-        self._fn: Callable = self._compile(self.code)
-
-    # ------------------------------------------------------------------------------------- the source
-    def _generate(self) -> str:
-        """The step's source (autocastfx.training.source), for the options it was built with."""
-        return step_source(SourceOptions(
+        self.options = StepOptions(
             scaler=self.cfg, accum_steps=self.accum_steps, clip=self.clip, on_overflow=self.on_overflow,
-            max_retries=self.max_retries, kind=self.parallel.kind, distributed=self.parallel.distributed,
-            fused=self.fused, heap=self.heap))
+            max_retries=self.max_retries, kind=P.kind, distributed=P.distributed, fused=self.fused, heap=self.heap)
+        self._fn: Callable = functools.partial(recipe.train_step, self)
 
-    def _compile(self, code: str) -> Callable:
-        """``train_step`` compiled from ``code``, in a namespace that holds what the source names."""
-        namespace = {"torch": torch, "contextlib": contextlib, "self": self, "model": self.model,
-                     "loss_fn": self.loss_fn, "optimizer": self.optimizer, "S": self.state, "P": self.parallel,
-                     "_call": self._forward, "check_loss": check_loss}
-        exec(compile(code, "<autocastfx train_step>", "exec"), namespace)  # noqa: S102 - our own source
-        return namespace["train_step"]
+    @property
+    def code(self) -> str:
+        """What runs: the options in words, then the step's functions as written (autocastfx.training.recipe)."""
+        return recipe.code(self.options)
 
-    def _forward(self, model: nn.Module, inputs: Any) -> Any:
-        """The module's forward, as the step's source calls it (``_call``), counted for the input checks; over
+    def call_model(self, model: nn.Module, inputs: Any) -> Any:
+        """The module's forward, as the step calls it, counted for the input checks; over
         ``torch.compile(gm)``, its inputs' free sizes marked first (before the compiler runs)."""
         if self._compiled_free and not isinstance(inputs, Forwarded):
             args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs) \

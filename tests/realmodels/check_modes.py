@@ -7,7 +7,7 @@ Each model is built the way it is trained (stochastic depth on), converted with 
   modes  eval -> train -> eval without a training forward gives the same eval output, and batch-norm statistics
          change only in a training forward;
   policy every matmul and convolution runs on float16 operands (aten level);
-  step   three steps of the generated training step give finite losses.
+  step   three steps of the training step give finite losses.
 
     python tests/realmodels/check_modes.py [names...]     # torchvision/timm need their own environment
     (docs/realmodels.md); Hugging Face models need transformers only.

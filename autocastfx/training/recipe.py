@@ -1,0 +1,162 @@
+"""The training step's recipe, as plain Python over the step's frozen options.
+
+:func:`train_step` is what ``TrainStep`` (autocastfx.training.step) runs on every call; ``print(step.code)`` shows
+this module's functions as written, under a line that says the options they run with. The parts:
+
+1. forward (the graph casts the float32 parameters), the loss in float32, backward of ``loss * scale``
+   (divided by the micro-batches of an update);
+2. the float32 gradients unscaled and checked for inf/NaN in one fused pass, one decision across processes;
+3. with ``on_overflow="retry"``, the batch redone at a lowered scale (the one host read it needs);
+4. clipping by global norm, after unscaling, with no host read;
+5. the optimizer step, skipped on overflow: on the device by a fused optimizer, else after one host read;
+6. the scale update on the device (``init_scale="auto"``: the first update picks the scale).
+
+``step`` is the ``TrainStep``: its ``options`` (:class:`StepOptions`), its scale state ``state``, the ``parallel``
+object that answers for DistributedDataParallel and FSDP2, and the parameters and optimizer it trains.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+
+import torch
+
+from .checks import check_loss
+from .scaling import ScalerConfig
+
+_PARALLEL_NOTE = {"ddp": ", DistributedDataParallel", "fsdp": ", FSDP2"}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """The options the step was built with, and what it found: ``kind`` and ``distributed`` are the ``parallel``
+    object's (``"local"``, ``"ddp"`` or ``"fsdp"``); ``fused`` whether the optimizer skips an overflowing update
+    on the device (else the step reads ``found_inf`` on the host); ``heap`` what the step did with the CPU
+    allocator (autocastfx.training.heap), None off the CPU."""
+    scaler: ScalerConfig
+    accum_steps: int
+    clip: float | None
+    on_overflow: str
+    max_retries: int
+    kind: str
+    distributed: bool
+    fused: bool
+    heap: str | None = None
+
+    @property
+    def dynamic(self) -> bool:
+        return self.scaler.mode == "dynamic"
+
+    @property
+    def scaled(self) -> bool:
+        return self.scaler.mode != "off"
+
+    @property
+    def sharded(self) -> bool:
+        return self.kind == "fsdp"
+
+    @property
+    def retry(self) -> bool:
+        return self.on_overflow == "retry"
+
+
+def describe(o: StepOptions) -> str:
+    """The options in words: the first line of ``step.code``."""
+    cfg = o.scaler
+    init = "auto" if cfg.auto else f"{cfg.init_scale:g}"
+    return (f"loss scale {cfg.mode}" + (f" (init {init})" if o.scaled else "")
+            + (f", hysteresis {cfg.hysteresis}" if o.dynamic and cfg.hysteresis > 1 else "")
+            + (f", {o.accum_steps} micro-batches per update" if o.accum_steps > 1 else "")
+            + (f", clip grad norm {o.clip:g}" if o.clip is not None else "")
+            + (", retry on overflow" if o.retry else "")
+            + (", fused optimizer (skips on the device)" if o.fused else ", optimizer skipped after one host read")
+            + _PARALLEL_NOTE.get(o.kind, "")
+            + (f"; {o.heap}" if o.heap else ""))
+
+
+def train_step(step, inputs, *targets) -> torch.Tensor:
+    """One mixed-precision training step on ``inputs``; returns the loss (a device tensor, not read)."""
+    o, S = step.options, step.state
+    if o.accum_steps > 1:
+        last = step.micro % o.accum_steps == o.accum_steps - 1  # host counter: no device read
+        sync = step.parallel.sync(last) if o.distributed else contextlib.nullcontext()
+        with sync:  # gradient all-reduce / reduce-scatter on the last micro-batch only
+            loss = forward_backward(step, inputs, targets)
+        step.micro += 1
+        if not last:
+            return loss.detach()
+        with torch.no_grad():
+            update(step, unscale_and_check(step))
+        return loss.detach()
+    for attempt in range(o.max_retries + 1 if o.retry else 1):
+        loss = forward_backward(step, inputs, targets)
+        with torch.no_grad():
+            grads = unscale_and_check(step)
+            if not o.retry or attempt == o.max_retries or not bool(S.found_inf):  # retry: one host read
+                break
+            S.record()  # redo the batch at the lowered scale
+            S.update_dynamic()
+            for p in step.all_params:
+                p.grad = None
+    with torch.no_grad():
+        update(step, grads)
+    return loss.detach()
+
+
+def forward_backward(step, inputs, targets: tuple) -> torch.Tensor:
+    """The forward (the graph casts the float32 parameters), the loss in float32 (one number connected to the
+    weights), and the backward of ``loss * scale / accum_steps``."""
+    o, S = step.options, step.state
+    out = step.call_model(step.model, inputs)
+    loss = check_loss(step.loss_fn(out, *targets)).float()
+    if o.scaled:
+        (loss * (S.scale if o.accum_steps == 1 else S.scale / o.accum_steps)).backward()
+    elif o.accum_steps > 1:
+        (loss * (1.0 / o.accum_steps)).backward()
+    else:
+        loss.backward()
+    return loss
+
+
+def unscale_and_check(step) -> list[torch.Tensor]:
+    """The float32 gradients unscaled and checked for inf/NaN in one fused pass, into ``S.found_inf``; one skip
+    decision on every process where there are several. Returns the gradients (under FSDP2, the local shards)."""
+    o, S, P = step.options, step.state, step.parallel
+    grads = [p.grad for p in step.all_params if p.grad is not None]
+    if o.sharded:
+        grads = P.locals(grads)  # the shards' local tensors: the kernels below take plain ones
+    S.found_inf.zero_()
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, S.found_inf, S.inv_scale)
+    if o.distributed:
+        P.all_reduce_max(S.found_inf)
+    return grads
+
+
+def update(step, grads: list[torch.Tensor]) -> None:
+    """Clipping, the optimizer step (skipped on overflow), every gradient freed, and the scale update."""
+    o, S, P, optimizer = step.options, step.state, step.parallel, step.optimizer
+    if o.clip is not None:  # by global norm, after unscaling, into the step's own norm tensor (no host read)
+        if o.sharded:
+            step.grad_norm.copy_(P.grad_norm(grads))  # over every shard of every rank
+            torch._foreach_mul_(grads, torch.clamp(o.clip / (step.grad_norm + 1e-6), max=1.0))
+        else:
+            step.grad_norm.copy_(torch.nn.utils.clip_grad_norm_(step.optimizer_params, o.clip, foreach=True))
+    if o.fused:
+        optimizer.grad_scale, optimizer.found_inf = None, S.found_inf  # the fused kernel skips on the device
+        optimizer.step()
+    elif not bool(S.found_inf):  # an optimizer without a fused kernel: one host read to skip
+        optimizer.step()
+    for p in step.all_params:  # gradients freed: the next backward writes, not adds
+        p.grad = None
+    S.record()  # and the stuck-at-min_scale flag, read later by the host without a sync
+    if o.dynamic and o.scaler.auto and S.auto_pending:  # the largest safe power of two for these gradients
+        S.update_auto(grads)
+    elif o.dynamic:
+        S.update_dynamic()
+
+
+def code(o: StepOptions) -> str:
+    """What ``step.code`` shows: the options in words, then the functions that run, as written."""
+    parts = (train_step, forward_backward, unscale_and_check, update)
+    return f"# train_step: {describe(o)}\n\n" + "\n\n".join(inspect.getsource(f) for f in parts)
