@@ -26,7 +26,7 @@ def test_train_digits_runs(tmp_path):
     assert "test accuracy: float32" in out and f"autocastfx {short}" in out
     if devices.cpu_features():
         assert chosen == str(devices.choose(torch.device("cpu"))[0]).removeprefix("torch.")
-    assert "def train_step(inputs, *targets):" in out and "casts per forward" in out
+    assert "def train_step(step, inputs, *targets)" in out and "casts per forward" in out
     acc = [float(tok.rstrip("%")) for tok in out.split("test accuracy:")[1].split("\n")[0].split() if tok.endswith("%")]
     assert len(acc) == 2 and acc[1] > 80.0  # one epoch already learns the digits
 
