@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autocastfx
+from small_models import TinyGPT
 
 
 class _Flagged(nn.Module):
@@ -31,7 +32,8 @@ class _Flagged(nn.Module):
 def test_a_conversion_in_one_thread_leaves_another_threads_reads_and_prints_alone(capsys):
     """While the main thread converts (its capture watches which training flags the model reads), a second thread
     reads attributes of its own module and prints: every read returns the module's own value, none is seen by
-    the conversion, and every line it printed reaches sys.stdout."""
+    the conversion, nothing of nn.Module or of the module's class changes, and every line it printed reaches
+    sys.stdout. Only the capture's copy of the model is watched: the model's own modules keep their classes."""
     other = nn.Linear(3, 3)
     stop, reads, errors = threading.Event(), [0], []
 
@@ -39,6 +41,7 @@ def test_a_conversion_in_one_thread_leaves_another_threads_reads_and_prints_alon
         while not stop.is_set():
             try:
                 assert other.in_features == 3 and other.training is True
+                assert type(other) is nn.Linear and "__getattribute__" not in nn.Module.__dict__
                 reads[0] += 1
                 print(f"worker line {reads[0]}")
             except Exception as e:  # noqa: BLE001 - reported below
@@ -48,8 +51,8 @@ def test_a_conversion_in_one_thread_leaves_another_threads_reads_and_prints_alon
     from autocastfx.capture import watch
     original = watch.watch_reads
 
-    def recording(callback):  # the conversion's watchers, wrapped to see what they are given
-        return original(lambda m, n: (seen.append(m), callback(m, n)))
+    def recording(modules, callback):  # the conversion's watchers, wrapped to see what they are given
+        return original(modules, lambda m, n: (seen.append(m), callback(m, n)))
 
     watch.watch_reads = recording
     t = threading.Thread(target=worker)
@@ -57,7 +60,8 @@ def test_a_conversion_in_one_thread_leaves_another_threads_reads_and_prints_alon
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            gm = autocastfx.convert(_Flagged(), (torch.randn(4, 8),), dtype=torch.bfloat16)
+            model = _Flagged()
+            gm = autocastfx.convert(model, (torch.randn(4, 8),), dtype=torch.bfloat16)
     finally:
         stop.set()
         t.join()
@@ -65,9 +69,41 @@ def test_a_conversion_in_one_thread_leaves_another_threads_reads_and_prints_alon
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("worker line")]
     assert not errors, errors
     assert reads[0] > 0 and len(printed) == reads[0]
-    assert not any(m is other for m in seen)
+    assert seen and not any(m is other for m in seen)
+    assert not {id(m) for m in seen} & {id(m) for m in model.modules()}  # the capture's copy, not the model
+    assert [type(m) for m in model.modules()] == [_Flagged, nn.Linear, nn.Linear, nn.Dropout]
     assert "__getattribute__" not in nn.Module.__dict__
     assert gm(torch.randn(2, 8)).shape == (2, 4)
+
+
+def test_the_modules_a_capture_watched_have_their_own_classes_after_it():
+    """The capture watches its copy of the model by swapping the copy's classes meanwhile: every module the
+    converted module keeps has its own class again, no graph's node metadata keeps a subclass (nn_module_stack,
+    source_fn_stack): traced, exported, and a model that reads its mode (a program per mode). A traced one pickles
+    (torch.export's module does not: its graph module holds a local function)."""
+    import io
+
+    from autocastfx.base.meta import WATCHED_CLASS
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.1), nn.Flatten(),
+                          nn.Linear(8 * 6 * 6, 4))
+    x = torch.randn(2, 3, 8, 8)
+    ids = torch.randint(0, 101, (2, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for gm in (autocastfx.convert(model, (x,), dtype=torch.bfloat16),
+                   autocastfx.convert(_Flagged(), (torch.randn(4, 8),), dtype=torch.bfloat16),
+                   autocastfx.convert(TinyGPT(), (ids,), dtype=torch.bfloat16)):
+            assert not [n for n, m in gm.named_modules() if WATCHED_CLASS in type(m).__dict__]
+            graphs = [m.graph for m in gm.modules() if isinstance(getattr(m, "graph", None), torch.fx.Graph)]
+            programs = gm.meta.get("autocastfx_programs")
+            graphs += [programs.union, *programs.graphs.values()] if programs is not None else []
+            kept = [c for g in graphs for n in g.nodes for v in n.meta.values() if isinstance(v, (dict, list, tuple))
+                    for c in torch.utils._pytree.tree_leaves(v) if isinstance(c, type) and WATCHED_CLASS in vars(c)]
+            assert not kept, kept
+            if gm.meta["autocastfx"].capture == "symbolic_trace":
+                torch.save(gm, io.BytesIO())
+    assert not [m for m in model.modules() if WATCHED_CLASS in type(m).__dict__]
 
 
 def test_after_convert_and_a_step_torch_and_the_optimizer_are_as_they_were():

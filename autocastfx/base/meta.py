@@ -17,6 +17,15 @@ from . import keys as K
 from .options import ConvertOptions
 
 
+WATCHED_CLASS = "_autocastfx_watched_class"  # on the subclass a watched module has meanwhile: its own class
+
+
+def original_class(module: Any) -> type:
+    """The module's own class: the one it had before a capture watched its reads (capture.watch swaps it for a
+    subclass meanwhile)."""
+    return type(module).__dict__.get(WATCHED_CLASS, type(module))
+
+
 def is_converted(m: Any) -> bool:
     """Whether ``m`` is a module made by ``convert()`` (a whole model, a block or a piecewise part)."""
     meta = getattr(m, "meta", None)

@@ -40,18 +40,6 @@ class AroundError(RuntimeError):
     """torch.export cannot keep the blocks as calls (the reason is the message)."""
 
 
-def block_modules(units: dict[str, nn.Module], sources: Mapping[int, tuple]) -> set[int]:
-    """id() of every module of the converted blocks and of the model's blocks that stand in for them
-    (``sources``: see :class:`CaptureContext`)."""
-    out = set()
-    for u in units.values():
-        out |= {id(m) for m in u.modules()}
-        source = sources.get(id(u), (None, None))[0]
-        if source is not None:
-            out |= {id(m) for m in source.modules()}
-    return out
-
-
 class _Float32Results(ReadsThrough):
     """A converted block as torch.export sees it while the model around it is exported: only its signature and
     its result's structure, shapes and dtypes matter there (the block's code is not kept). A block whose every

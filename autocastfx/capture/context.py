@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn as nn
@@ -20,11 +20,14 @@ class CaptureContext:
     ``dynamic_sizes``: sizes of the model's own inputs free to vary (batch, sequence length): a block exported
     on its own leaves its inputs' sizes free where they are one of these (see :func:`free_sizes`).
     ``sources``: id(converted block) -> (the model's block, its result template): what torch.export traces for
-    a converted block inside the model around it (capture.around)."""
+    a converted block inside the model around it (capture.around). ``watch``: called as ``watch(module, name)`` on
+    every attribute read of the capture's copy of the model (capture.watch), for the tree of blocks to tell which
+    attributes a block's conversion depends on."""
     meta_device: torch.device | None = None
     dynamic_sizes: frozenset[int] = frozenset()
     sources: Mapping[int, tuple[nn.Module, Any]] = dataclasses.field(
         default_factory=lambda: types.MappingProxyType({}))
+    watch: Callable[[nn.Module, str], None] | None = None
 
     def replace(self, **changes) -> CaptureContext:
         if "sources" in changes:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from . import inline as _inline
 from .context import CaptureContext
+from .watch import own_classes, watch_reads, watchable
 from ..base.meta import is_converted
 import collections
+import contextlib
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -322,6 +324,14 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy, ctx: CaptureCon
     or in eval mode is captured in the mode it can be, as one program whose known flags follow the mode
     (:func:`record`), and a warning says so."""
     work = copy_model(model, share_tensors)
+    with watch_reads(watchable(work), ctx.watch) if ctx.watch is not None else contextlib.nullcontext():
+        out = _capture(model, work, args, kwargs, policy, ctx)
+    own_classes(out[0])  # the watched copy's classes, where the capture's node metadata noted its subclasses
+    return out
+
+
+def _capture(model: nn.Module, work: nn.Module, args: tuple, kwargs: dict, policy,
+             ctx: CaptureContext) -> tuple[fx.GraphModule, str, list]:
     given = {name: m.training for name, m in work.named_modules()}
     mixed = len(set(given.values())) > 1
     current = GIVEN if mixed else (TRAIN if model.training else EVAL)

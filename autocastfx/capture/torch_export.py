@@ -8,7 +8,7 @@ import torch.fx as fx
 import torch.nn as nn
 from ..base.errors import one_line, CaptureError
 import functools
-from .around import block_modules, export_around
+from .around import export_around
 from .context import CaptureContext
 from ..core.propagate import check_example_values, propagate
 from .watch import outer_units, watch_training
@@ -21,16 +21,13 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict, ctx: CaptureCont
     units = outer_units(model)
     try:
         with quiet_torch_logs():  # torch.export prints graphs and shape warnings while it fails; the error says it all
-            if units:  # the converted blocks inside stay calls of one graph around them
-                seen: list | None = [] if reads is not None else None
-                with watch_training(seen):
+            if units:  # the converted blocks inside stay calls of one graph around them; what the blocks read of
+                # their own modes is theirs, not the root's: only the root's own modules are watched
+                with watch_training(model, reads):
                     gm = export_around(model, tuple(args), dict(kwargs), units, functools.partial(_export, ctx=ctx),
                                        ctx.sources)
-                if reads is not None:  # what the blocks read of their own modes is theirs: not the root's
-                    inner = block_modules(units, ctx.sources)
-                    reads.extend(m for m in seen if id(m) not in inner)
             else:
-                with watch_training(reads), torch_internal_warnings_off():
+                with watch_training(model, reads), torch_internal_warnings_off():
                     gm = _export(model, tuple(args), dict(kwargs), ctx=ctx).module()
         _strip_export_asserts(gm)
         if check:

@@ -111,7 +111,7 @@ def capture_graph(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, c
         return capture_export(model, args, kwargs, ctx, check=check, reads=reads)
     try:
         tracer = ModelTracer(policy)
-        with watch_training(reads):
+        with watch_training(model, reads):
             graph = tracer.trace(model)
         gm = _graph_module(tracer.root, graph, model.__class__.__name__, compile_code)
         if tracer.output_type is not None:

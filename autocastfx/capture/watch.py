@@ -1,16 +1,95 @@
-"""What the model's code reads while it is captured: modules' ``training`` flags, attributes of blocks."""
+"""What the model's code reads while it is captured: modules' ``training`` flags, attributes of blocks.
+
+Only the capture's own copy of the model is watched. While it is, each of its modules has its class swapped for a
+subclass that reports attribute reads (as ``fully_shard`` swaps a module's class for an ``FSDP<class>``), and the
+original class is given back after. Neither the model's classes nor ``nn.Module`` change, and no other module, in
+this thread or another, is touched.
+"""
 from __future__ import annotations
 import contextlib
-import threading
+from typing import Callable, Iterable
+import torch.fx as fx
 import torch.nn as nn
-from ..base.meta import is_converted
+from ..base.meta import WATCHED_CLASS, is_converted
+_CALLBACKS: dict[int, list] = {}  # id(a watched module) -> what is called on each of its reads
+
+
+def _reporting(cls: type) -> type:
+    """A subclass of ``cls`` that calls the callbacks of the instance on every attribute read; made for one watch
+    and dropped with it (nothing is kept of the classes a process captured)."""
+    def __getattribute__(self, name):
+        for callback in _CALLBACKS.get(id(self), ()):
+            callback(self, name)
+        return super(sub, self).__getattribute__(name)
+
+    sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__,
+                                      "__qualname__": cls.__qualname__, WATCHED_CLASS: cls})
+    return sub
+
+
+def watchable(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` whose reads are the model's own: the converted blocks inside it, and what they
+    hold, read for themselves."""
+    inside = {id(s) for m in model.modules() if m is not model and is_converted(m) for s in m.modules()}
+    return [m for m in model.modules() if id(m) not in inside]
 
 
 @contextlib.contextmanager
-def watch_training(reads: list | None):
-    """Append to ``reads`` every module whose ``training`` attribute is read meanwhile (``None``: watch nothing).
-    A capture that reads none wrote no mode-dependent code (leaf modules, which switch by themselves, are not
-    run by a capture), so the model's eval capture would be the same graph."""
+def watch_reads(modules: Iterable[nn.Module], callback: Callable[[nn.Module, str], None]):
+    """Meanwhile ``callback(module, name)`` is called on every attribute read of one of ``modules``, which must be
+    the caller's own (a copy it made): their classes are swapped meanwhile. Watches nest."""
+    mods = list({id(m): m for m in modules}.values())
+    swapped, made = [], {}
+    for m in mods:
+        _CALLBACKS.setdefault(id(m), []).append(callback)
+        cls = type(m)
+        if WATCHED_CLASS not in cls.__dict__:  # not watched already (by an enclosing watch)
+            if cls not in made:
+                made[cls] = _reporting(cls)
+            m.__class__ = made[cls]
+            swapped.append((m, cls))
+    try:
+        yield
+    finally:
+        for m, cls in swapped:
+            m.__class__ = cls
+        for m in mods:
+            left = _CALLBACKS.get(id(m), [])
+            left.remove(callback)
+            if not left:
+                _CALLBACKS.pop(id(m), None)
+
+
+def own_classes(gm: nn.Module) -> None:
+    """Give back, in the node metadata of every graph in ``gm`` (a capture's result), the modules' own classes where
+    a capture that watched them recorded the subclasses they had meanwhile (``nn_module_stack``,
+    ``source_fn_stack``): a graph keeps no class that exists only while a capture runs (it would not pickle)."""
+    for m in gm.modules():
+        graph = getattr(m, "graph", None)
+        if isinstance(graph, fx.Graph):
+            for node in graph.nodes:
+                for key, value in node.meta.items():
+                    if isinstance(value, (type, tuple, list, dict)):
+                        node.meta[key] = _unwatched(value)
+
+
+def _unwatched(v):
+    if isinstance(v, type):
+        return v.__dict__.get(WATCHED_CLASS, v)
+    if isinstance(v, dict):
+        return {k: _unwatched(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_unwatched(x) for x in v]
+    if type(v) is tuple:
+        return tuple(_unwatched(x) for x in v)
+    return v
+
+
+@contextlib.contextmanager
+def watch_training(model: nn.Module, reads: list | None):
+    """Append to ``reads`` every module of ``model`` (the capture's copy) whose ``training`` attribute is read
+    meanwhile (``None``: watch nothing). A capture that reads none wrote no mode-dependent code (leaf modules,
+    which switch by themselves, are not run by a capture), so the model's eval capture would be the same graph."""
     if reads is None:
         yield
         return
@@ -19,47 +98,8 @@ def watch_training(reads: list | None):
         if name == "training":
             reads.append(module)
 
-    with watch_reads(seen):
+    with watch_reads(watchable(model), seen):
         yield
-
-
-_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def watch_reads(callback):
-    """Meanwhile ``callback(module, name)`` is called for every attribute read of a module made by this thread.
-
-    The first watcher puts a ``__getattribute__`` on ``nn.Module`` that calls the callbacks of the reading thread
-    only (each watcher is keyed by the thread that started it, so another thread's reads are neither recorded nor
-    changed); the last one out, in any order and from any thread, gives ``nn.Module`` its own lookup back. The
-    install and removal hold a lock. Every thread's module attribute reads pay one Python call meanwhile."""
-    me = threading.get_ident()
-    with _LOCK:
-        installed = nn.Module.__dict__.get("__getattribute__")
-        if installed is None or not hasattr(installed, "watchers"):
-            watchers: dict[int, list] = {}
-
-            def getattribute(self, name):
-                mine = watchers.get(threading.get_ident())
-                if mine:
-                    for w in mine:
-                        w(self, name)
-                return object.__getattribute__(self, name)
-
-            getattribute.watchers = watchers
-            nn.Module.__getattribute__ = installed = getattribute
-        installed.watchers.setdefault(me, []).append(callback)
-    try:
-        yield
-    finally:
-        with _LOCK:
-            mine = installed.watchers.get(me, [])
-            mine.remove(callback)
-            if not mine:
-                installed.watchers.pop(me, None)
-            if not installed.watchers and nn.Module.__dict__.get("__getattribute__") is installed:
-                del nn.Module.__getattribute__
 
 
 def outer_units(model: nn.Module) -> dict[str, nn.Module]:

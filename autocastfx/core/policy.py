@@ -17,6 +17,8 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
+from ..base.meta import original_class
+
 PAD_GATES = ("model", "trial", "always")  # padding.py decides with these
 
 
@@ -241,7 +243,7 @@ class Policy:
         )
 
     def is_leaf(self, module: nn.Module) -> bool:
-        return type(module) in self.module_types or isinstance(module, self.leaf_modules)
+        return original_class(module) in self.module_types or isinstance(module, self.leaf_modules)
 
     def classify(self, node: torch.fx.Node, module: nn.Module | None, module_path: str | None
                  ) -> tuple[OpClass | None, str]:

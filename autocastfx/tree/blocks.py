@@ -38,13 +38,12 @@ import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from ..base.errors import one_line, CaptureError
-from ..base.meta import FIRST, is_converted, ReadsThrough, TensorInfo
+from ..base.meta import FIRST, is_converted, original_class, ReadsThrough, TensorInfo
 from ..base import keys as K
 from ..capture.trace import copy_model, ModelTracer
 from .piecewise import piecewise_units
 from ..core.propagate import placeholder_values
 from ..base.quiet import torch_internal_warnings_off
-from ..capture.watch import watch_reads
 from .parts import BLOCK_META, Conversions
 from ..base.options import ConvertOptions
 from ..capture.context import CaptureContext, free_sizes
@@ -369,8 +368,8 @@ class _Maker:
         refuses a low input; returns (unit, the inputs it was converted for, their signature, the attributes
         its conversion read). Raises the :class:`CaptureError` of a block that does not capture."""
         try:
-            with no_autocast(a), _watch_attributes(block) as read:
-                unit = self.conv.block(block, a, k, self.block_options, self.block_ctx)
+            with no_autocast(a), _watch_attributes(block) as (read, seen):
+                unit = self.conv.block(block, a, k, self.block_options, self.block_ctx.replace(watch=seen))
         except Exception:  # noqa: BLE001 - the block's float32 code refuses a low input (a convolution's
             f32 = to_float32(given)  # float32 bias): converted for a float32 input
             if float_dtypes(a) == float_dtypes(f32):
@@ -378,8 +377,8 @@ class _Maker:
             self.low_refused[type(block)] = True
             a = f32
             key = _signature(block, a, k)
-            with no_autocast(a), _watch_attributes(block) as read:
-                unit = self.conv.block(block, a, k, self.block_options, self.block_ctx)
+            with no_autocast(a), _watch_attributes(block) as (read, seen):
+                unit = self.conv.block(block, a, k, self.block_options, self.block_ctx.replace(watch=seen))
         return unit, a, key, read
 
 
@@ -459,22 +458,22 @@ def _is_torch_class(cls: type) -> bool:
 
 @contextlib.contextmanager
 def _watch_attributes(block: nn.Module):
-    """Yields a dict that, once the block is converted, holds (module name, attribute) -> value for every plain
-    attribute of the block's own classes that any instance of that class had read meanwhile (the capture reads
-    a copy of the block: what a class read is taken as read in every module of that class, which only makes
-    the comparison stricter); None where a value read cannot be compared."""
+    """Yields (a dict, the callback for the capture's ``CaptureContext.watch``): once the block is converted, the
+    dict holds (module name, attribute) -> value for every plain attribute of the block's own classes that the
+    capture read of any instance of that class (the capture reads its copy of the block: what a class read is
+    taken as read in every module of that class, which only makes the comparison stricter); None where a value
+    read cannot be compared."""
     classes = {type(m) for m in block.modules() if not _is_torch_class(type(m))}
     names: set[tuple[type, str]] = set()
 
     def seen(module, name):
-        cls = type(module)
+        cls = original_class(module)
         if cls in classes and (cls, name) not in names and name not in _MODULE_STATE:
             if name in object.__getattribute__(module, "__dict__"):
                 names.add((cls, name))
 
     out: dict = {}
-    with watch_reads(seen):
-        yield out
+    yield out, seen
     try:
         for rel, m in block.named_modules():
             for cls, name in names:
