@@ -86,7 +86,9 @@ def _keep_wrapped_call(cls: type) -> None:
     """Before a recompile on a class made over the converted module's (FSDP2's ``FSDP<name>``, made by
     ``fully_shard``): give it its base's call wrapper. GraphModule.recompile gives a class without one a wrapper
     that calls ``super().__call__``, which is the base's ``call_wrapped``, which calls the instance's wrapper
-    again: endless recursion on the next call."""
+    again: endless recursion on the next call. The same interaction of a GraphModule subclass with the class
+    GraphModule makes per graph: pytorch/vision#5826, pytorch/pytorch#73866. Only the class ``fully_shard`` made
+    over this module's own class is given the attribute."""
     if "_wrapped_call" in vars(cls):
         return
     for base in cls.__mro__[1:]:
