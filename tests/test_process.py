@@ -80,7 +80,8 @@ def test_the_modules_a_capture_watched_have_their_own_classes_after_it():
     """The capture watches its copy of the model by swapping the copy's classes meanwhile: every module the
     converted module keeps has its own class again, no graph's node metadata keeps a subclass (nn_module_stack,
     source_fn_stack): traced, exported, and a model that reads its mode (a program per mode). A traced one pickles
-    (torch.export's module does not: its graph module holds a local function)."""
+    (torch.export's module does not: its graph module holds a local function). No watch subclass outlives its
+    capture."""
     import io
 
     from autocastfx.base.meta import WATCHED_CLASS
@@ -104,6 +105,8 @@ def test_the_modules_a_capture_watched_have_their_own_classes_after_it():
             if gm.meta["autocastfx"].capture == "symbolic_trace":
                 torch.save(gm, io.BytesIO())
     assert not [m for m in model.modules() if WATCHED_CLASS in type(m).__dict__]
+    gc.collect()  # the subclasses were made for the captures alone: none outlives them (the modules are alive)
+    assert not [o for o in gc.get_objects() if isinstance(o, type) and WATCHED_CLASS in o.__dict__]
 
 
 def test_after_convert_and_a_step_torch_and_the_optimizer_are_as_they_were():
