@@ -148,3 +148,12 @@ def one_thread_quiet():
             yield
     finally:
         torch.set_num_threads(threads)
+
+
+def capture(model, args: tuple, kwargs: dict, policy):
+    """(graph module, how) of ``model`` captured as convert() captures it: a copy of the model, in training mode,
+    its graph propagated on ``args``/``kwargs``."""
+    from autocastfx.capture import trace
+    from autocastfx.capture.context import CaptureContext
+    return trace.capture_graph(trace.copy_model(model, share_tensors=False).train(), args, kwargs, policy,
+                               CaptureContext())

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 import autocastfx
 from autocastfx.core import kernels
-from autocastfx.capture.trace import capture
+from helpers import capture
 from autocastfx.core.propagate import propagate
 from autocastfx.core.plan import build_plan
 from test_op_coverage import entries

@@ -12,7 +12,7 @@ import autocastfx
 from autocastfx.base import keys as K
 from autocastfx.core import layout
 from autocastfx.base.meta import TensorInfo
-from autocastfx.capture.trace import capture
+from helpers import capture
 from helpers import AtenRecorder
 from small_models import example
 from test_padding import OddConvNet

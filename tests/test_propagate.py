@@ -19,10 +19,10 @@ import autocastfx
 import types
 
 from autocastfx.base.meta import TensorInfo
-from autocastfx.capture import trace as _trace
+import helpers
 from autocastfx.core import propagate as _prop
 
-capture = types.SimpleNamespace(propagate=_prop.propagate, capture=_trace.capture, TensorInfo=TensorInfo,
+capture = types.SimpleNamespace(propagate=_prop.propagate, capture=helpers.capture, TensorInfo=TensorInfo,
                                 propagate_counts=_prop.propagate_counts)
 from autocastfx.core import padding
 from autocastfx.core.mincut import FP32, LOW, Problem, Req, cast_cost, solve_min_cut

@@ -57,34 +57,6 @@ class ModelTracer(fx.Tracer):
         return parameter_proxy_cache[name]
 
 
-def capture(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, *, compile_code: bool = True,
-            share_tensors: bool = False, ctx: CaptureContext = CaptureContext()) -> tuple[fx.GraphModule, str]:
-    """Return (graph module, how) where how is ``"symbolic_trace"`` or ``"torch.export"``.
-
-    ``ctx``: the conversion's :class:`CaptureContext` (meta device, free sizes, converted blocks' stand-ins).
-    The model is deep-copied first: nothing the capture does reaches the caller's model. The copy is put in
-    training mode, so that every mode-dependent op shows its training form (an attention's dropout
-    probability, which eval mode writes as 0.0); ``modes.py`` then gives the graph the modes the model had.
-    A model that cannot be captured in training mode (batch norm on an example batch of one) is captured in
-    the mode it is in. A traced graph must also run on the example inputs; one that does not goes to the
-    torch.export fallback too. ``compile_code=False`` leaves a traced module's code to be written by its
-    caller's ``gm.recompile()`` once its passes are done (``gm.recompile`` is a no-op on the instance until
-    the caller deletes it): writing the code of a large graph costs a third of tracing it.
-    ``share_tensors=True`` copies the module tree but not its parameters and buffers: the graph module holds
-    the caller's tensors until the caller gives it copies of its own with ``own_tensors`` (``convert()`` does,
-    after the conversion has replaced the weights it stores low), so that no second float32 copy of the
-    whole model is ever made; the capture itself never writes to a tensor.
-    """
-    try:
-        gm, how = capture_graph(copy_model(model, share_tensors).train(), args, kwargs, policy, ctx, compile_code)
-        gm.meta[K.CAPTURED_TRAINING] = True
-        return gm, how
-    except CaptureError:
-        if model.training:
-            raise
-    return capture_graph(copy_model(model, share_tensors), args, kwargs, policy, ctx, compile_code)
-
-
 def copy_model(model: nn.Module, share_tensors: bool, keep: Iterable[nn.Module] = ()) -> nn.Module:
     """A deep copy of ``model``; with ``share_tensors`` its parameters, buffers and converted blocks are the
     model's own; the modules in ``keep`` are the model's own too (the caller puts something else in their
