@@ -1,6 +1,5 @@
 """autocastfx: any PyTorch model as an explicit mixed-precision torch.fx program."""
-from .api import (ConvertInfo, ConvertOptions, convert, convert_graph, float32_state_dict, float32_weights,
-                  master_parameters, materialize)
+from .api import ConvertInfo, ConvertOptions, convert, convert_graph, master_parameters, materialize
 from .base.errors import CaptureError
 from .training.checks import StepError
 from .core.devices import SlowDtypeWarning
@@ -24,6 +23,19 @@ __all__ = ["convert", "convert_graph", "ConvertOptions", "report", "master_param
            "ConvertInfo", "CaptureError", "train_step", "TrainStep", "StepStats", "LossScaleError", "StepError",
            "export", "save", "load", "FormatError", "ExportCheckError", "ExportError", "for_inference", "calibrate",
            "grad_histogram", "GradHistogram", "CudaGraphStep", "shard", "save_checkpoint", "load_checkpoint",
-           "checkpoint_blocks", "compile_blocks", "float32_state_dict", "float32_weights", "materialize",
+           "checkpoint_blocks", "compile_blocks", "materialize",
            "SlowDtypeWarning", "keep_cpu_memory"]
 __version__ = "0.1.0"
+
+# names of the time when a converted module held low copies of the weights: its parameters are now the float32 model
+_GONE = {
+    "float32_state_dict": "gm.state_dict() is the float32 model (the model's keys and tensors): use it",
+    "float32_weights": "gm's parameters are the float32 weights: initialise gm.named_parameters() directly, with no "
+                       "context around it",
+}
+
+
+def __getattr__(name: str):
+    if name in _GONE:
+        raise AttributeError(f"autocastfx.{name} is gone: {_GONE[name]}")
+    raise AttributeError(f"module 'autocastfx' has no attribute {name!r}")

@@ -43,8 +43,7 @@ from .tree.blocks import Conversions, choose, convert_tree, why_not_captured
 from .tree.parts import has_gemm
 from .tree.piecewise import convert_piecewise
 
-__all__ = ["convert", "convert_graph", "ConvertOptions", "ConvertInfo", "master_parameters", "float32_state_dict",
-           "float32_weights", "materialize"]
+__all__ = ["convert", "convert_graph", "ConvertOptions", "ConvertInfo", "master_parameters", "materialize"]
 
 
 def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kwargs: dict | None = None,
@@ -434,6 +433,4 @@ def master_parameters(gm: nn.Module) -> list[nn.Parameter]:
     return _weights.cast_low_parameters(gm)
 
 
-float32_state_dict = _weights.float32_state_dict
-float32_weights = _weights.float32_weights
 materialize = _weights.materialize

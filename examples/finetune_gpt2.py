@@ -274,7 +274,7 @@ def float32_state_dict(gm: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The fine-tuned weights as the Hugging Face model's float32 state dict, a snapshot: the converted module's
     parameters are the model's float32 tensors, and its state dict has the model's keys (GPT-2 ties the
     embedding and the output layer: both names)."""
-    return {k: v.detach().clone() for k, v in autocastfx.float32_state_dict(gm).items()}
+    return {k: v.detach().clone() for k, v in gm.state_dict().items()}
 
 
 def check_against_float32(run: Run, config, val, args, device) -> dict:

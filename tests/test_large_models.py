@@ -98,7 +98,7 @@ def test_master_parameters_cover_every_block_and_are_the_models_parameters_the_s
     step = autocastfx.train_step(gm, lambda o, t: o.float().pow(2).mean(), torch.optim.SGD(gm.parameters(), lr=0.1))
     assert {id(p) for p in step.all_params} == {id(p) for p in gm.parameters() if p.requires_grad}
     assert {id(m) for m in masters} <= {id(p) for p in step.all_params}  # the very tensors the step updates
-    f32 = autocastfx.float32_state_dict(gm)
+    f32 = gm.state_dict()
     own_sd = model.state_dict()
     assert set(f32) == set(own_sd)
     for k, v in own_sd.items():  # the model's own float32 values, bit for bit
@@ -316,26 +316,27 @@ def test_materialize_names_buffers_no_checkpoint_fills():
         autocastfx.materialize(gm, "cpu", model.state_dict(), buffers={"no.such.buffer": torch.zeros(1)})
 
 
-def test_initialised_inside_float32_weights_the_weights_are_unrounded():
+def test_initialised_by_parameter_name_the_weights_are_unrounded():
     """An initialisation by parameter name (as TorchTitan's and GPT-2's are written) run on the converted
-    module (inside ``float32_weights``, kept for such code) writes the float32 parameters themselves; the graph
-    casts them to bfloat16 at each forward."""
+    module writes the float32 parameters themselves; the graph casts them to bfloat16 at each forward. The
+    context such code once ran in is gone, with an error that says so."""
     with torch.device("meta"):
         empty = Stack()
     gm = _convert(empty, "blocks")
     gm.to_empty(device="cpu")
     torch.manual_seed(0)
-    with autocastfx.float32_weights(gm) as same:
-        assert same is gm
-        for n, p in gm.named_parameters():
-            assert p.dtype == torch.float32, n  # the initialisation sees the float32 weights
-            if n.endswith("bias"):
-                nn.init.zeros_(p)
-            elif p.dim() == 1:
-                nn.init.ones_(p)
-            else:
-                nn.init.normal_(p, std=0.02)
-    weights = dict(autocastfx.float32_state_dict(gm))
+    for n, p in gm.named_parameters():
+        assert p.dtype == torch.float32, n  # the initialisation sees the float32 weights
+        if n.endswith("bias"):
+            nn.init.zeros_(p)
+        elif p.dim() == 1:
+            nn.init.ones_(p)
+        else:
+            nn.init.normal_(p, std=0.02)
+    for gone, fix in (("float32_weights", "initialise gm.named_parameters"), ("float32_state_dict", "gm.state_dict")):
+        with pytest.raises(AttributeError, match=f"autocastfx.{gone} is gone: .*{fix}"):
+            getattr(autocastfx, gone)
+    weights = dict(gm.state_dict())
     assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in weights.values())  # not rounded
     for n, p in gm.named_parameters():
         assert torch.isfinite(p).all(), n

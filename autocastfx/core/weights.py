@@ -8,7 +8,6 @@ over a converted module and the converted blocks inside it, and makes a module c
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import torch.fx as fx
@@ -114,13 +113,6 @@ def converted_units(gm: nn.Module) -> list[tuple[str, nn.Module]]:
     return out + ([("", gm)] if is_converted(gm) else [])
 
 
-def float32_state_dict(gm: nn.Module) -> dict[str, torch.Tensor]:
-    """``gm.state_dict()``: the model's own keys and float32 values, which load into the unconverted model and into
-    a converted one. Tensors are shared with ``gm``, not copied: clone them to keep a snapshot."""
-    _require(gm)
-    return dict(gm.state_dict())
-
-
 # ------------------------------------------------------------------------------- the model's names for tied weights
 # A traced graph reads a tied weight under one name; the converted module class's ``state_dict`` and
 # ``_load_from_state_dict`` (converted.module._Switchable) run the two hooks below so that its state dict has the model's keys.
@@ -163,14 +155,6 @@ def model_names_from_state_dict(unit: nn.Module, state_dict: dict, prefix: str) 
         for n in names:
             if n not in own:
                 state_dict.pop(prefix + n, None)
-
-
-@contextlib.contextmanager
-def float32_weights(gm: nn.Module):
-    """``gm`` itself, whose parameters are the float32 model's: kept so that an initialisation written
-    ``with float32_weights(gm): init(gm)`` still runs; initialise ``gm.named_parameters()`` directly."""
-    _require(gm)
-    yield gm
 
 
 def _require(gm: nn.Module):

@@ -5,7 +5,7 @@ the default, and ``blocks=None``), checked in ``.train()`` and ``.eval()`` where
   outputs     logits and loss within the float tolerance of the float32 model: relative error under 3x that of
               torch.autocast(bfloat16) on the same model and inputs, or under 1e-2 (train mode: the same seed
               before each call, so the three runs drop the same units);
-  state dict  ``autocastfx.float32_state_dict(gm)`` and ``gm.state_dict()`` are the float32 model's right after
+  state dict  ``gm.state_dict()`` is the float32 model's right after
               conversion: the same keys (tied names too), every value ``torch.equal``;
   resume      3 steps of ``autocastfx.train_step``; ``torch.save`` of ``gm.state_dict()`` and ``step.state_dict()``;
               3 more steps; a model of another initialisation converted afresh, the checkpoint loaded into it
@@ -94,11 +94,10 @@ def check_state_dicts(name, blocks, gm, model, tied):
     want = model.state_dict()
     for mode in ("train", "eval"):
         getattr(gm, mode)()
-        ok1, t1 = same_state(autocastfx.float32_state_dict(gm), want)
-        ok2, t2 = same_state(gm.state_dict(), want)
+        ok, t = same_state(gm.state_dict(), want)
         have_tied = all(k in gm.state_dict() for k in tied)
-        line(ok1 and ok2 and have_tied, name, blocks, mode, "state dict",
-             f"float32_state_dict {t1}; gm.state_dict {t2}; tied {' = '.join(tied)} {'present' if have_tied else 'MISSING'}")
+        line(ok and have_tied, name, blocks, mode, "state dict",
+             f"gm.state_dict {t}; tied {' = '.join(tied)} {'present' if have_tied else 'MISSING'}")
     gm.train()
 
 
@@ -120,13 +119,13 @@ def resume(name, blocks, build, convert, make_opt, loss_fn, batches):
     fresh = build(seed=1)
     gm2 = convert(fresh).train()
     missing = gm2.load_state_dict(ckpt["model"])
-    loaded_ok, loaded = same_state(autocastfx.float32_state_dict(gm2), ckpt["model"])
+    loaded_ok, loaded = same_state(gm2.state_dict(), ckpt["model"])
     opt2 = make_opt(gm2)
     step2 = autocastfx.train_step(gm2, loss_fn, opt2)
     step2.load_state_dict(ckpt["step"])
     resumed = [step2(b) for b in batches[3:]]
     same_losses = all(torch.equal(a, b) for a, b in zip(went_on, resumed))
-    after_ok, after = same_state(autocastfx.float32_state_dict(gm2), autocastfx.float32_state_dict(gm))
+    after_ok, after = same_state(gm2.state_dict(), gm.state_dict())
     finite = all(torch.isfinite(x).item() for x in first + went_on)
     ok = params_f32 and loaded_ok and not missing.missing_keys and same_losses and after_ok and finite
     line(ok, name, blocks, "train", "resume",
@@ -322,7 +321,7 @@ def gpt2(blocks):
     @guarded(name, blocks, None, "save_pretrained")
     def _():
         src = trained.get("gm", gm)  # after training: the float32 weights differ from every bfloat16 value
-        weights = {k: v.clone() for k, v in autocastfx.float32_state_dict(src).items()}
+        weights = {k: v.clone() for k, v in src.state_dict().items()}
         with tempfile.TemporaryDirectory() as d:
             src.save_pretrained(d)
             loaded = tf.GPT2LMHeadModel.from_pretrained(d)
