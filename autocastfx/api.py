@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import threading
 import warnings
 from typing import Any
 
@@ -127,9 +128,25 @@ def convert_graph(gm: fx.GraphModule, example_inputs: tuple | None = None, confi
                    memory_format=config.memory_format, blocks=None)
 
 
+# One conversion at a time in a process: the captures conversions run are not thread-safe. torch.fx's Tracer
+# patches nn.Module.__call__ and __getattr__ for the whole process while it traces (torch/fx/_symbolic_trace.py,
+# _Patcher), and torch.export keeps its tracing state in module globals (pytorch/pytorch#195099 is one such
+# global, in its loader). Two threads converting at once failed (NameError, CaptureError) or fell back to another
+# capture. Re-entrant: a conversion converts its blocks and parts through this function. Left as torch makes it:
+# a module another thread calls while torch.fx traces is taken for part of that trace (NameError "module is not
+# installed as a submodule"), since the patch is torch.fx's own.
+_CONVERTING = threading.RLock()
+
+
 def _convert_any(model: nn.Module, args: tuple, kwargs: dict, options: ConvertOptions,
                  ctx: CaptureContext) -> nn.Module:
     """A float32 model (or one on meta), or a low-precision checkpoint (converted as its float32 twin)."""
+    with _CONVERTING:
+        return _convert_any_alone(model, args, kwargs, options, ctx)
+
+
+def _convert_any_alone(model: nn.Module, args: tuple, kwargs: dict, options: ConvertOptions,
+                       ctx: CaptureContext) -> nn.Module:
     low = _low_weights(model)
     if low:  # a low-precision checkpoint: converted as its float32 form on meta, then its values loaded
         return _convert_low_model(model, low, args, kwargs, options, ctx)

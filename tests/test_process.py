@@ -1,6 +1,7 @@
 """autocastfx leaves the process as it found it: converting in one thread changes nothing another thread sees
 (its modules' attribute reads, its prints), and after convert() and a training step torch's functions, nn.Module's
 methods, the garbage collector and the user's optimizer are the objects they were, holding the tensors they held."""
+import copy
 import gc
 import sys
 import threading
@@ -107,6 +108,60 @@ def test_the_modules_a_capture_watched_have_their_own_classes_after_it():
     assert not [m for m in model.modules() if WATCHED_CLASS in type(m).__dict__]
     gc.collect()  # the subclasses were made for the captures alone: none outlives them (the modules are alive)
     assert not [o for o in gc.get_objects() if isinstance(o, type) and WATCHED_CLASS in o.__dict__]
+
+
+def test_conversions_in_several_threads_at_once_are_the_conversions_made_one_by_one():
+    """Six threads convert at once (a traced model that reads its mode, TinyGPT through torch.export, a plain
+    traced one, each twice): every conversion is what a conversion alone makes (the same capture, a program per
+    mode where the model reads its mode, the same outputs). The captures are not thread-safe (torch.fx patches
+    nn.Module for the whole process while it traces): without one conversion at a time they failed or fell back
+    to another capture."""
+    class Plain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.a(x).relu()
+
+    cases = {"flagged": (_Flagged, torch.randn(4, 8)), "gpt": (TinyGPT, torch.randint(0, 101, (2, 16))),
+             "plain": (Plain, torch.randn(4, 8))}
+
+    models = {}
+    for name, (make, x) in cases.items():  # built here: the random state is the process's, not a thread's
+        torch.manual_seed(0)
+        models[name] = make()
+
+    def convert(name):
+        return autocastfx.convert(copy.deepcopy(models[name]), (cases[name][1],), dtype=torch.bfloat16)
+
+    def facts(name, gm):  # run after the threads: a module called while torch.fx traces in another thread is
+        with torch.no_grad():  # taken for part of that trace (torch.fx patches nn.Module.__call__ meanwhile)
+            out = gm.eval()(cases[name][1])
+        return gm.meta["autocastfx"].capture, "autocastfx_programs" in gm.meta, out
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        alone = {name: facts(name, convert(name)) for name in cases}
+        results, barrier = {}, threading.Barrier(2 * len(cases))
+
+        def run(key, name):
+            barrier.wait()
+            try:
+                results[key] = convert(name)
+            except Exception as e:  # noqa: BLE001 - reported below
+                results[key] = e
+
+        threads = [threading.Thread(target=run, args=(f"{name}{i}", name)) for i in range(2) for name in cases]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert alone["flagged"][:2] == ("symbolic_trace", True) and alone["gpt"][0] == "torch.export"
+    for key, gm in results.items():
+        assert not isinstance(gm, Exception), (key, gm)
+        got, want = facts(key[:-1], gm), alone[key[:-1]]
+        assert got[:2] == want[:2] and torch.equal(got[2], want[2]), (key, got[:2], want[:2])
 
 
 def test_after_convert_and_a_step_torch_and_the_optimizer_are_as_they_were():
