@@ -60,6 +60,9 @@ def watch_reads(modules: Iterable[nn.Module], callback: Callable[[nn.Module, str
                 _CALLBACKS.pop(id(m), None)
 
 
+_CLASS_KEYS = ("nn_module_stack", "source_fn_stack")  # the node metadata that names modules' classes
+
+
 def own_classes(gm: nn.Module) -> None:
     """Give back, in the node metadata of every graph in ``gm`` (a capture's result), the modules' own classes where
     a capture that watched them recorded the subclasses they had meanwhile (``nn_module_stack``,
@@ -68,9 +71,9 @@ def own_classes(gm: nn.Module) -> None:
         graph = getattr(m, "graph", None)
         if isinstance(graph, fx.Graph):
             for node in graph.nodes:
-                for key, value in node.meta.items():
-                    if isinstance(value, (type, tuple, list, dict)):
-                        node.meta[key] = _unwatched(value)
+                for key in _CLASS_KEYS:
+                    if key in node.meta:
+                        node.meta[key] = _unwatched(node.meta[key])
 
 
 def _unwatched(v):
