@@ -173,6 +173,21 @@ def test_gpu_dry_run_every_recipe(tmp_path):
     assert ">= 1.3x autocast+GradScaler" in text and "peak <= autocast+GradScaler" in text
 
 
+def test_profile_step_dry_run(capsys):
+    """bench/profile_step.py on the dry GPT-2: one table per recipe, each naming the step's matmuls, and the time
+    per step it prints is the profiled ops' own time (not their sum with their children's)."""
+    import profile_step
+    assert profile_step.main(["--dry-run", "--only", "gpt2", "--recipes", "autocast,fx", "--steps", "2",
+                              "--warmup", "1", "--rows", "8"]) == 0
+    out = capsys.readouterr().out
+    heads = [line for line in out.splitlines() if line.startswith("## ")]
+    assert [h.split("): ")[1].split(" (")[0] for h in heads] == ["autocast+GradScaler", "autocastfx"]
+    assert out.count("aten::mm") >= 2 and "Self CPU time total" in out
+    for h in heads:
+        per_step = float(h.split(", ")[-1].split(" ms")[0])
+        assert 0 < per_step < 1000
+
+
 def gpu_workload(key):
     return next(w for w in gpu.workloads(True) if w.key == key)
 
