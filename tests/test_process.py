@@ -7,6 +7,7 @@ import sys
 import threading
 import warnings
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -242,3 +243,62 @@ def test_quieting_torch_in_two_threads_interleaved_leaves_nothing_behind():
     assert seen["level"] == logging.ERROR and seen["own"] == ["the model's own warning, shown"]
     assert {n: logging.getLogger(n).level for n in names} == levels
     assert warnings.filters == filters
+
+
+SEEN_CACHE_FLAG = []  # what ShapeBranch's code read: a module-level list (the capture runs on a copy of the model)
+
+
+class ShapeBranch(nn.Module):
+    """A Python branch on a size: symbolic_trace cannot take it, so the capture is torch.export's. Notes what
+    torch's fake-tensor cache flag reads while the model's code runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if isinstance(x, torch._subclasses.FakeTensor):  # torch.export's run (not symbolic_trace's first try)
+            SEEN_CACHE_FLAG.append(torch._dynamo.config.fake_tensor_cache_enabled)
+        return self.lin(x) if x.shape[0] > 1 else self.lin(x).relu()
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_exports_run_without_the_fake_tensor_cache_and_leave_the_flag_as_it_was(before, tmp_path):
+    """torch's fake-tensor cache is off while autocastfx exports (pytorch/pytorch#191500: it makes a dynamic-shape
+    export slower), and after the conversion and an export of the result the flag is the caller's, either way."""
+    config, x = torch._dynamo.config, torch.randn(4, 8)
+    saved = config.fake_tensor_cache_enabled
+    config.fake_tensor_cache_enabled = before  # not monkeypatch: its undo deletes the entry from torch's config
+    try:
+        SEEN_CACHE_FLAG.clear()
+        gm = autocastfx.convert(ShapeBranch(), (x,), dtype=torch.bfloat16)
+        assert gm.meta["autocastfx"].capture == "torch.export"
+        assert SEEN_CACHE_FLAG and not any(SEEN_CACHE_FLAG), SEEN_CACHE_FLAG  # every capture ran without it
+        assert config.fake_tensor_cache_enabled is before
+        autocastfx.export(gm, tmp_path / "m.pt2")
+        assert config.fake_tensor_cache_enabled is before
+        assert torch.equal(torch.export.load(tmp_path / "m.pt2").module()(x), gm(x))
+    finally:
+        config.fake_tensor_cache_enabled = saved
+
+
+def test_exports_in_two_threads_at_once_each_run_without_the_cache_and_leave_the_flag_alone():
+    """Two threads exporting at once: every capture in each ran without the cache, and the flag is the caller's
+    after both (a save-and-restore that two threads interleave would leave it off for good)."""
+    before, errors = torch._dynamo.config.fake_tensor_cache_enabled, []
+    SEEN_CACHE_FLAG.clear()
+
+    def convert():
+        try:
+            autocastfx.convert(ShapeBranch(), (torch.randn(4, 8),), dtype=torch.bfloat16)
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=convert) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert len(SEEN_CACHE_FLAG) >= 2 and not any(SEEN_CACHE_FLAG), SEEN_CACHE_FLAG
+    assert torch._dynamo.config.fake_tensor_cache_enabled is before
