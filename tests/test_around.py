@@ -199,6 +199,40 @@ def _llama(layers=2):
     return tf.LlamaForCausalLM(cfg).eval()
 
 
+class NoGradTable(ExportOnly):
+    """The model's own code computes its table under ``torch.no_grad()`` (as transformers' rotary embeddings did up to
+    version 5.17): torch.export writes that region as a higher-order op whose body is a submodule of the graph."""
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        if ids.shape[1] > 1:
+            x = x * 2.0
+        with torch.no_grad():
+            table = torch.sin(self.table[: ids.shape[1]] * 2.0)
+        for layer in self.layers:
+            x = layer(x, table=table)[0]
+        return self.head(self.norm(x))
+
+
+def test_a_no_grad_region_of_the_models_own_code_runs_around_the_blocks():
+    """The higher-order op's body stays a module of the converted root, called through a get_attr node, in both
+    modes: the converted model runs (a body passed as an object prints as ``GraphModule()`` in the root's code, a
+    NameError at the first call), matches the model, and trains the blocks and the table's consumers."""
+    torch.manual_seed(0)
+    model, x = NoGradTable(layers=2), ids()
+    gm = autocastfx.convert(model, (x,))
+    assert gm.meta["autocastfx"].capture == "torch.export" and _units(gm) == {"layers.0", "layers.1"}
+    hops = [n for n in gm.graph.nodes if "wrap_with_set_grad_enabled" in str(n.target)]
+    assert hops and all(isinstance(n.args[1], torch.fx.Node) and n.args[1].op == "get_attr" for n in hops)
+    for mode in ("train", "eval"):
+        getattr(gm, mode)()
+        getattr(model, mode)()
+        assert rel(gm(x), model(x)) < 0.05, mode
+    gm.train()
+    gm(x).float().square().mean().backward()
+    assert all(p.grad is not None for p in gm.layers.parameters()) and gm.table.grad is None
+
+
 def test_hugging_face_llama_keeps_its_decoder_layers_as_modules_by_default(tmp_path):
     model = _llama(layers=2)
     kw = {"input_ids": torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0)), "use_cache": False}

@@ -319,8 +319,8 @@ class _Inliner:
         obj = mod
         for atom in target.split("."):
             obj = getattr(obj, atom)
-        if not isinstance(obj, torch.Tensor):  # a pytree spec: evaluated here, never a node
-            return obj
+        if not isinstance(obj, (torch.Tensor, nn.Module)):  # a pytree spec: evaluated here, never a node
+            return obj  # (a module is a higher-order op's body, ``wrap_with_set_grad_enabled``'s: a node)
         name = self.by_id.get(id(obj))
         if name is None:
             name = _CALL_INDEX.sub("", ".".join(_CALL_INDEX.sub("", a) for a in f"{prefix}.{target}".strip(".").split(".")))

@@ -115,16 +115,3 @@ def _graph_module(root: nn.Module, graph: fx.Graph, name: str, compile_code: boo
 def _accepts_kwargs(gm: fx.GraphModule, kwargs: dict) -> bool:
     names = {n.target for n in gm.graph.nodes if n.op == "placeholder"}
     return all(k in names for k in kwargs)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Facts about every value: dtype, shape, bytes, FLOPs, from one run of the graph on fake tensors.
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The fake run. Every op runs on fake tensors (FakeTensorMode: metadata only, on the example's devices), and
-# each node's result is memoised by what the op is and the metadata of what it reads: a stack of identical
-# blocks runs its first block on fake tensors and looks the others up. Values whose op was looked up stay
-# _Virtual (metadata only) until an op that must really run reads them.
-
-
