@@ -387,23 +387,33 @@ def test_a_low_precision_model_converts_as_its_float32_form_would(name, low):
 
 # ------------------------------------------------------------------------------------------ peak memory
 
+@pytest.fixture(scope="module")
+def peaks():
+    """tests/peak_convert.py in one fresh process for every path: {path: its result}."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    import sys
+    paths = ["traced"] + (["hf", "hf-bf16"] if importlib.util.find_spec("transformers") is not None else [])
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peak_convert.py")
+    out = subprocess.run([sys.executable, script, *paths], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return {r["path"]: r for r in rows}
+
+
 @pytest.mark.parametrize("path", ["hf", "traced", "hf-bf16"])
-def test_converting_copies_no_weight_of_a_float32_model_and_upcasts_a_bfloat16_one_once(path):
+def test_converting_copies_no_weight_of_a_float32_model_and_upcasts_a_bfloat16_one_once(path, peaks):
     """Peak resident memory convert() adds to a process holding a float32 model (blocks on, the default: a
     Hugging Face Llama exported around its blocks, a traced stack) or a bfloat16 one, as a multiple of the
     float32 model's bytes: nothing for the weights of a float32 model (the converted module shares its tensors;
     a low copy of them would be 0.5x more), the new float32 parameters (1x) of a bfloat16 one, with a margin for
     the graph and the example's activations (about 0.2x here). torch.export's unflatten cloned every weight of
-    each export (two per conversion); a bfloat16 model was upcast whole before loading."""
+    each export (two per conversion); a bfloat16 model was upcast whole before loading. The three paths share one
+    process, each measured from the memory it faults in itself (peak_convert.py)."""
     if path.startswith("hf"):
         pytest.importorskip("transformers")
-    import json
-    import os
-    import subprocess
-    import sys
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peak_convert.py")
-    out = subprocess.run([sys.executable, script, path], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = peaks[path]
     assert r["units"] > 1  # the blocks path
     assert r["extra"] <= (1.0 if path.endswith("bf16") else 0.0) + 0.35, r
