@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import threading
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -20,15 +19,15 @@ from ..base.quiet import quiet_torch_logs, torch_internal_warnings_off
 # output's symbolic sizes and strides at more cost than running the op's meta function (pytorch/pytorch#191500;
 # a fix under review, pytorch/pytorch#192047; docs/benchmarks.md has the timings). torch reads the flag when a
 # FakeTensorMode is made, so it is patched off around each export with torch's own ``config.patch``: for the
-# calling thread alone where torch keeps its config per thread (2.12 and newer), for the process while the export
-# runs on torch 2.11, where exports take turns (the lock) so that no two patches interleave.
-_EXPORTS_TAKE_TURNS = threading.RLock()
+# calling thread alone where torch keeps its config per thread (2.12 and newer). On torch 2.11 the config is the
+# process's: conversions take turns (``api``'s lock), and an export of a converted module in another thread at the
+# same time may run with the cache or leave it off, which changes its speed, never its result.
 
 
 def uncached_export(model: nn.Module, args: tuple, kwargs: dict | None = None,
                     **options) -> torch.export.ExportedProgram:
     """``torch.export.export(model, args, kwargs, **options)``, without the fake-tensor cache (above)."""
-    with _EXPORTS_TAKE_TURNS, torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
+    with torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
         return torch.export.export(model, args, kwargs, **options)
 
 
