@@ -264,8 +264,9 @@ class ShapeBranch(nn.Module):
 
 @pytest.mark.parametrize("before", [True, False])
 def test_exports_run_without_the_fake_tensor_cache_and_leave_the_flag_as_it_was(before, tmp_path):
-    """torch's fake-tensor cache is off while autocastfx exports (pytorch/pytorch#191500: it makes a dynamic-shape
-    export slower), and after the conversion and an export of the result the flag is the caller's, either way."""
+    """torch's fake-tensor cache is off while autocastfx exports with free sizes (pytorch/pytorch#191500: it makes
+    such an export slower), and after the conversion and a (static) export of the result the flag is the caller's,
+    either way."""
     config, x = torch._dynamo.config, torch.randn(4, 8)
     saved = config.fake_tensor_cache_enabled
     config.fake_tensor_cache_enabled = before  # not monkeypatch: its undo deletes the entry from torch's config
@@ -282,8 +283,8 @@ def test_exports_run_without_the_fake_tensor_cache_and_leave_the_flag_as_it_was(
         config.fake_tensor_cache_enabled = saved
 
 
-def test_exports_in_two_threads_at_once_each_run_without_the_cache_and_leave_the_flag_alone():
-    """Two threads exporting at once: every capture in each ran without the cache, and the flag is the caller's
+def test_conversions_in_two_threads_at_once_each_export_without_the_cache_and_leave_the_flag_alone():
+    """Two threads converting at once: every capture in each ran without the cache, and the flag is the caller's
     after both (a save-and-restore that two threads interleave would leave it off for good)."""
     before, errors = torch._dynamo.config.fake_tensor_cache_enabled, []
     SEEN_CACHE_FLAG.clear()

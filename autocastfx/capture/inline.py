@@ -27,7 +27,7 @@ from torch.export.graph_signature import InputKind
 from ..base.meta import TensorInfo
 from ..core.policy import LOW_OPS, op_name
 from ..base import keys as K
-from .torch_export import uncached_export
+from .torch_export import run_export
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +114,7 @@ def _inline_one(gm: fx.GraphModule, node: fx.Node, traces: dict) -> InlineDecisi
         examples = [_example(i) for i in infos]
         try:
             with torch.no_grad():
-                traces[key] = uncached_export(_Call(node.target, node.args, node.kwargs), tuple(examples), strict=False)
+                traces[key] = run_export(_Call(node.target, node.args, node.kwargs), tuple(examples), strict=False)
         except Exception as e:  # noqa: BLE001 - any failure leaves the call whole, with the cause
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             traces[key] = f"torch.export could not trace it ({type(e).__name__}: {first}); it runs whole"

@@ -15,18 +15,22 @@ from .watch import outer_units, watch_training
 from ..base.quiet import quiet_torch_logs, torch_internal_warnings_off
 
 
-# torch's fake-tensor dispatch cache makes a dynamic-shape export slower, not faster: a cache hit rebuilds its
+# torch's fake-tensor dispatch cache makes an export with free sizes slower, not faster: a cache hit rebuilds its
 # output's symbolic sizes and strides at more cost than running the op's meta function (pytorch/pytorch#191500;
-# a fix under review, pytorch/pytorch#192047; docs/benchmarks.md has the timings). torch reads the flag when a
-# FakeTensorMode is made, so it is patched off around each export with torch's own ``config.patch``: for the
-# calling thread alone where torch keeps its config per thread (2.12 and newer). On torch 2.11 the config is the
-# process's: conversions take turns (``api``'s lock), and an export of a converted module in another thread at the
-# same time may run with the cache or leave it off, which changes its speed, never its result.
+# a fix under review, pytorch/pytorch#192047). A static export gains from it (half the time). docs/benchmarks.md
+# has both timings. torch reads the flag when a FakeTensorMode is made, so it is patched off around each export with
+# free sizes with torch's own ``config.patch``: for the calling thread alone where torch keeps its config per thread
+# (2.12 and newer). On torch 2.11 the config is the process's: conversions take turns (``api``'s lock), and an
+# export in another thread at the same time may run with the cache or without it, which changes its speed, never
+# its result.
 
 
-def uncached_export(model: nn.Module, args: tuple, kwargs: dict | None = None,
-                    **options) -> torch.export.ExportedProgram:
-    """``torch.export.export(model, args, kwargs, **options)``, without the fake-tensor cache (above)."""
+def run_export(model: nn.Module, args: tuple, kwargs: dict | None = None,
+               **options) -> torch.export.ExportedProgram:
+    """``torch.export.export(model, args, kwargs, **options)``; with ``dynamic_shapes``, without the fake-tensor
+    cache (above)."""
+    if options.get("dynamic_shapes") is None:
+        return torch.export.export(model, args, kwargs, **options)
     with torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
         return torch.export.export(model, args, kwargs, **options)
 
@@ -76,10 +80,10 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, preserve: tuple[str, ..
     with _explicit_keywords(model, kwargs):
         try:
             spec = _auto_dynamic_shapes(model, args, kwargs, ctx.dynamic_sizes)
-            ep = uncached_export(model, args, kwargs, dynamic_shapes=spec, strict=False,
-                                 preserve_module_call_signature=preserve)
+            ep = run_export(model, args, kwargs, dynamic_shapes=spec, strict=False,
+                            preserve_module_call_signature=preserve)
         except Exception:  # noqa: BLE001 - the static export below reports its own failure
-            ep = uncached_export(model, args, kwargs, strict=False, preserve_module_call_signature=preserve)
+            ep = run_export(model, args, kwargs, strict=False, preserve_module_call_signature=preserve)
     if target is not None:
         _retarget_devices(ep.graph_module, torch.device("meta"), target)
         _constants_with_values(ep, model, args, kwargs, target, preserve)
@@ -113,7 +117,7 @@ def _constants_with_values(ep, model: nn.Module, args: tuple, kwargs: dict, targ
         twin = copy.deepcopy(model, memo)
         fargs, fkwargs = torch.utils._pytree.tree_map_only(torch.Tensor, fake, (args, kwargs))
         with _explicit_keywords(twin, fkwargs):
-            again = uncached_export(twin, fargs, fkwargs, strict=False, preserve_module_call_signature=preserve)
+            again = run_export(twin, fargs, fkwargs, strict=False, preserve_module_call_signature=preserve)
         found = {k: v for k, v in again.constants.items() if k in missing and isinstance(v, torch.Tensor)
                  and not v.is_meta and not isinstance(v, torch._subclasses.fake_tensor.FakeTensor)
                  and v.shape == ep.constants[k].shape and v.dtype == ep.constants[k].dtype}

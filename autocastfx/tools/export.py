@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..base.meta import ConvertInfo, example_inputs_of, require_info
-from ..capture.torch_export import uncached_export
+from ..capture.torch_export import run_export
 from ..core.policy import OpClass, Policy
 from .report import Report, Row
 
@@ -52,8 +52,8 @@ def export_program(gm: fx.GraphModule, example_inputs: tuple | None = None, exam
     if isinstance(example_inputs, torch.Tensor):
         raise TypeError("example_inputs must be a tuple of inputs: write (x,) instead of x")
     try:
-        return uncached_export(gm, tuple(example_inputs or ()), dict(example_kwargs or {}),
-                               dynamic_shapes=dynamic_shapes, strict=False)
+        return run_export(gm, tuple(example_inputs or ()), dict(example_kwargs or {}),
+                          dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as e:  # noqa: BLE001 - said with the part that stops it
         if not piecewise:
             raise
