@@ -6,7 +6,9 @@ The suite's time depends on two things of the CPU. torch's vector kernels are bu
 instructions (AVX512-BF16 or AMX for bfloat16) or, without AVX-512, in torch's own scalar loops: a 512x512 bfloat16
 matmul runs about 50x slower than float32 on an AVX2-only CPU, and about as fast as float32 with AVX512-BF16. The
 class names both: ``avx2``, ``avx512``, ``avx512_bf16``, ``avx512_amx`` (and ``avx2_bf16`` and the like where the
-capability was lowered on a bfloat16 CPU; ``default`` below AVX2; the machine's name off x86).
+capability was lowered on a bfloat16 CPU; ``default`` below AVX2; the machine's name off x86). oneDNN's cap
+``ONEDNN_MAX_CPU_ISA`` lowers the bfloat16 part as it lowers oneDNN: ``ATEN_CPU_CAPABILITY=avx2`` with
+``ONEDNN_MAX_CPU_ISA=AVX2`` on an AMX machine is class ``avx2``, the machine it stands in for.
 """
 from __future__ import annotations
 
@@ -18,6 +20,10 @@ ORDER = ("default", "avx2", "avx512")
 BF16 = ("", "_bf16", "_amx")
 AVX512_CORE = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # torch's AVX512 capability, oneDNN's avx512_core
 X86 = ("x86_64", "amd64", "i386", "i686")
+# oneDNN's instruction sets in order, as ONEDNN_MAX_CPU_ISA names them (autocastfx.core.devices.ONEDNN_ISAS, less
+# the newest): bfloat16 is native from AVX512_CORE_BF16 on, AMX from AVX10_1_512_AMX (AVX512_CORE_AMX) on
+ONEDNN_ORDER = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
+                "AVX512_CORE_BF16", "AVX10_1_512", "AVX10_1_512_AMX")
 
 
 def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
@@ -48,22 +54,27 @@ def capability(flags: frozenset[str], forced: str | None = None) -> str:
     return found
 
 
-def bf16_kind(flags: frozenset[str]) -> str:
-    """``_amx``, ``_bf16`` (AVX512-BF16) or ``""``: whether bfloat16 has native instructions."""
-    if "amx_bf16" in flags:
+def bf16_kind(flags: frozenset[str], onednn: str | None = None) -> str:
+    """``_amx``, ``_bf16`` (AVX512-BF16) or ``""``: whether bfloat16 has native instructions that oneDNN may use
+    (``onednn``: the value of ``ONEDNN_MAX_CPU_ISA``, read from the environment where None)."""
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA", "") if onednn is None else onednn).upper()
+    cap = {"AVX512_CORE_FP16": "AVX10_1_512", "AVX512_CORE_AMX": "AVX10_1_512_AMX"}.get(cap, cap)
+    allowed = ONEDNN_ORDER.index(cap) if cap in ONEDNN_ORDER else len(ONEDNN_ORDER)
+    if "amx_bf16" in flags and allowed >= ONEDNN_ORDER.index("AVX10_1_512_AMX"):
         return "_amx"
-    return "_bf16" if "avx512_bf16" in flags else ""
+    return "_bf16" if "avx512_bf16" in flags and allowed >= ONEDNN_ORDER.index("AVX512_CORE_BF16") else ""
 
 
-def cpu_class(flags: frozenset[str] | None = None, machine: str | None = None, forced: str | None = None) -> str:
-    """This CPU's class (the module's docstring), or the one ``flags``, ``machine`` and ``forced`` (the value of
-    ``ATEN_CPU_CAPABILITY``) describe."""
+def cpu_class(flags: frozenset[str] | None = None, machine: str | None = None, forced: str | None = None,
+              onednn: str | None = None) -> str:
+    """This CPU's class (the module's docstring), or the one ``flags``, ``machine``, ``forced`` (the value of
+    ``ATEN_CPU_CAPABILITY``) and ``onednn`` (of ``ONEDNN_MAX_CPU_ISA``) describe."""
     flags = cpu_flags() if flags is None else flags
     machine = (machine or platform.machine()).lower()
     forced = os.environ.get("ATEN_CPU_CAPABILITY") if forced is None else forced
     if machine not in X86:
         return machine + ("_bf16" if "bf16" in flags else "")
-    return capability(flags, forced) + bf16_kind(flags)
+    return capability(flags, forced) + bf16_kind(flags, onednn)
 
 
 def rank(cls: str) -> int | None:

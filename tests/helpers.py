@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from autocastfx.core import devices
 from cpu_class import cpu_flags
 
 CAST_OPS = {"_to_copy", "to", "copy_"}
@@ -75,12 +76,19 @@ class AtenRecorder(TorchDispatchMode):
 def native_low_dtype() -> torch.dtype | None:
     """The low dtype whose matmuls and convolutions torch runs in oneDNN on this CPU (bfloat16 first): bfloat16 with
     AVX-512 (native with AVX512-BF16 or AMX), float16 with AVX512-FP16 or AMX-FP16. None where both fall back to
-    torch's own scalar loops (an AVX2-only CPU: a 512x512 matmul 50x slower than float32)."""
-    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return torch.bfloat16
-    if torch.ops.mkldnn._is_mkldnn_fp16_supported():
-        return torch.float16
+    torch's own scalar loops (an AVX2-only CPU: a 512x512 matmul 50x slower than float32, or a CPU whose oneDNN
+    ``ONEDNN_MAX_CPU_ISA`` caps below AVX-512)."""
+    for dtype in (torch.bfloat16, torch.float16):
+        if _fast(dtype):
+            return dtype
     return None
+
+
+def _fast(dtype: torch.dtype) -> bool:
+    supported = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
+                 torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}[dtype]()
+    needs = "AVX512_CORE" if dtype == torch.bfloat16 else devices.NATIVE_ISA[dtype]
+    return supported and devices.onednn_allows(needs)
 
 
 FAST_LOW_DTYPE = native_low_dtype()
@@ -90,9 +98,7 @@ def small_if_emulated(n: int, small: int, dtype: torch.dtype = torch.bfloat16) -
     """``n`` (a batch, a length, a width) where ``dtype`` has fast kernels on this CPU, ``small`` where its matmuls
     run in torch's scalar loops: the same check on fewer values. The shapes the suite was sized by stay wherever
     bfloat16 runs in oneDNN (AVX-512, AVX512-BF16, AMX)."""
-    fast = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
-            torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}[dtype]()
-    return n if fast else small
+    return n if _fast(dtype) else small
 
 
 # ------------------------------------------------------------------------------ what this CPU does not run

@@ -20,8 +20,14 @@ def _convert(name="resnet", **kw):
     return autocastfx.convert(model, inputs, **kw)
 
 
-def _flags(monkeypatch, flags):
+def _flags(monkeypatch, flags, onednn=None):
+    """The CPU's flags faked, and oneDNN's cap (ONEDNN_MAX_CPU_ISA) set or cleared."""
     monkeypatch.setattr(devices, "cpu_features", lambda: frozenset(flags))
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    if onednn is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", onednn)
 
 
 @pytest.mark.parametrize("flags, want", [
@@ -201,6 +207,34 @@ def test_cpu_summary_names_the_machine(monkeypatch):
     _flags(monkeypatch, AVX2 | {"avx512f", "amx_tile", "amx_bf16"})
     assert "flags avx2 avx512f amx_tile amx_bf16;" in devices.cpu_summary()
     assert "bfloat16 native, float16 emulated" in devices.cpu_summary()
+
+
+AMX = AVX2 | {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "avx512_fp16", "amx_fp16"}
+
+
+@pytest.mark.parametrize("onednn, want", [
+    ("AVX2", torch.float32),               # an AMX machine standing in for an AVX2 one: emulated, whatever it has
+    ("AVX512_CORE", torch.float32),        # AVX-512 without its BF16 instructions
+    ("avx512_core_bf16", torch.bfloat16),  # the case oneDNN ignores
+    ("AVX512_CORE_AMX", torch.bfloat16),   # the older name of AVX10_1_512_AMX
+    ("DEFAULT", torch.bfloat16),           # no cap
+    ("no-such-isa", torch.bfloat16),       # a name oneDNN does not know: it ignores it
+], ids=["avx2", "avx512_core", "bf16", "amx", "default", "unknown"])
+def test_auto_follows_onednns_cap_on_the_cpu(monkeypatch, onednn, want):
+    """oneDNN runs the low dtypes' matmuls and convolutions: below a dtype's instructions (ONEDNN_MAX_CPU_ISA)
+    it is emulated there as on a CPU without them, so "auto" keeps float32, says why, and an explicit bfloat16
+    is warned about."""
+    _flags(monkeypatch, AMX, onednn)
+    dtype, why = devices.choose(torch.device("cpu"))
+    assert dtype == want
+    if want == torch.float32:
+        assert why.startswith(f"float32 on this CPU: ONEDNN_MAX_CPU_ISA={onednn} keeps oneDNN off its native "
+                              "bfloat16/float16 instructions (which need AVX512_CORE_BF16/AVX10_1_512)"), why
+        assert f"oneDNN capped at {onednn} (ONEDNN_MAX_CPU_ISA); bfloat16 emulated" in devices.cpu_summary()
+        with pytest.warns(autocastfx.SlowDtypeWarning, match="bfloat16 has no fast kernels"):
+            devices.resolve(torch.bfloat16, torch.device("cpu"))
+    else:
+        assert "native" in why and "bfloat16 native" in devices.cpu_summary()
 
 
 @pytest.mark.parametrize("dtype", ["fastest", torch.float32, torch.float64, 16])

@@ -297,20 +297,27 @@ AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
 
 
-@pytest.mark.parametrize("flags, machine, forced, cls", [
-    (AVX2, "x86_64", "", "avx2"),                                          # the 50x slower bfloat16 matmuls
-    (AVX2 - {"avx2"}, "x86_64", "", "default"),
-    (AVX512, "x86_64", "", "avx512"),                                      # bfloat16 emulated in oneDNN
-    (AVX512 - {"avx512vl"}, "x86_64", "", "avx2"),                         # not torch's AVX512 capability
-    (AVX512 | {"avx512_bf16"}, "x86_64", "", "avx512_bf16"),
-    (AVX512 | {"avx512_bf16", "amx_bf16", "amx_tile"}, "x86_64", "", "avx512_amx"),
-    (AVX512 | {"avx512_bf16"}, "x86_64", "avx2", "avx2_bf16"),             # ATEN_CPU_CAPABILITY lowers it...
-    (AVX2, "x86_64", "avx512", "avx2"),                                    # ...and never raises it
-    (frozenset({"fp", "asimd", "bf16"}), "aarch64", "", "aarch64_bf16"),
+AMX = AVX512 | {"avx512_bf16", "amx_bf16", "amx_tile"}
+
+
+@pytest.mark.parametrize("flags, machine, forced, onednn, cls", [
+    (AVX2, "x86_64", "", "", "avx2"),                                      # the 50x slower bfloat16 matmuls
+    (AVX2 - {"avx2"}, "x86_64", "", "", "default"),
+    (AVX512, "x86_64", "", "", "avx512"),                                  # bfloat16 emulated in oneDNN
+    (AVX512 - {"avx512vl"}, "x86_64", "", "", "avx2"),                     # not torch's AVX512 capability
+    (AVX512 | {"avx512_bf16"}, "x86_64", "", "", "avx512_bf16"),
+    (AMX, "x86_64", "", "", "avx512_amx"),
+    (AVX512 | {"avx512_bf16"}, "x86_64", "avx2", "", "avx2_bf16"),         # ATEN_CPU_CAPABILITY lowers it...
+    (AVX2, "x86_64", "avx512", "", "avx2"),                                # ...and never raises it
+    (AMX, "x86_64", "avx2", "AVX2", "avx2"),                               # oneDNN capped too: an AVX2 machine
+    (AMX, "x86_64", "", "avx512_core_bf16", "avx512_bf16"),                # AMX off, AVX512-BF16 on
+    (AMX, "x86_64", "", "AVX512_CORE_AMX", "avx512_amx"),                  # oneDNN's older name for AVX10_1_512_AMX
+    (AMX, "x86_64", "", "ALL", "avx512_amx"),                              # no cap
+    (frozenset({"fp", "asimd", "bf16"}), "aarch64", "", "", "aarch64_bf16"),
 ])
-def test_cpu_class_from_the_cpus_flags(flags, machine, forced, cls):
+def test_cpu_class_from_the_cpus_flags(flags, machine, forced, onednn, cls):
     cpu_class = _tests_module("cpu_class")
-    assert cpu_class.cpu_class(frozenset(flags), machine, forced) == cls
+    assert cpu_class.cpu_class(frozenset(flags), machine, forced, onednn) == cls
 
 
 def test_cpu_class_capability_is_torchs():
@@ -353,16 +360,24 @@ def test_the_recorded_seconds_are_per_cpu_class():
     assert "avx512_bf16" in record  # the record the suite's 8 minutes were first measured by
 
 
-def test_the_low_dtype_shapes_follow_the_cpus_bfloat16():
+def test_the_low_dtype_shapes_follow_the_cpus_bfloat16(monkeypatch):
     """helpers.small_if_emulated keeps the suite's shapes wherever torch runs bfloat16 in oneDNN, and always on a
-    CPU with AVX512-BF16 or AMX; it shrinks them only where bfloat16 falls back to torch's scalar loops."""
+    CPU with AVX512-BF16 or AMX; it shrinks them only where bfloat16 falls back to torch's scalar loops, or oneDNN is
+    capped below AVX-512 (ONEDNN_MAX_CPU_ISA, as when the suite stands in for an AVX2 machine)."""
     import torch
     helpers, cpu_class = _tests_module("helpers"), _tests_module("cpu_class")
     flags = cpu_class.cpu_flags()
+    assert helpers.FAST_LOW_DTYPE == helpers.native_low_dtype()  # this process's, under its environment
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     onednn = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert helpers.small_if_emulated(16, 4) == (16 if onednn else 4)
-    assert (helpers.FAST_LOW_DTYPE == torch.bfloat16) == onednn
     if {"avx512_bf16", "amx_bf16"} & flags:
         assert onednn and helpers.small_if_emulated(16, 4) == 16
     if flags and not {"avx512f", "avx_ne_convert"} & flags:  # no AVX-512, no AVX-NE-CONVERT: torch's own loops
-        assert not onednn and helpers.FAST_LOW_DTYPE is None and helpers.small_if_emulated(16, 4) == 4
+        assert not onednn and helpers.small_if_emulated(16, 4) == 4
+    for cap in ("AVX2", "avx2_vnni_2", "SSE41"):  # below AVX-512: scalar loops, whatever the CPU has
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+        assert helpers.small_if_emulated(16, 4) == 4 and helpers.native_low_dtype() is None
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")
+    assert helpers.small_if_emulated(16, 4) == (16 if onednn else 4)

@@ -5,11 +5,13 @@ dtypes its instruction set computes natively are fast: bfloat16 with AVX512-BF16
 AVX512-FP16 or AMX-FP16. Elsewhere the kernels convert element by element and run many times slower than float32
 (docs/benchmarks.md has the rates measured per CPU). There ``"auto"`` computes in float32: the converted module keeps the model's
 dtypes. Where the flags cannot be read (no /proc/cpuinfo, or another architecture's), one small matmul per
-dtype, timed once per process, decides instead.
+dtype, timed once per process, decides instead. ``ONEDNN_MAX_CPU_ISA`` below a dtype's native instructions makes it
+emulated whatever the flags say: oneDNN runs the low dtypes' matmuls and convolutions, and that variable caps it.
 """
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 import torch
@@ -20,6 +22,14 @@ NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("av
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
 ACCEPTED = ("torch.float16 or torch.bfloat16 (None: float16, the default) or 'auto' (the dtype that pays on the "
             "model's device, float32 compute where no low dtype does)")
+# oneDNN's instruction sets, lowest first, as ONEDNN_MAX_CPU_ISA names them (oneDNN's "CPU dispatcher control"), and
+# the one that holds each low dtype's native instructions
+ONEDNN_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
+               "AVX512_CORE_BF16", "AVX10_1_512", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16", "AVX10_2_512",
+               "AVX10_2_512_AMX_2")
+ONEDNN_ALIASES = {"AVX512_CORE_FP16": "AVX10_1_512", "AVX512_CORE_AMX": "AVX10_1_512_AMX",
+                  "AVX512_CORE_AMX_FP16": "AVX10_1_512_AMX_FP16"}
+NATIVE_ISA = {torch.bfloat16: "AVX512_CORE_BF16", torch.float16: "AVX10_1_512"}
 PROBE_SIZE = 256   # the probe's square matmul: big enough for the kernels to show, quick when emulated (~30 ms)
 PROBE_GAIN = 1.25  # a low dtype measured at least this much faster than float32 is chosen
 
@@ -55,6 +65,20 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def onednn_cap() -> str | None:
+    """The instruction set ``ONEDNN_MAX_CPU_ISA`` (or its older name ``DNNL_MAX_CPU_ISA``) caps oneDNN at; None where
+    neither is set, or set to ``ALL``/``DEFAULT`` or a name oneDNN does not know (it ignores those too)."""
+    name = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    name = ONEDNN_ALIASES.get(name, name)
+    return name if name in ONEDNN_ISAS else None
+
+
+def onednn_allows(isa: str) -> bool:
+    """Whether ``ONEDNN_MAX_CPU_ISA`` lets oneDNN use instruction set ``isa`` (one of ``ONEDNN_ISAS``)."""
+    cap = onednn_cap()
+    return cap is None or ONEDNN_ISAS.index(cap) >= ONEDNN_ISAS.index(isa)
+
+
 def cpu_summary() -> str:
     """One line naming this CPU: model, torch's kernel capability, which of ``SHOWN_FLAGS`` it has, and whether
     its bfloat16/float16 matmuls are native or emulated."""
@@ -68,16 +92,18 @@ def cpu_summary() -> str:
     for dtype in NATIVE_FLAGS:
         native = native_on_cpu(dtype)
         kinds.append(f"{_name(dtype)} {'unknown' if native is None else 'native' if native else 'emulated'}")
-    return (f"CPU: {cpu_model()}; torch capability {torch.backends.cpu.get_cpu_capability()}; {shown}; "
+    cap = f"; oneDNN capped at {onednn_cap()} (ONEDNN_MAX_CPU_ISA)" if onednn_cap() else ""
+    return (f"CPU: {cpu_model()}; torch capability {torch.backends.cpu.get_cpu_capability()}; {shown}{cap}; "
             f"{', '.join(kinds)}")
 
 
 def native_on_cpu(dtype: torch.dtype) -> bool | None:
-    """Whether this CPU computes ``dtype`` natively (None: its flags cannot be read)."""
+    """Whether this CPU computes ``dtype`` natively (None: its flags cannot be read): it has the instructions, and
+    ``ONEDNN_MAX_CPU_ISA`` lets oneDNN use them."""
     flags = cpu_features()
     if not flags:
         return None
-    return any(f in flags for f in NATIVE_FLAGS[dtype])
+    return any(f in flags for f in NATIVE_FLAGS[dtype]) and onednn_allows(NATIVE_ISA[dtype])
 
 
 @functools.lru_cache(maxsize=1)
@@ -113,9 +139,12 @@ def choose(device: torch.device) -> tuple[torch.dtype, str]:
         return torch.float16, "float16 on this CPU: native (AVX512-FP16/AMX-FP16)"
     have = "AVX-512 without BF16/FP16" if "avx512f" in cpu_features() else (
         "AVX2 without AVX-512" if "avx2" in cpu_features() else "no AVX2")
+    why = f"{have}, no native bfloat16 (avx512_bf16, amx_bf16) nor float16 (avx512_fp16, amx_fp16) instructions"
+    if any(f in cpu_features() for names in NATIVE_FLAGS.values() for f in names):
+        why = (f"ONEDNN_MAX_CPU_ISA={onednn_cap()} keeps oneDNN off its native bfloat16/float16 instructions "
+               f"(which need {NATIVE_ISA[torch.bfloat16]}/{NATIVE_ISA[torch.float16]})")
     return torch.float32, (
-        f"float32 on this CPU: {have}, no native bfloat16 (avx512_bf16, amx_bf16) nor float16 (avx512_fp16, "
-        "amx_fp16) instructions, so bfloat16 and float16 matmuls and convolutions run emulated, tens of times "
+        f"float32 on this CPU: {why}, so bfloat16 and float16 matmuls and convolutions run emulated, tens of times "
         "slower than float32 (a 512x512 matmul on a 2-core AVX2 machine: 69 GFLOP/s in float32, about 1.3 in "
         "bfloat16 and float16); no casts, parameters kept float32, no padding")
 
