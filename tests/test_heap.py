@@ -1,6 +1,6 @@
 """autocastfx.keep_cpu_memory() keeps freed CPU memory for the next step (autocastfx.training.heap), and nothing
 else does: checked by the effect, the page faults a process takes to allocate and fill 64 MiB again after freeing
-it, the last two of six times. Each case runs in a fresh process, since glibc's setting is process-wide."""
+it, the last two of six times. Each case that may change glibc's setting runs in a fresh process: it is process-wide."""
 import os
 import subprocess
 import sys
@@ -15,9 +15,6 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 SCRIPT = r"""
 import resource, sys, torch, torch.nn as nn, autocastfx
 from autocastfx.training import heap
-if sys.argv[1] == "settings":  # keep_cpu_memory() alone, under the environment's allocator settings
-    print(autocastfx.keep_cpu_memory(), 0, heap.status(), sep="\n")
-    sys.exit(0)
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
 x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
@@ -68,12 +65,21 @@ def _huge_pages_always():
         return False
 
 
-def test_the_users_allocator_settings_stand():
+def test_the_users_allocator_settings_stand(monkeypatch):
     """keep_cpu_memory() changes nothing where the environment already set glibc's malloc options (a step never
-    touches the allocator: the test above)."""
-    kept, faults, doc = _run("settings", MALLOC_TRIM_THRESHOLD_="1000000")
-    assert not kept and "the environment sets MALLOC_TRIM_THRESHOLD_" in doc
-    kept, faults, doc = _run("settings", GLIBC_TUNABLES="glibc.malloc.trim_threshold=1000000")
-    assert not kept and "glibc.malloc tunables in GLIBC_TUNABLES" in doc
-    kept, faults, doc = _run("settings", GLIBC_TUNABLES="glibc.pthread.rseq=0")  # not the allocator's: kept
-    assert kept, doc
+    touches the allocator: the test above). It reads them when called, so this runs in the test's own process: a
+    refusal changes nothing, and the one setting that is not the allocator's is only asked about (``why_not``)."""
+    from autocastfx.training import heap
+    for name in [k for k in os.environ if k.startswith(("MALLOC_", "GLIBC_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(heap, "_state", {"kept": False, "why": None, "mmap": None})  # this process's, put back after
+    monkeypatch.setattr(heap, "_preloaded_allocator", lambda: None)
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000000")
+    assert not autocastfx.keep_cpu_memory() and not heap.kept()
+    assert "the environment sets MALLOC_TRIM_THRESHOLD_" in heap.status()
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=1000000")
+    assert not autocastfx.keep_cpu_memory()
+    assert "glibc.malloc tunables in GLIBC_TUNABLES" in heap.status()
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.pthread.rseq=0")  # not the allocator's: it would be kept
+    assert heap.why_not() is None
