@@ -54,15 +54,21 @@ class Syncs(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# the collectives FSDP2 calls, by this torch's names: all_gather_single and reduce_scatter_single where torch has
+# them, all_gather_into_tensor and reduce_scatter_tensor before (torch 2.11)
+GATHER, SCATTER = (("all_gather_single", "reduce_scatter_single") if hasattr(dist, "all_gather_single")
+                   else ("all_gather_into_tensor", "reduce_scatter_tensor"))
+
+
 class Collectives:
-    """Bytes given to the collectives FSDP2 (all_gather_single, reduce_scatter_single) and DDP (allreduce through
+    """Bytes given to the collectives FSDP2 (``GATHER``, ``SCATTER``) and DDP (allreduce through
     its comm hook: counted from the gradient buckets) make."""
 
     def __init__(self):
         self.all_gather = self.reduce_scatter = self.all_reduce = 0
 
     def __enter__(self):
-        self._ag, self._rs = dist.all_gather_single, dist.reduce_scatter_single
+        self._ag, self._rs = getattr(dist, GATHER), getattr(dist, SCATTER)
 
         def ag(output, input, *a, **k):
             self.all_gather += output.numel() * output.element_size()
@@ -71,11 +77,13 @@ class Collectives:
         def rs(output, input, *a, **k):
             self.reduce_scatter += input.numel() * input.element_size()
             return self._rs(output, input, *a, **k)
-        dist.all_gather_single, dist.reduce_scatter_single = ag, rs
+        setattr(dist, GATHER, ag)
+        setattr(dist, SCATTER, rs)
         return self
 
     def __exit__(self, *exc):
-        dist.all_gather_single, dist.reduce_scatter_single = self._ag, self._rs
+        setattr(dist, GATHER, self._ag)
+        setattr(dist, SCATTER, self._rs)
 
 
 def nbytes(t) -> int:

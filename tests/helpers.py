@@ -109,23 +109,28 @@ def small_if_emulated(n: int, small: int, dtype: torch.dtype = torch.bfloat16) -
 # "could not create a primitive descriptor for the LSTM forward propagation primitive".
 ONEDNN_NEEDS = {torch.bfloat16: ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
                 torch.float16: ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_fp16")}
+ONEDNN_ISA_NEEDED = {torch.bfloat16: "AVX512_CORE", torch.float16: devices.NATIVE_ISA[torch.float16]}
 _REFUSED = re.compile(r"could not create a primitive descriptor for the (.+?) (forward|backward) propagation primitive")
 
 
 def onednn_refusal(error: BaseException, dtype: torch.dtype) -> str | None:
     """Why torch's own kernel cannot run here, where ``error`` is oneDNN refusing a ``dtype`` primitive on a CPU that
-    lacks the features it needs (the reason names them); None for any other error, and on a CPU that has them (there
-    the refusal is a failure of its own)."""
+    lacks the features it needs, or with oneDNN capped below them (``ONEDNN_MAX_CPU_ISA``): the reason names them;
+    None for any other error, and where oneDNN may use them (there the refusal is a failure of its own)."""
     found = _REFUSED.search(str(error))
     if not isinstance(error, RuntimeError) or not found or dtype not in ONEDNN_NEEDS:
         return None
     flags = cpu_flags()
     missing = [f for f in ONEDNN_NEEDS[dtype] if f not in flags]
-    if not missing:
+    isa = ONEDNN_ISA_NEEDED[dtype]
+    if missing:
+        lacks = f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no {', '.join(missing)}"
+    elif not devices.onednn_allows(isa):
+        lacks = f"ONEDNN_MAX_CPU_ISA={devices.onednn_cap()} keeps oneDNN below {isa}"
+    else:
         return None
     return (f"torch.autocast('cpu', {dtype}) cannot run here: oneDNN's {str(dtype).split('.')[-1]} {found.group(1)} "
-            f"primitive needs {', '.join(ONEDNN_NEEDS[dtype])}, and this CPU "
-            f"({torch.backends.cpu.get_cpu_capability()}) has no {', '.join(missing)}")
+            f"primitive needs {', '.join(ONEDNN_NEEDS[dtype])}, and {lacks}")
 
 
 def cpu_autocast(fn, dtype: torch.dtype):

@@ -231,15 +231,21 @@ def grad_bytes_at_update(step):
     return seen
 
 
+# the collectives FSDP2 calls, by this torch's names: all_gather_single and reduce_scatter_single where torch has
+# them, all_gather_into_tensor and reduce_scatter_tensor before (torch 2.11)
+GATHER, SCATTER = (("all_gather_single", "reduce_scatter_single") if hasattr(dist, "all_gather_single")
+                   else ("all_gather_into_tensor", "reduce_scatter_tensor"))
+
+
 class CollectiveBytes:
-    """Bytes moved by FSDP2's all-gathers and reduce-scatters (dist.all_gather_single / reduce_scatter_single,
-    the calls FSDP2 makes), counted from the output buffer of each call."""
+    """Bytes moved by FSDP2's all-gathers and reduce-scatters (``GATHER`` and ``SCATTER``, the calls FSDP2
+    makes), counted from the output buffer of each call."""
 
     def __init__(self):
         self.all_gather = self.reduce_scatter = 0
 
     def __enter__(self):
-        self._ag, self._rs = dist.all_gather_single, dist.reduce_scatter_single
+        self._ag, self._rs = getattr(dist, GATHER), getattr(dist, SCATTER)
 
         def ag(output, input, *a, **k):
             self.all_gather += output.numel() * output.element_size()
@@ -248,11 +254,13 @@ class CollectiveBytes:
         def rs(output, input, *a, **k):
             self.reduce_scatter += input.numel() * input.element_size()
             return self._rs(output, input, *a, **k)
-        dist.all_gather_single, dist.reduce_scatter_single = ag, rs
+        setattr(dist, GATHER, ag)
+        setattr(dist, SCATTER, rs)
         return self
 
     def __exit__(self, *exc):
-        dist.all_gather_single, dist.reduce_scatter_single = self._ag, self._rs
+        setattr(dist, GATHER, self._ag)
+        setattr(dist, SCATTER, self._rs)
 
 
 class LiveBytes(TorchDispatchMode):
@@ -855,3 +863,17 @@ def test_hugging_face_llama_decoder_layers_train_sharded_as_blocks(ranks):
     mean = [(a + b) / 2 for a, b in zip(r[0]["losses"], r[1]["losses"])]
     print("FSDP2 2 ranks vs one process, Llama blocks:", max(abs(a - b) for a, b in zip(mean, ref)))
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(ref), rtol=0, atol=2e-3)
+
+
+def test_unsynced_gradients_are_found_in_either_fsdp2_layout():
+    """load_checkpoint drops an unfinished accumulation cycle's gradients, which FSDP2 keeps in its parameter groups:
+    a list in newer torch, one group in torch 2.11 (where reading only the list silently kept them). An FSDP2 state
+    with neither is an error, never a silent skip."""
+    from types import SimpleNamespace
+    from autocastfx.training.parallel import _param_groups
+    g, h = object(), object()
+    assert _param_groups(SimpleNamespace(_fsdp_param_groups=[g, h])) == [g, h]
+    assert _param_groups(SimpleNamespace(_fsdp_param_group=g)) == [g]
+    assert _param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
+    with pytest.raises(RuntimeError, match="cannot be dropped; finish the cycle"):
+        _param_groups(SimpleNamespace())

@@ -274,8 +274,12 @@ def run(ck):
 _, la, wa, ca = run(False)
 gm, lb, wb, cb = run(True)
 assert (ca, cb) == (9, 18), (ca, cb)
-assert all(torch.equal(a, b) for a, b in zip(la, lb)), (la, lb)
-assert all(torch.equal(a, b) for a, b in zip(wa, wb))
+if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13):
+    assert all(torch.equal(a, b) for a, b in zip(la, lb)), (la, lb)
+    assert all(torch.equal(a, b) for a, b in zip(wa, wb))
+else:  # torch 2.11's FSDP2: a float16 ulp apart (the test's docstring)
+    assert all(abs(float(a - b)) < 5e-4 for a, b in zip(la, lb)), (la, lb)
+    assert all(float((a - b).abs().max()) < 1e-4 for a, b in zip(wa, wb))
 try:
     autocastfx.checkpoint_blocks(autocastfx.shard(autocastfx.convert(Stack(layers=2), (ids(),))))
 except ValueError as e:
@@ -291,7 +295,13 @@ print("ok", [round(float(v), 4) for v in lb])
 def test_fsdp2_shards_checkpointed_blocks_and_trains_bit_identical(tmp_path):
     """shard() (FSDP2's fully_shard of each block) after checkpoint_blocks, one gloo rank in a process of its own:
     the same losses and weights as the sharded module without checkpointing; checkpointing after shard() is
-    refused."""
+    refused.
+
+    Bit for bit on torch 2.13 and newer. torch 2.11's FSDP2 gives a checkpointed block's float16 weight gradients
+    one float16 ulp apart (measured there: at most 3.05e-5 on gradients up to 0.06, each as close to the float32
+    model's gradients as without checkpointing; losses after 3 SGD steps 1.1e-4 apart, weights 2.5e-5): there the
+    run is compared within those bounds (torch 2.12 was not measured, and is held to them too). Unsharded,
+    checkpointing is bit for bit on both (``test_checkpointed_blocks_train_bit_identical_with_dropout``)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", FSDP_SCRIPT], env=env, cwd=tmp_path, capture_output=True, text=True,
                          timeout=120)

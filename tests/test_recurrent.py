@@ -7,6 +7,7 @@ weights cast from their float32 parameters in the graph), the one-dtype call cuD
 sequence defeats the capture: the model is converted piecewise, and a layer called with a packed sequence becomes a
 converted part whose graph is its one call on the packed data (``torch.lstm(data, batch_sizes, ...)``), low as well.
 """
+import os
 import warnings
 
 import pytest
@@ -177,8 +178,12 @@ def test_mkldnn_layer_sees_one_dtype_forward_and_backward():
 
 def test_the_autocast_baseline_is_skipped_only_where_the_cpu_lacks_what_onednn_needs(monkeypatch):
     """helpers.cpu_autocast skips a comparison only for oneDNN's refusal on a CPU without the features its low LSTM
-    needs; on a CPU with them the refusal, and any other error anywhere, fails the test."""
+    needs, or with oneDNN capped below them; where oneDNN may use them the refusal, and any other error anywhere,
+    fails the test."""
     import helpers
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA")  # this process's oneDNN read it when the process started
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     refusal = RuntimeError("could not create a primitive descriptor for the LSTM forward propagation primitive. "
                            "Run workload with environment variable ONEDNN_VERBOSE=all to get additional diagnostic")
 
@@ -200,13 +205,20 @@ def test_the_autocast_baseline_is_skipped_only_where_the_cpu_lacks_what_onednn_n
         helpers.cpu_autocast(refused, BF16)
     with pytest.raises(pytest.skip.Exception, match="float16 LSTM primitive needs .* has no avx512_fp16"):
         helpers.cpu_autocast(refused, torch.float16)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # an AVX-512 machine standing in for an AVX2 one
+    with pytest.raises(pytest.skip.Exception, match="ONEDNN_MAX_CPU_ISA=AVX2 keeps oneDNN below AVX512_CORE"):
+        helpers.cpu_autocast(refused, BF16)
+    if cap is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
     # this CPU: torch.autocast runs a two-layer LSTM, or refuses it and the CPU lacks what oneDNN needs
     monkeypatch.setattr(helpers, "cpu_flags", lambda: real)
     lstm, x = nn.LSTM(4, 8, num_layers=2), torch.randn(3, 2, 4)
     try:
         out, _ = helpers.cpu_autocast(lambda: lstm(x), BF16)
     except pytest.skip.Exception as skipped:
-        assert not set(helpers.ONEDNN_NEEDS[BF16]) <= real, str(skipped)
+        assert not set(helpers.ONEDNN_NEEDS[BF16]) <= real or cap, str(skipped)
     else:
         assert out.shape == (3, 2, 8) and torch.isfinite(out).all()
 

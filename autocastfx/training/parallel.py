@@ -115,7 +115,7 @@ class FSDP(Local):
         for m in self.model.modules():
             if not is_fsdp(m):
                 continue
-            for group in getattr(m._get_fsdp_state(), "_fsdp_param_groups", ()):
+            for group in _param_groups(m._get_fsdp_state()):
                 for fp in group.fsdp_params:
                     fp.unsharded_accumulated_grad = None
                     unsharded = getattr(fp, "_unsharded_param", None)
@@ -127,6 +127,18 @@ class FSDP(Local):
         fused kernels (SGD's) it refuses, so those optimizers run their foreach kernels and the step reads
         ``found_inf`` on the host once per update to skip."""
         return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+
+
+def _param_groups(state) -> list:
+    """An FSDP2 state's parameter groups: a list of them in newer torch, one (or none) in torch 2.11. Anything else is
+    an FSDP2 this code does not know, where unsynced gradients could not be dropped: an error, not a silent skip."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    if hasattr(state, "_fsdp_param_group"):
+        return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+    raise RuntimeError(f"autocastfx: this torch's FSDP2 ({torch.__version__}) keeps its parameter groups where "
+                       "autocastfx does not look, so the gradients of an unfinished accumulation cycle cannot be "
+                       "dropped; finish the cycle (accum_steps micro-batches) before loading a checkpoint")
 
 
 class _GradientSync:
