@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .base import keys as K
-from .base.errors import CaptureError
+from .base.errors import CaptureError, one_line
 from .base.meta import ConvertInfo, is_converted, names_by_id
 from .base.options import LOW_DTYPES, ConvertOptions
 from .base.runtime import no_recompile
@@ -266,7 +266,7 @@ def _convert_for_call(gm: nn.Module, args: tuple, kwargs: dict) -> nn.Module:
         raise TypeError(
             f"this module was converted for a call {_calls.text(info.call_signature)} and was called with "
             f"{_calls.text(_calls.describe(args, kwargs))}; converting it for this call as well failed "
-            f"({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}). Convert with example inputs of "
+            f"({one_line(e)}). Convert with example inputs of "
             "this call: autocastfx.convert(model, example_inputs=(...), example_kwargs={...}), and keep one "
             "converted module per call") from e
     return other

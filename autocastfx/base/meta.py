@@ -20,6 +20,26 @@ from .options import ConvertOptions
 WATCHED_CLASS = "_autocastfx_watched_class"  # on the subclass a watched module has meanwhile: its own class
 
 
+_RAISE = object()
+
+
+def fetch(module: Any, target: str, missing: Any = _RAISE) -> Any:
+    """The attribute a ``get_attr`` node's dotted ``target`` names (``"layers.0.weight"``), read from ``module``.
+
+    Returns:
+        The attribute; ``missing`` where a part of the path is absent, or, with no ``missing`` given, an
+        AttributeError naming the whole target.
+    """
+    obj = module
+    for part in str(target).split("."):
+        obj = getattr(obj, part, _RAISE)
+        if obj is _RAISE:
+            if missing is _RAISE:
+                raise AttributeError(f"the graph reads {target!r}, which the module does not have")
+            return missing
+    return obj
+
+
 def original_class(module: Any) -> type:
     """The module's own class: the one it had before a capture watched its reads (capture.watch swaps it for a
     subclass meanwhile)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from . import inline as _inline
 from .context import CaptureContext
 from .watch import own_classes, watch_reads, watchable
-from ..base.meta import is_converted
+from ..base.meta import fetch, is_converted
 import collections
 import contextlib
 import torch
@@ -25,14 +25,6 @@ class ProgramMismatch(Exception):
 
 
 _SWAP_CLASS = {t: "batch_norm_update" for t in SWAPS}
-
-
-def _fetch(mod: nn.Module, target: str):
-    for part in str(target).split("."):
-        mod = getattr(mod, part, None)
-        if mod is None:
-            return None
-    return mod
 
 
 def _canon(a, env: dict | None = None):
@@ -211,7 +203,7 @@ def _call_target(gm: fx.GraphModule, other: fx.GraphModule, m: fx.Node):
     differs from the one ``gm`` holds under that name is added to ``gm`` under a name of its own."""
     target = m.target
     if m.op == "call_module":
-        theirs, mine = _fetch(other, target), _fetch(gm, target)
+        theirs, mine = fetch(other, target, None), fetch(gm, target, None)
         if mine is not theirs and not _same_program(mine, theirs):
             target = _unique_attr(gm, str(target))
             gm.add_submodule(target, theirs)
@@ -219,7 +211,7 @@ def _call_target(gm: fx.GraphModule, other: fx.GraphModule, m: fx.Node):
 
 
 def _merge_attr(gm, other, m, key, attrs, add):
-    theirs, mine = _fetch(other, m.target), _fetch(gm, m.target)
+    theirs, mine = fetch(other, m.target, None), fetch(gm, m.target, None)
     same = mine is theirs or (isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor)
                               and mine.shape == theirs.shape and mine.dtype == theirs.dtype
                               and mine.device == theirs.device
@@ -256,7 +248,7 @@ def _same_program(a, b) -> bool:
 def _unique_attr(gm: nn.Module, name: str) -> str:
     base = name.replace(".", "_") + "_eval"
     name, i = base, 0
-    while _fetch(gm, name) is not None:
+    while fetch(gm, name, None) is not None:
         i += 1
         name = f"{base}{i}"
     return name
@@ -377,7 +369,7 @@ def _capture_programs(model: nn.Module, work: nn.Module, given: dict[str, bool],
     except CaptureError as e:
         if model.training:
             raise
-        why = f"it cannot be captured in training mode ({one_line(e).splitlines()[0]})"
+        why = f"it cannot be captured in training mode ({one_line(e)})"
         _restore(work, given)
         gm, how = capture_graph(work, args, kwargs, policy, ctx, compile_code=False)
         programs = {current: gm}

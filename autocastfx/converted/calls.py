@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from ..base import keys as K
+from ..base.errors import one_line
 from ..capture.context import free_axes
 from ..core import weights as _weights
 
@@ -55,7 +56,7 @@ def check(captured: tuple, args: tuple, kwargs: dict, error: BaseException) -> N
         "captured for one call's inputs (which are given, which are None). Convert with example inputs of "
         "this call: autocastfx.convert(model, example_inputs=(...), example_kwargs={...}) with every input this "
         "call passes (a model that takes targets and returns its loss: pass the targets in the example), and "
-        f"keep one converted module per call ({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''})"
+        f"keep one converted module per call ({one_line(error)})"
     ) from error
 
 

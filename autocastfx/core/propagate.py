@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily  # noqa: E402
 from ..base.errors import one_line, CaptureError
 from ..base import keys as K
-from ..base.meta import is_converted, tensor_info, TensorInfo
+from ..base.meta import fetch, is_converted, tensor_info, TensorInfo
 from ..base.quiet import quiet_torch_logs
 
 
@@ -173,7 +173,7 @@ class _FakeRun:
                     value = (_virtualize(list(inputs)) if str(node.target).startswith("*")
                              else _virtualize(next(inputs)))
                 elif op == "get_attr":
-                    value = _virtualize(_fetch_attr(self.gm, node.target))
+                    value = _virtualize(fetch(self.gm, node.target))
                 elif op == "output":
                     value = _load(node.args[0], env)
                 else:
@@ -307,15 +307,6 @@ class _FakeRun:
         if info is None:
             info = self.infos[meta] = TensorInfo(meta[3], meta[0], meta[4].type)
         return info
-
-
-def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
-    obj = gm
-    for atom in target.split("."):
-        if not hasattr(obj, atom):
-            raise RuntimeError(f"graph reads {target!r}, which the module does not have")
-        obj = getattr(obj, atom)
-    return obj
 
 
 def _virtualize(v: Any) -> Any:

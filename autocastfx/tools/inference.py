@@ -30,7 +30,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 from ..core import modes as _modes, rewrite as _rewrite
 from ..base import keys as K
-from ..base.meta import require_info
+from ..base.meta import fetch, require_info
 
 _aten = torch.ops.aten
 _CONVS = {F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d, _aten.conv1d.default,
@@ -79,14 +79,7 @@ def float32_eval_program(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _is_get_param(gm: fx.GraphModule, node) -> bool:
-    return isinstance(node, fx.Node) and node.op == "get_attr" and isinstance(_attr(gm, node.target), nn.Parameter)
-
-
-def _attr(gm: nn.Module, target: str):
-    obj = gm
-    for part in str(target).split("."):
-        obj = getattr(obj, part)
-    return obj
+    return isinstance(node, fx.Node) and node.op == "get_attr" and isinstance(fetch(gm, node.target), nn.Parameter)
 
 
 def _bn_of(gm: fx.GraphModule, node: fx.Node):
@@ -112,7 +105,7 @@ def _bn_of(gm: fx.GraphModule, node: fx.Node):
         eps, out = _arg(node, 7, "eps", 1e-5), node
     else:
         return None
-    vals = [(_attr(gm, a.target) if isinstance(a, fx.Node) and a.op == "get_attr" else a) for a in (w, b, mean, var)]
+    vals = [(fetch(gm, a.target) if isinstance(a, fx.Node) and a.op == "get_attr" else a) for a in (w, b, mean, var)]
     if any(v is not None and not isinstance(v, torch.Tensor) for v in vals) or vals[2] is None or vals[3] is None:
         return None
     return (*vals, eps, out)
@@ -145,8 +138,8 @@ def fold_batch_norms(gm: fx.GraphModule) -> list[str]:
             continue
         gamma, beta, mean, var, eps, out = bn
         f32 = lambda t: t.detach().float() if t is not None else None  # noqa: E731
-        new_w, new_b = fuse_conv_bn_weights(f32(_attr(gm, conv.args[1].target)),
-                                            f32(_attr(gm, bias_arg.target)) if bias_arg is not None else None,
+        new_w, new_b = fuse_conv_bn_weights(f32(fetch(gm, conv.args[1].target)),
+                                            f32(fetch(gm, bias_arg.target)) if bias_arg is not None else None,
                                             f32(mean), f32(var), eps, f32(gamma), f32(beta))
         base = f"_folded_{conv.name}"
         gm.register_parameter(f"{base}_weight", new_w.requires_grad_(False))
@@ -212,7 +205,7 @@ def store_every_weight_low(gm: fx.GraphModule, dtype: torch.dtype) -> list[str]:
     stored = []
     for node in list(gm.graph.nodes):
         if node.op == "get_attr":
-            p = _attr(gm, node.target)
+            p = fetch(gm, node.target)
             if isinstance(p, torch.Tensor) and p.is_floating_point() and p.dtype == torch.float32 and isinstance(
                     p, nn.Parameter):
                 owner, _, name = str(node.target).rpartition(".")

@@ -568,7 +568,7 @@ def _root(model, tree, units, skipped, args, kwargs, conv: Conversions, options:
     try:
         gm = conv.whole(tree, args, kwargs, options, ctx)
     except (CaptureError, ValueError) as e:
-        raise RootError(f"the model around its blocks does not convert ({one_line(e).splitlines()[0]})") from e
+        raise RootError(f"the model around its blocks does not convert ({one_line(e)})") from e
     keep_containers(gm, tree, units)
     set_modes(gm, model, modes)
     info = gm.meta["autocastfx"]
@@ -590,5 +590,5 @@ def _traces_around(model: nn.Module, names: list[str], policy) -> str | None:
     try:
         Around(policy).trace(model)
     except Exception as e:  # noqa: BLE001 - any failure means: not as one graph around the blocks
-        return f"the model's forward does not trace around its blocks ({one_line(e).splitlines()[0]})"
+        return f"the model's forward does not trace around its blocks ({one_line(e)})"
     return None

@@ -172,7 +172,7 @@ def data_dependent(e: BaseException) -> bool:
 def why_not_captured(e: BaseException) -> str:
     """A capture error in one line: what each way of capturing said."""
     lines = [ln.strip() for ln in str(e).splitlines() if "failed:" in ln]
-    return "; ".join(lines)[:400] if lines else one_line(e).splitlines()[0][:400]
+    return "; ".join(lines)[:400] if lines else one_line(e)
 
 
 class Conversions(NamedTuple):
