@@ -322,7 +322,7 @@ def test_converting_needs_no_activation_memory():
     assert int(grown_mib) < 64, f"peak memory grew by {grown_mib} MiB"
 
 
-# ------------------------------------------------------------------------------- the min-cut, faster
+# ------------------------------------------------------------------------------- the min-cut
 
 def _reference_min_cut(p: Problem) -> dict:
     """The plain construction: one auxiliary node per value and direction, networkx's max-flow on all of it."""
@@ -385,8 +385,8 @@ def _random_problem(rng, n):
 
 
 def test_min_cut_gives_the_labels_of_the_plain_construction():
-    """Short paths pushed first, one-reader values without auxiliary nodes, networkx only where a path is
-    left: the labels are exactly those of networkx on the plain network (its partition, ties included)."""
+    """One-reader values without auxiliary nodes: the labels are exactly those of networkx on the plain network
+    (its partition, ties included)."""
     rng = random.Random(7)
     for _ in range(400):
         p = _random_problem(rng, rng.randint(2, 40))
@@ -395,9 +395,9 @@ def test_min_cut_gives_the_labels_of_the_plain_construction():
         assert cast_cost(p, labels) == cast_cost(p, _reference_min_cut(p))
 
 
-def test_min_cut_on_a_deep_stack_needs_no_general_max_flow(monkeypatch):
-    """A chain of blocks (a transformer's residual stream): the short paths carry the whole flow, so the
-    work grows with the graph, and the labels are still the plain construction's."""
+def test_min_cut_of_a_deep_stack_is_the_plain_constructions():
+    """A chain of 300 blocks (a transformer's residual stream), each matmul fixed low beside a float32 norm: one
+    cast per block, the labels the plain construction's."""
     def stack(depth):
         fixed, free, weight, reqs = {"x": FP32}, [], {"x": 64}, {}
         prev = "x"
@@ -414,9 +414,5 @@ def test_min_cut_on_a_deep_stack_needs_no_general_max_flow(monkeypatch):
 
     p = stack(300)
     expected = _reference_min_cut(p)
-    calls = []
-    real_min_cut = nx.minimum_cut
-    monkeypatch.setattr(nx, "minimum_cut", lambda *a, **k: calls.append(1) or real_min_cut(*a, **k))
     assert solve_min_cut(p) == expected
-    assert calls == []
     assert cast_cost(p, expected) == (300 * 64, 300)

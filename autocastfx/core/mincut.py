@@ -55,28 +55,20 @@ def cast_cost(p: Problem, labels: dict[str, bool]) -> tuple[int, int]:
 def solve_min_cut(p: Problem) -> dict[str, bool]:
     """Labels for the free nodes that minimise cast_cost, fixed nodes kept.
 
-    The network (source side = LOW) is built as plain dicts, most of its flow is pushed along short
-    source-to-sink paths first, and networkx's max-flow finishes on the part where a path is left (none, on
-    most graphs). The labels are networkx's partition: FP32 for every node that reaches the sink in the final
-    residual network. That set is the same whatever max-flow found it, so the short paths change the time to
-    the answer, never the answer, which is exact.
+    networkx's minimum cut (Boykov-Kolmogorov max-flow) of the cast network (source side = LOW), as its partition:
+    LOW for every node reachable from the source in the final residual network, FP32 for the rest. That set is
+    the same whatever maximum flow was found, so the answer is exact and does not depend on the solver.
     """
     labels = dict(p.fixed)
     if not p.free:
         return labels
-    res = _cast_network(p)
-    _push_short_paths(res)
-    busy = _on_source_sink_paths(res)  # what the flow found so far leaves open: networkx finishes it
-    sink_side = {_SINK}
-    if len(busy) > 2:
-        g = nx.DiGraph()
-        g.add_nodes_from(busy)
-        g.add_edges_from((a, b, {} if c == _INF else {"capacity": c}) for a in busy
-                         for b, c in res[a].items() if c > 0 and b in busy)
-        _, (_, sink_side) = nx.minimum_cut(g, _SOURCE, _SINK, flow_func=_FLOW)
-    sink_side = _extend_sink_side(res, set(sink_side), busy)
+    net = _cast_network(p)
+    g = nx.DiGraph()
+    g.add_nodes_from(net)
+    g.add_edges_from((a, b, {} if c == _INF else {"capacity": c}) for a, nbrs in net.items() for b, c in nbrs.items())
+    _, (low, _) = nx.minimum_cut(g, _SOURCE, _SINK, flow_func=_FLOW)
     for n in p.free:
-        labels[n] = n not in sink_side
+        labels[n] = n in low
     return labels
 
 
@@ -144,99 +136,6 @@ def _cast_network(p: Problem) -> dict:
     for n in p.free:
         net.setdefault(n, {})
     return net
-
-
-def _on_source_sink_paths(net: dict) -> set:
-    """Nodes reachable from the source that reach the sink: no other node can carry more flow."""
-    ahead = _reach_from(net, _SOURCE)
-    back: dict = {}
-    for a, nbrs in net.items():
-        if a in ahead:
-            for b, c in nbrs.items():
-                if c > 0:
-                    back.setdefault(b, []).append(a)
-    behind = {_SINK}
-    todo = [_SINK]
-    while todo:
-        for a in back.get(todo.pop(), ()):
-            if a not in behind:
-                behind.add(a)
-                todo.append(a)
-    return ahead & behind | {_SOURCE, _SINK}
-
-
-def _reach_from(net: dict, start) -> set:
-    seen = {start}
-    todo = [start]
-    while todo:
-        for b, c in net[todo.pop()].items():
-            if c > 0 and b not in seen:
-                seen.add(b)
-                todo.append(b)
-    return seen
-
-
-def _push_short_paths(res: dict, depth: int = 6, budget: int = 256) -> None:
-    """Saturate source-to-sink paths of at most ``depth`` edges, found depth-first looking at no more than
-    ``budget`` edges per path, in the residual network ``res`` (changed in place). Most of the flow of a cast
-    network runs on such paths, around one op; networkx finds the rest."""
-    src = res[_SOURCE]
-    for first in list(src):
-        while src.get(first, 0) > 0:
-            path = _short_path(res, first, depth - 1, budget)
-            if path is None:
-                break
-            path = [_SOURCE] + path
-            f = min(res[a][b] for a, b in zip(path, path[1:]))
-            if f == _INF:
-                return  # an uncuttable path: the cut is infinite; networkx reports it as such
-            for a, b in zip(path, path[1:]):
-                res[a][b] -= f
-                back = res[b]
-                back[a] = back.get(a, 0) + f
-
-
-def _short_path(res: dict, start, depth: int, budget: int):
-    stack = [(start, iter(res[start].items()))]
-    path = [start]
-    seen = {start, _SOURCE}  # simple paths only
-    while stack:
-        node, it = stack[-1]
-        for b, c in it:
-            budget -= 1
-            if budget < 0:
-                return None
-            if c <= 0 or b in seen:
-                continue
-            if b == _SINK:
-                return path + [b]
-            if len(path) < depth:
-                stack.append((b, iter(res[b].items())))
-                path.append(b)
-                seen.add(b)
-                break
-        else:
-            stack.pop()
-            path.pop()
-    return None
-
-
-def _extend_sink_side(net: dict, sink_side: set, keep: set) -> set:
-    """The sink side of the whole network from that of the part networkx saw (``keep``): a node outside it
-    is on the sink side when its residual edges lead there."""
-    back: dict = {}
-    for a, nbrs in net.items():
-        if a not in keep:
-            for b, c in nbrs.items():
-                if c > 0:
-                    back.setdefault(b, []).append(a)
-    todo = [n for n in sink_side if n in back]
-    while todo:
-        for a in back.get(todo.pop(), ()):
-            if a not in sink_side:
-                sink_side.add(a)
-                todo.append(a)
-    return sink_side
 
 
 def naive_labels(p: Problem, order: Iterable[str], inputs: dict[str, list[str]], promote: set[str]) -> dict[str, bool]:
