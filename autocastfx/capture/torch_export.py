@@ -17,7 +17,7 @@ from ..base.quiet import quiet_torch_logs, torch_internal_warnings_off
 
 # torch's fake-tensor dispatch cache makes an export with free sizes slower, not faster: a cache hit rebuilds its
 # output's symbolic sizes and strides at more cost than running the op's meta function (pytorch/pytorch#191500;
-# a fix under review, pytorch/pytorch#192047). A static export gains from it (half the time). docs/benchmarks.md
+# a fix under review, pytorch/pytorch#192047). A static export gains from it. docs/benchmarks.md
 # has both timings. torch reads the flag when a FakeTensorMode is made, so it is patched off around each export with
 # free sizes with torch's own ``config.patch``: for the calling thread alone where torch keeps its config per thread
 # (2.12 and newer). On torch 2.11 the config is the process's: conversions take turns (``api``'s lock), and an
