@@ -700,3 +700,38 @@ def test_auto_scale_is_never_worse_than_2_16(name):
     assert auto_loss <= fixed_loss * 1.005 + 1e-4, (auto_loss, fixed_loss)
     if name == "loud":
         assert fixed_skips >= 3 and auto_loss < fixed_loss
+
+
+def test_a_checkpoint_before_the_first_update_changes_nothing_and_resumes_as_saved(tmp_path):
+    """save_checkpoint on a step that has not updated yet (a run's first checkpoint): torch's set-up of the
+    optimizer state it reads (an AdamW step with zero gradients) counted a step and changed every update after. The
+    run with it is the run without it; the checkpoint loads into a step that has trained since as that fresh start,
+    and one saved after updates still carries the optimizer's state."""
+    def fresh():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        gm = autocastfx.convert(model, (torch.randn(8, 16),), dtype=torch.bfloat16)
+        return autocastfx.train_step(gm, F.cross_entropy, torch.optim.AdamW(gm.parameters(), lr=1e-2))
+
+    def train(step, n):
+        g = torch.Generator().manual_seed(1)
+        return [float(step(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g))) for _ in range(n)]
+
+    plain = fresh()
+    expected = train(plain, 4)
+    saved = fresh()
+    autocastfx.save_checkpoint(saved, tmp_path / "start")
+    assert not saved.optimizer.state  # nothing set up, nothing counted
+    assert train(saved, 4) == expected
+    assert all(torch.equal(a, b) for a, b in zip(plain.gm.parameters(), saved.gm.parameters()))
+    autocastfx.save_checkpoint(saved, tmp_path / "after")
+
+    trained = fresh()
+    train(trained, 2)
+    autocastfx.load_checkpoint(trained, tmp_path / "start")  # back to the start: the optimizer's state dropped
+    assert not trained.optimizer.state
+    assert train(trained, 4) == expected
+    resumed = fresh()
+    autocastfx.load_checkpoint(resumed, tmp_path / "after")  # after updates: AdamW's state comes back
+    assert {float(s["step"]) for s in resumed.optimizer.state.values()} == {4.0}
+    assert all(torch.equal(a, b) for a, b in zip(saved.gm.parameters(), resumed.gm.parameters()))

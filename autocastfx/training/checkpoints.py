@@ -14,19 +14,40 @@ import torch
 from .step import TrainStep
 
 
-def _state(step: TrainStep) -> dict[str, Any]:
-    """The step's whole state as DCP reads and writes it (the optimizer's per-parameter state created first)."""
+def _state(step: TrainStep, optimizer_state: bool | None = None) -> dict[str, Any]:
+    """The step's whole state as DCP reads and writes it.
+
+    Args:
+        step: the training step.
+        optimizer_state: whether the optimizer's per-parameter state is part of it. None (saving): where the
+            optimizer has any. A fresh optimizer has none, and torch's set-up of it (a step with zero gradients and
+            a zero learning rate) would count a step for Adam and change every update after: it is undone. True
+            (loading a checkpoint that holds it): created where missing, for DCP to load into. False (loading one
+            saved before the first update): none, and the optimizer's own is dropped.
+    """
     from torch.distributed.checkpoint.state_dict import get_state_dict
     opt = step.optimizer
+    if optimizer_state is None:
+        optimizer_state = bool(opt.state)
     kept = getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None)
     opt.grad_scale = opt.found_inf = None  # torch's set-up of missing state runs a step: never skipped
     try:
         model, optim = get_state_dict(step.gm, opt)
     finally:
         opt.grad_scale, opt.found_inf = kept
+    if not optimizer_state:
+        opt.state.clear()
+        optim = {"state": {}, "param_groups": optim["param_groups"]}
     return {"model": model, "optimizer": optim,
             "scaler": {k: v for k, v in step.state.state_dict().items() if torch.is_tensor(v)},
             "extra": {"micro": step.micro, "auto_pending": step.state.auto_pending}}
+
+
+def _holds_optimizer_state(path: str) -> bool:
+    """Whether the checkpoint at ``path`` holds per-parameter optimizer state (not one saved before any update)."""
+    import torch.distributed.checkpoint as dcp
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return any(k.startswith("optimizer.state.") for k in keys)
 
 
 def save_checkpoint(step, path: str | os.PathLike) -> None:
@@ -53,11 +74,14 @@ def load_checkpoint(step, path: str | os.PathLike) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
     step = getattr(step, "step", step)
-    sd = _state(step)
+    stateful = _holds_optimizer_state(os.fspath(path))
+    sd = _state(step, stateful)
     dcp.load(sd, checkpoint_id=os.fspath(path))
     own = [{k: g[k] for k in ("fused", "foreach", "capturable") if k in g} for g in step.optimizer.param_groups]
     set_state_dict(step.gm, step.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"],
                    options=StateDictOptions(strict=True))
+    if not stateful:  # saved before the first update: the optimizer starts afresh, as it did then
+        step.optimizer.state.clear()
     for group, keep in zip(step.optimizer.param_groups, own):  # the step's own kernel choice stays
         group.update(keep)
     for p in step.all_params:
