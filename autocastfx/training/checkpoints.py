@@ -1,8 +1,10 @@
 """Checkpoints of a training step with ``torch.distributed.checkpoint`` (DCP): every rank writes its own shards.
 
 The module's parameters are the float32 model, so the model and optimizer parts are torch's own
-``get_state_dict``/``set_state_dict`` (keys by parameter name, sharded DTensors under FSDP2, optimizer state
-created where it is missing); the step adds its loss-scale state and micro-batch count.
+``get_state_dict``/``set_state_dict`` (keys by parameter name, sharded DTensors under FSDP2); the step adds its
+loss-scale state and micro-batch count. A fresh optimizer has no per-parameter state, and a checkpoint saved then
+holds none: torch's set-up of that state (a step with zero gradients, which Adam counts) is undone after a save,
+and made on a load only where the checkpoint holds state to load into it.
 """
 from __future__ import annotations
 
