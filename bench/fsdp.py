@@ -174,6 +174,9 @@ def run_recipe(recipe: str, rank: int, world: int, args) -> dict:
     out["total"] = out["parameters"] + out["masters"] + out["optimizer"] + out["gradients"]
     out["all_gather"] = comm.all_gather
     out["reduce_scatter"] = comm.reduce_scatter
+    if recipe.startswith("FSDP2") and not (comm.all_gather and comm.reduce_scatter):
+        raise RuntimeError(f"{recipe}: no bytes counted through dist.{GATHER}/dist.{SCATTER}: this torch's FSDP2 "
+                           "calls other collectives, and Collectives must wrap those")
     out["all_reduce"] = sum(ddp_bytes)
     out["syncs_per_step"] = syncs.n / (args.steps - 1)
     out["ms_per_step"] = 1000 * statistics.median(times)

@@ -56,8 +56,11 @@ def capability(flags: frozenset[str], forced: str | None = None) -> str:
 
 def bf16_kind(flags: frozenset[str], onednn: str | None = None) -> str:
     """``_amx``, ``_bf16`` (AVX512-BF16) or ``""``: whether bfloat16 has native instructions that oneDNN may use
-    (``onednn``: the value of ``ONEDNN_MAX_CPU_ISA``, read from the environment where None)."""
-    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA", "") if onednn is None else onednn).upper()
+    (``onednn``: the value of ``ONEDNN_MAX_CPU_ISA``, or of its older name ``DNNL_MAX_CPU_ISA``, read from the
+    environment where None)."""
+    if onednn is None:
+        onednn = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
+    cap = onednn.strip().upper()
     cap = {"AVX512_CORE_FP16": "AVX10_1_512", "AVX512_CORE_AMX": "AVX10_1_512_AMX"}.get(cap, cap)
     allowed = ONEDNN_ORDER.index(cap) if cap in ONEDNN_ORDER else len(ONEDNN_ORDER)
     if "amx_bf16" in flags and allowed >= ONEDNN_ORDER.index("AVX10_1_512_AMX"):

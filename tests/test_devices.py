@@ -229,12 +229,21 @@ def test_auto_follows_onednns_cap_on_the_cpu(monkeypatch, onednn, want):
     assert dtype == want
     if want == torch.float32:
         assert why.startswith(f"float32 on this CPU: ONEDNN_MAX_CPU_ISA={onednn} keeps oneDNN off its native "
-                              "bfloat16/float16 instructions (which need AVX512_CORE_BF16/AVX10_1_512)"), why
+                              "bfloat16/float16 instructions (which need AVX512_CORE_BF16/AVX10_1_512; unset it, "
+                              "or set it to one of those or higher, to use them)"), why
         assert f"oneDNN capped at {onednn} (ONEDNN_MAX_CPU_ISA); bfloat16 emulated" in devices.cpu_summary()
         with pytest.warns(autocastfx.SlowDtypeWarning, match="bfloat16 has no fast kernels"):
             devices.resolve(torch.bfloat16, torch.device("cpu"))
     else:
         assert "native" in why and "bfloat16 native" in devices.cpu_summary()
+
+
+def test_the_older_name_of_onednns_cap_is_read_and_named(monkeypatch):
+    _flags(monkeypatch, AMX)
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", " avx2 ")
+    dtype, why = devices.choose(torch.device("cpu"))
+    assert dtype == torch.float32 and why.startswith("float32 on this CPU: DNNL_MAX_CPU_ISA=AVX2 keeps oneDNN"), why
+    assert "oneDNN capped at AVX2 (DNNL_MAX_CPU_ISA)" in devices.cpu_summary()
 
 
 @pytest.mark.parametrize("dtype", ["fastest", torch.float32, torch.float64, 16])

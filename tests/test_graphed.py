@@ -938,3 +938,30 @@ def test_gpu_tier_runs_emulated_on_the_cpu(fake_cuda, monkeypatch, test, arg):
     monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: torch.manual_seed(seed))
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state())
     globals()[test](*([] if arg is None else [arg]))
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of")
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_loaded_into_a_captured_step_is_the_state_it_trains_on(fake_cuda, tmp_path):
+    """load_checkpoint into a CudaGraphStep that has captured: its graphs read the optimizer tensors that were
+    there, so they are captured again, and it trains on as an eager step given the same checkpoint, both for one
+    saved before the first update (the optimizer starts afresh) and one saved after updates."""
+    _, early = make("adamw")
+    autocastfx.save_checkpoint(early, tmp_path / "start")
+    for i in range(3):
+        early(*batch(i))
+    autocastfx.save_checkpoint(early, tmp_path / "after")
+    for name in ("start", "after"):
+        _, step = make("adamw")
+        gstep = CudaGraphStep(step, warmup=2)
+        for i in range(5):
+            gstep(*batch(10 + i))
+        assert gstep.graph is not None
+        gm_e, eager = make("adamw")
+        autocastfx.load_checkpoint(eager, tmp_path / name)
+        autocastfx.load_checkpoint(gstep, tmp_path / name)
+        assert gstep.graph is None  # dropped: captured again after the warm-up
+        for i in range(3, 9):
+            assert torch.equal(eager(*batch(i)), gstep(*batch(i))), (name, i)
+        assert gstep.graph is not None
+        assert all(torch.equal(a, b) for a, b in zip(cpu_weights(gm_e, eager), cpu_weights(step.gm, step))), name

@@ -316,6 +316,7 @@ AMX = AVX512 | {"avx512_bf16", "amx_bf16", "amx_tile"}
     (AMX, "x86_64", "", "avx512_core_bf16", "avx512_bf16"),                # AMX off, AVX512-BF16 on
     (AMX, "x86_64", "", "AVX512_CORE_AMX", "avx512_amx"),                  # oneDNN's older name for AVX10_1_512_AMX
     (AMX, "x86_64", "", "ALL", "avx512_amx"),                              # no cap
+    (AMX, "x86_64", "avx2", " avx2 ", "avx2"),                             # as oneDNN reads it
     (frozenset({"fp", "asimd", "bf16"}), "aarch64", "", "", "aarch64_bf16"),
 ])
 def test_cpu_class_from_the_cpus_flags(flags, machine, forced, onednn, cls):

@@ -706,12 +706,13 @@ def test_a_checkpoint_before_the_first_update_changes_nothing_and_resumes_as_sav
     """save_checkpoint on a step that has not updated yet (a run's first checkpoint): torch's set-up of the
     optimizer state it reads (an AdamW step with zero gradients) counted a step and changed every update after. The
     run with it is the run without it; the checkpoint loads into a step that has trained since as that fresh start,
-    and one saved after updates still carries the optimizer's state."""
-    def fresh():
+    and one saved after updates still carries the optimizer's state, also into a step holding a half-done
+    accumulation cycle's gradients (where torch sets up no state to load into)."""
+    def fresh(**kw):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
         gm = autocastfx.convert(model, (torch.randn(8, 16),), dtype=torch.bfloat16)
-        return autocastfx.train_step(gm, F.cross_entropy, torch.optim.AdamW(gm.parameters(), lr=1e-2))
+        return autocastfx.train_step(gm, F.cross_entropy, torch.optim.AdamW(gm.parameters(), lr=1e-2), **kw)
 
     def train(step, n):
         g = torch.Generator().manual_seed(1)
@@ -735,3 +736,8 @@ def test_a_checkpoint_before_the_first_update_changes_nothing_and_resumes_as_sav
     autocastfx.load_checkpoint(resumed, tmp_path / "after")  # after updates: AdamW's state comes back
     assert {float(s["step"]) for s in resumed.optimizer.state.values()} == {4.0}
     assert all(torch.equal(a, b) for a, b in zip(saved.gm.parameters(), resumed.gm.parameters()))
+    pending = fresh(accum_steps=2)
+    train(pending, 1)  # half an accumulation cycle: gradients held, no optimizer state yet
+    autocastfx.load_checkpoint(pending, tmp_path / "after")
+    assert {float(s["step"]) for s in pending.optimizer.state.values()} == {4.0}
+    assert all(p.grad is None for p in pending.gm.parameters())

@@ -65,6 +65,10 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def _onednn_variable() -> str:
+    return "ONEDNN_MAX_CPU_ISA" if os.environ.get("ONEDNN_MAX_CPU_ISA") else "DNNL_MAX_CPU_ISA"
+
+
 def onednn_cap() -> str | None:
     """The instruction set ``ONEDNN_MAX_CPU_ISA`` (or its older name ``DNNL_MAX_CPU_ISA``) caps oneDNN at; None where
     neither is set, or set to ``ALL``/``DEFAULT`` or a name oneDNN does not know (it ignores those too)."""
@@ -92,7 +96,7 @@ def cpu_summary() -> str:
     for dtype in NATIVE_FLAGS:
         native = native_on_cpu(dtype)
         kinds.append(f"{_name(dtype)} {'unknown' if native is None else 'native' if native else 'emulated'}")
-    cap = f"; oneDNN capped at {onednn_cap()} (ONEDNN_MAX_CPU_ISA)" if onednn_cap() else ""
+    cap = f"; oneDNN capped at {onednn_cap()} ({_onednn_variable()})" if onednn_cap() else ""
     return (f"CPU: {cpu_model()}; torch capability {torch.backends.cpu.get_cpu_capability()}; {shown}{cap}; "
             f"{', '.join(kinds)}")
 
@@ -141,8 +145,9 @@ def choose(device: torch.device) -> tuple[torch.dtype, str]:
         "AVX2 without AVX-512" if "avx2" in cpu_features() else "no AVX2")
     why = f"{have}, no native bfloat16 (avx512_bf16, amx_bf16) nor float16 (avx512_fp16, amx_fp16) instructions"
     if any(f in cpu_features() for names in NATIVE_FLAGS.values() for f in names):
-        why = (f"ONEDNN_MAX_CPU_ISA={onednn_cap()} keeps oneDNN off its native bfloat16/float16 instructions "
-               f"(which need {NATIVE_ISA[torch.bfloat16]}/{NATIVE_ISA[torch.float16]})")
+        why = (f"{_onednn_variable()}={onednn_cap()} keeps oneDNN off its native bfloat16/float16 instructions "
+               f"(which need {NATIVE_ISA[torch.bfloat16]}/{NATIVE_ISA[torch.float16]}; unset it, or set it to "
+               "one of those or higher, to use them)")
     return torch.float32, (
         f"float32 on this CPU: {why}, so bfloat16 and float16 matmuls and convolutions run emulated, tens of times "
         "slower than float32 (a 512x512 matmul on a 2-core AVX2 machine: 69 GFLOP/s in float32, about 1.3 in "

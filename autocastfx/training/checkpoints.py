@@ -24,13 +24,14 @@ def _state(step: TrainStep, optimizer_state: bool | None = None) -> dict[str, An
         optimizer_state: whether the optimizer's per-parameter state is part of it. None (saving): where the
             optimizer has any. A fresh optimizer has none, and torch's set-up of it (a step with zero gradients and
             a zero learning rate) would count a step for Adam and change every update after: it is undone. True
-            (loading a checkpoint that holds it): created where missing, for DCP to load into. False (loading one
-            saved before the first update): none, and the optimizer's own is dropped.
+            (loading a checkpoint that holds it): set up where missing, for DCP to load into. False (loading one
+            saved before the first update): left out, and a set-up undone.
     """
     from torch.distributed.checkpoint.state_dict import get_state_dict
     opt = step.optimizer
+    fresh = not opt.state
     if optimizer_state is None:
-        optimizer_state = bool(opt.state)
+        optimizer_state = not fresh
     kept = getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None)
     opt.grad_scale = opt.found_inf = None  # torch's set-up of missing state runs a step: never skipped
     try:
@@ -38,7 +39,8 @@ def _state(step: TrainStep, optimizer_state: bool | None = None) -> dict[str, An
     finally:
         opt.grad_scale, opt.found_inf = kept
     if not optimizer_state:
-        opt.state.clear()
+        if fresh:
+            opt.state.clear()
         optim = {"state": {}, "param_groups": optim["param_groups"]}
     return {"model": model, "optimizer": optim,
             "scaler": {k: v for k, v in step.state.state_dict().items() if torch.is_tensor(v)},
@@ -47,9 +49,13 @@ def _state(step: TrainStep, optimizer_state: bool | None = None) -> dict[str, An
 
 def _holds_optimizer_state(path: str) -> bool:
     """Whether the checkpoint at ``path`` holds per-parameter optimizer state (not one saved before any update)."""
-    import torch.distributed.checkpoint as dcp
-    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    return any(k.startswith("optimizer.state.") for k in keys)
+    try:  # the reader dcp.load picks for this checkpoint id (a directory, or an fsspec URL)
+        from torch.distributed.checkpoint._storage_utils import _storage_setup
+        reader = _storage_setup(None, path, reader=True)
+    except ImportError:
+        from torch.distributed.checkpoint import FileSystemReader
+        reader = FileSystemReader(path)
+    return any(k.startswith("optimizer.state.") for k in reader.read_metadata().state_dict_metadata)
 
 
 def save_checkpoint(step, path: str | os.PathLike) -> None:
@@ -75,21 +81,35 @@ def load_checkpoint(step, path: str | os.PathLike) -> None:
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-    step = getattr(step, "step", step)
-    stateful = _holds_optimizer_state(os.fspath(path))
-    sd = _state(step, stateful)
-    dcp.load(sd, checkpoint_id=os.fspath(path))
-    own = [{k: g[k] for k in ("fused", "foreach", "capturable") if k in g} for g in step.optimizer.param_groups]
-    set_state_dict(step.gm, step.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"],
-                   options=StateDictOptions(strict=True))
-    if not stateful:  # saved before the first update: the optimizer starts afresh, as it did then
-        step.optimizer.state.clear()
-    for group, keep in zip(step.optimizer.param_groups, own):  # the step's own kernel choice stays
-        group.update(keep)
+    outer, step = step, getattr(step, "step", step)
+    path = os.fspath(path)
+    # gradients first: torch sets up missing optimizer state (for DCP to load into) only where none is held
     for p in step.all_params:
         p.grad = None
     step.parallel.drop_unsynced_grads()
+    stateful = _holds_optimizer_state(path)
+    fresh = not step.optimizer.state
+    sd = _state(step, stateful)
+    own = [{k: g[k] for k in ("fused", "foreach", "capturable") if k in g} for g in step.optimizer.param_groups]
+    try:
+        dcp.load(sd, checkpoint_id=path)
+        set_state_dict(step.gm, step.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"],
+                       options=StateDictOptions(strict=True))
+    except BaseException:
+        if fresh:  # the set-up made for the load goes with it
+            step.optimizer.state.clear()
+        raise
+    if not stateful:  # saved before the first update: the optimizer starts afresh, as it did then
+        step.optimizer.state.clear()
+    elif not step.optimizer.state:
+        raise RuntimeError(f"the checkpoint {path!r} holds optimizer state, and none was loaded into "
+                           f"{type(step.optimizer).__name__}: load it into a step whose optimizer is built as the "
+                           "saved one was (the same type, over the same parameters)")
+    for group, keep in zip(step.optimizer.param_groups, own):  # the step's own kernel choice stays
+        group.update(keep)
     scaler = dict(sd["scaler"])
     scaler["auto_pending"] = bool(sd["extra"]["auto_pending"])
     step.state.load_state_dict(scaler)
     step.micro = int(sd["extra"]["micro"])
+    if outer is not step:  # a CudaGraphStep: its graphs read the tensors that were there before
+        outer.reloaded()

@@ -388,6 +388,14 @@ class CudaGraphStep:
         new CudaGraphStep or an eager step, and resumes bit for bit."""
         return portable_state_dict(self.step)
 
+    def reloaded(self) -> None:
+        """After ``autocastfx.load_checkpoint`` replaced the eager step's state: the graphs may read tensors that
+        are no longer the optimizer's, so they are dropped, and captured again after the warm-up, from the start
+        of an accumulation cycle."""
+        self._drop()
+        self._calls = 0
+        self._eager_to_cycle_start = self.step.micro % self.step.accum_steps != 0
+
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Load into the tensors the graphs read (their addresses must not change), then carry on replaying.
 

@@ -137,8 +137,9 @@ def _param_groups(state) -> list:
     if hasattr(state, "_fsdp_param_group"):
         return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
     raise RuntimeError(f"autocastfx: this torch's FSDP2 ({torch.__version__}) keeps its parameter groups where "
-                       "autocastfx does not look, so the gradients of an unfinished accumulation cycle cannot be "
-                       "dropped; finish the cycle (accum_steps micro-batches) before loading a checkpoint")
+                       "autocastfx does not look (it reads them as torch 2.11 to 2.13 keep them), so the gradients "
+                       "of an unfinished accumulation cycle could not be dropped when a state is loaded: use one of "
+                       "those torch versions, or an autocastfx release that supports this one")
 
 
 class _GradientSync:
