@@ -84,11 +84,14 @@ def native_low_dtype() -> torch.dtype | None:
     return None
 
 
+# the instruction set oneDNN runs each low dtype's kernels from (emulated below AVX512-BF16, but in oneDNN)
+ONEDNN_ISA_NEEDED = {torch.bfloat16: "AVX512_CORE", torch.float16: devices.NATIVE_ISA[torch.float16]}
+
+
 def _fast(dtype: torch.dtype) -> bool:
     supported = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
                  torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}[dtype]()
-    needs = "AVX512_CORE" if dtype == torch.bfloat16 else devices.NATIVE_ISA[dtype]
-    return supported and devices.onednn_allows(needs)
+    return supported and devices.onednn_allows(ONEDNN_ISA_NEEDED[dtype])
 
 
 FAST_LOW_DTYPE = native_low_dtype()
@@ -109,7 +112,6 @@ def small_if_emulated(n: int, small: int, dtype: torch.dtype = torch.bfloat16) -
 # "could not create a primitive descriptor for the LSTM forward propagation primitive".
 ONEDNN_NEEDS = {torch.bfloat16: ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
                 torch.float16: ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_fp16")}
-ONEDNN_ISA_NEEDED = {torch.bfloat16: "AVX512_CORE", torch.float16: devices.NATIVE_ISA[torch.float16]}
 _REFUSED = re.compile(r"could not create a primitive descriptor for the (.+?) (forward|backward) propagation primitive")
 
 

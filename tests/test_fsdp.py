@@ -21,6 +21,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import autocastfx
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+from fsdp import Collectives as CollectiveBytes  # noqa: E402  bytes through the collectives this torch's FSDP2 calls
+
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
 
 WORLD = 2
@@ -229,38 +232,6 @@ def grad_bytes_at_update(step):
         return inner(*a, **k)
     opt.step = recording
     return seen
-
-
-# the collectives FSDP2 calls, by this torch's names: all_gather_single and reduce_scatter_single where torch has
-# them, all_gather_into_tensor and reduce_scatter_tensor before (torch 2.11)
-GATHER, SCATTER = (("all_gather_single", "reduce_scatter_single") if hasattr(dist, "all_gather_single")
-                   else ("all_gather_into_tensor", "reduce_scatter_tensor"))
-
-
-class CollectiveBytes:
-    """Bytes moved by FSDP2's all-gathers and reduce-scatters (``GATHER`` and ``SCATTER``, the calls FSDP2
-    makes), counted from the output buffer of each call."""
-
-    def __init__(self):
-        self.all_gather = self.reduce_scatter = 0
-
-    def __enter__(self):
-        self._ag, self._rs = getattr(dist, GATHER), getattr(dist, SCATTER)
-
-        def ag(output, input, *a, **k):
-            self.all_gather += output.numel() * output.element_size()
-            return self._ag(output, input, *a, **k)
-
-        def rs(output, input, *a, **k):
-            self.reduce_scatter += input.numel() * input.element_size()
-            return self._rs(output, input, *a, **k)
-        setattr(dist, GATHER, ag)
-        setattr(dist, SCATTER, rs)
-        return self
-
-    def __exit__(self, *exc):
-        setattr(dist, GATHER, self._ag)
-        setattr(dist, SCATTER, self._rs)
 
 
 class LiveBytes(TorchDispatchMode):
