@@ -569,3 +569,48 @@ def test_an_eval_program_that_does_not_run_leaves_the_training_program_whole():
     want = model(x)
     assert got.shape == want.shape == (8, 4)
     assert torch.allclose(got.float(), want, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("bn", ["momentum", "no_stats"])
+def test_torchs_dropout_and_batch_norm_modules_are_captured_once_as_flags(monkeypatch, bn):
+    """Where only torch's dropout modules and its batch norms (running statistics with a momentum) read the mode,
+    the eval program is the training capture with their flags off: one capture, whose flags follow the mode, and
+    it computes, bit for bit in both modes and through switches, what a capture per mode computes. A batch norm
+    without running statistics uses batch statistics in both modes: captured per mode."""
+    from autocastfx.capture import programs
+    torch.manual_seed(0)
+    model = _Untraceable(BNNet())
+    if bn == "no_stats":
+        model.inner.bn = nn.BatchNorm2d(8, track_running_stats=False)
+    x = torch.randn(4, 3, 6, 6)
+    modes_captured = []
+    real = programs.capture_graph
+
+    def counting(m, *a, **k):
+        modes_captured.append(m.training)
+        return real(m, *a, **k)
+
+    monkeypatch.setattr(programs, "capture_graph", counting)
+    gm = autocastfx.convert(copy.deepcopy(model), (x,), blocks=None)
+    assert gm.meta["autocastfx"].capture == "torch.export"
+    once = bn == "momentum"
+    assert modes_captured == ([True] if once else [True, False])
+    how = autocastfx.report(gm).totals["modes"]["how"]
+    assert how.startswith("one program; these flags") if once else how.startswith("one program per mode")
+    monkeypatch.setattr(programs, "flag_only", lambda m: False)  # the programs a capture per mode makes
+    per_mode = autocastfx.convert(copy.deepcopy(model), (x,), blocks=None)
+    assert "autocastfx_programs" in per_mode.meta
+
+    def run(m):
+        seen = []
+        for mode in (True, False, False, True, False):
+            m.train(mode)
+            torch.manual_seed(1)
+            seen += [m(x), {k: v.clone() for k, v in m.named_buffers()}]
+        return seen
+
+    for a, b in zip(run(gm), run(per_mode)):
+        if isinstance(a, dict):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        else:
+            assert torch.equal(a, b)

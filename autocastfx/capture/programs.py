@@ -6,7 +6,7 @@ from __future__ import annotations
 from . import inline as _inline
 from .context import CaptureContext
 from .watch import own_classes, watch_reads, watchable
-from ..base.meta import fetch, is_converted
+from ..base.meta import fetch, is_converted, original_class
 import collections
 import contextlib
 import torch
@@ -356,8 +356,10 @@ def _capture_programs(model: nn.Module, work: nn.Module, given: dict[str, bool],
     try:
         gm, how = capture_graph(work.train(), args, kwargs, policy, ctx, compile_code=False, reads=reads)
         programs[TRAIN] = gm
-        if not reads and not _switches_itself(work):  # nothing read the mode: one graph serves both
-            return programs, how, why, _one_for_both(gm, how, work, given, args, kwargs, ctx)
+        if not _switches_itself(work) and all(flag_only(m) for m in reads):
+            # nothing read the mode, or only torch's dropout and batch norms, which write it as one op's flag:
+            # one capture, whose flags (if any) follow the mode
+            return programs, how, why, _one_for_both(gm, how, work, given, args, kwargs, ctx, bool(reads))
         for key in (EVAL, GIVEN) if mixed else (EVAL,):
             work.eval() if key == EVAL else _restore(work, given)
             try:
@@ -379,14 +381,18 @@ def _capture_programs(model: nn.Module, work: nn.Module, given: dict[str, bool],
 
 
 def _one_for_both(gm: fx.GraphModule, how: str, work: nn.Module, given: dict[str, bool], args: tuple,
-                  kwargs: dict, ctx: CaptureContext) -> tuple[fx.GraphModule, str, list]:
-    """The training capture of a model whose code read no mode, as the program of both modes, its opaque calls
+                  kwargs: dict, ctx: CaptureContext, flags: bool = False) -> tuple[fx.GraphModule, str, list]:
+    """The training capture of a model whose code read no mode (or, with ``flags``, only as the flags of
+    :func:`flag_only` modules, which ``core.modes.record`` marks), as the program of both modes, its opaque calls
     opened up."""
-    for n in gm.graph.nodes:
-        n.meta[MEMBERS] = frozenset((TRAIN, EVAL))
-    gm.meta[K.PROGRAM_KEYS] = (TRAIN, EVAL)
-    gm.meta[K.CURRENT_PROGRAM] = TRAIN
-    gm.meta[K.MODES_READ] = False
+    if flags:
+        gm.meta[K.CAPTURED_TRAINING] = True
+    else:
+        for n in gm.graph.nodes:
+            n.meta[MEMBERS] = frozenset((TRAIN, EVAL))
+        gm.meta[K.PROGRAM_KEYS] = (TRAIN, EVAL)
+        gm.meta[K.CURRENT_PROGRAM] = TRAIN
+        gm.meta[K.MODES_READ] = False
     _restore(work, given)
     decisions = _inline.inline_opaque_calls(gm)
     if any(d.inlined for d in decisions):
@@ -442,6 +448,23 @@ def _erase_added(graph: fx.Graph, before: list[fx.Node], outputs: tuple) -> None
     for n in reversed(list(graph.nodes)):
         if n not in kept:
             graph.erase_node(n)
+
+
+_FLAG_ONLY = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout,
+              nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+def flag_only(module: nn.Module) -> bool:
+    """Whether ``module``'s forward uses its mode only as the training flag of the one op it calls (torch's
+    dropout modules; its batch norms where they keep running statistics with a momentum), which
+    ``core.modes.record`` marks and ``gm.train()``/``gm.eval()`` set: its eval capture would be the training
+    capture with that flag off. Exact classes only: a subclass may read the mode in code of its own."""
+    if original_class(module) not in _FLAG_ONLY:
+        return False
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return bool(module.track_running_stats) and module.running_mean is not None and \
+            isinstance(module.momentum, float)
+    return True
 
 
 def _switches_itself(model: nn.Module) -> bool:
