@@ -277,8 +277,9 @@ def test_the_models_own_checks_raise_their_own_messages(blocks):
     copy.deepcopy(gm)
 
 
+@pytest.mark.parametrize("dropout", ["functional", "module, exported"])
 @pytest.mark.parametrize("how", ["torch.compile(gm)", "gm.compile()"])
-def test_a_compiled_module_runs_the_program_of_its_mode_and_compiles_each_mode_once(how):
+def test_a_compiled_module_runs_the_program_of_its_mode_and_compiles_each_mode_once(how, dropout):
     """torch.compile guards on what the traced code reads; the programs hold the mode as constants, so a compiled
     module kept running its first mode's program after gm.eval() (dropout on in eval: a silent wrong answer).
     The converted module reads its mode where the compiler traces, and each mode keeps the forward written for
@@ -293,10 +294,20 @@ def test_a_compiled_module_runs_the_program_of_its_mode_and_compiles_each_mode_o
         def forward(self, x):  # functional dropout: written into the graph, one program per mode
             return self.fc2(F.dropout(F.relu(self.fc1(x)), 0.5, self.training))
 
+    class ModuleDropout(Net):
+        def __init__(self):
+            super().__init__()
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, x):  # a traced shape: torch.export, which writes the module's mode as the op's flag
+            b, *_ = x.shape  # noqa: F841
+            return self.fc2(self.drop(F.relu(self.fc1(x))))
+
     torch._dynamo.reset()
     x = torch.randn(8, 16)
-    gm = autocastfx.convert(Net(), (x,), dtype=torch.bfloat16)
+    gm = autocastfx.convert(Net() if dropout == "functional" else ModuleDropout(), (x,), dtype=torch.bfloat16)
     assert "autocastfx_programs" in gm.meta  # one program per mode
+    assert gm.meta["autocastfx"].capture == ("symbolic_trace" if dropout == "functional" else "torch.export")
     eager = {}
     for mode in (True, False):
         gm.train(mode)

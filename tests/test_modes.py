@@ -595,8 +595,12 @@ def test_torchs_dropout_and_batch_norm_modules_are_captured_once_as_flags(monkey
     assert gm.meta["autocastfx"].capture == "torch.export"
     once = bn == "momentum"
     assert modes_captured == ([True] if once else [True, False])
-    how = autocastfx.report(gm).totals["modes"]["how"]
-    assert how.startswith("one program; these flags") if once else how.startswith("one program per mode")
+    described = autocastfx.report(gm).totals["modes"]
+    assert ("from one capture" in described["how"]) is once
+    assert "autocastfx_programs" in gm.meta  # a graph per mode, as from a capture per mode
+    differ = "batch_norm (batch_norm.default, in inner.bn): argument 5 True in train, False in eval"
+    assert not once or (differ in described["differences"]
+                        and "in inner.bn, train only: add_" in described["differences"])
     monkeypatch.setattr(programs, "flag_only", lambda m: False)  # the programs a capture per mode makes
     per_mode = autocastfx.convert(copy.deepcopy(model), (x,), blocks=None)
     assert "autocastfx_programs" in per_mode.meta

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from ..base.errors import one_line, CaptureError
-from ..core.modes import SWAPS, BY_MODE, by_mode, EVAL, GIVEN, MEMBERS, MODE_ARGS, TRAIN
+from ..core.modes import SWAPS, BY_MODE, by_mode, EVAL, GIVEN, MEMBERS, MODE_ARGS, TRAIN, flags_as_programs
 from ..base import keys as K
 from .trace import capture_graph, copy_model
 from ..core.propagate import propagate
@@ -359,7 +359,8 @@ def _capture_programs(model: nn.Module, work: nn.Module, given: dict[str, bool],
         if not _switches_itself(work) and all(flag_only(m) for m in reads):
             # nothing read the mode, or only torch's dropout and batch norms, which write it as one op's flag:
             # one capture, whose flags (if any) follow the mode
-            return programs, how, why, _one_for_both(gm, how, work, given, args, kwargs, ctx, bool(reads))
+            keys = ((TRAIN, EVAL, GIVEN) if mixed else (TRAIN, EVAL)) if reads else None
+            return programs, how, why, _one_for_both(gm, how, work, given, args, kwargs, ctx, keys, current)
         for key in (EVAL, GIVEN) if mixed else (EVAL,):
             work.eval() if key == EVAL else _restore(work, given)
             try:
@@ -381,22 +382,25 @@ def _capture_programs(model: nn.Module, work: nn.Module, given: dict[str, bool],
 
 
 def _one_for_both(gm: fx.GraphModule, how: str, work: nn.Module, given: dict[str, bool], args: tuple,
-                  kwargs: dict, ctx: CaptureContext, flags: bool = False) -> tuple[fx.GraphModule, str, list]:
-    """The training capture of a model whose code read no mode (or, with ``flags``, only as the flags of
-    :func:`flag_only` modules, which ``core.modes.record`` marks), as the program of both modes, its opaque calls
-    opened up."""
-    if flags:
-        gm.meta[K.CAPTURED_TRAINING] = True
-    else:
-        for n in gm.graph.nodes:
-            n.meta[MEMBERS] = frozenset((TRAIN, EVAL))
-        gm.meta[K.PROGRAM_KEYS] = (TRAIN, EVAL)
-        gm.meta[K.CURRENT_PROGRAM] = TRAIN
-        gm.meta[K.MODES_READ] = False
+                  kwargs: dict, ctx: CaptureContext, flag_keys: tuple | None = None,
+                  current: str = TRAIN) -> tuple[fx.GraphModule, str, list]:
+    """The training capture of a model whose code read no mode, as the program of both modes, its opaque calls
+    opened up. With ``flag_keys``, the code read it only as the flags of :func:`flag_only` modules: the capture
+    is made the union of those programs (``core.modes.flags_as_programs``), one graph per mode as from a capture
+    per mode."""
     _restore(work, given)
     decisions = _inline.inline_opaque_calls(gm)
     if any(d.inlined for d in decisions):
         propagate(gm, args, kwargs, meta_device=ctx.meta_device)
+    if flag_keys:
+        flags_as_programs(gm, work, flag_keys)
+        gm.meta[K.MODES_READ] = "flags"
+    else:
+        for n in gm.graph.nodes:
+            n.meta[MEMBERS] = frozenset((TRAIN, EVAL))
+        gm.meta[K.PROGRAM_KEYS] = (TRAIN, EVAL)
+        gm.meta[K.MODES_READ] = False
+    gm.meta[K.CURRENT_PROGRAM] = current if flag_keys else TRAIN
     return gm, how, decisions
 
 

@@ -109,11 +109,22 @@ def record(gm: fx.GraphModule, model: nn.Module) -> int:
         _copy_module_modes(gm, model)
         return 0
     captured_training = gm.meta.pop(K.CAPTURED_TRAINING, None)
+    marks = _marks(gm, lambda node: True if captured_training else _owner_training(node, model))
+    for node, mark in marks.items():
+        node.meta[K.MODE] = mark
+    # the modes the model has, module by module (a frozen batch norm in a training model stays frozen)
+    for node in gm.graph.nodes:
+        if K.MODE in node.meta:
+            set_node(node, node.meta[K.MODE], _owner_training(node, model))
+    _copy_module_modes(gm, model)
+    gm.recompile()
+    return len(marks)
 
-    def mode_at_capture(node):
-        return True if captured_training else _owner_training(node, model)
 
-    marked = 0
+def _marks(gm: fx.GraphModule, mode_at_capture) -> dict[fx.Node, ModeArg]:
+    """The nodes whose training flag, dropout probability, batch-norm target or statistics counter came from the
+    mode (``mode_at_capture(node)``: the mode the node's module was captured in), not yet marked."""
+    marks: dict[fx.Node, ModeArg] = {}
     for node in gm.graph.nodes:
         mark = None
         if K.MODE in node.meta:  # marked at an earlier capture (a converted module converted again)
@@ -143,15 +154,35 @@ def record(gm: fx.GraphModule, model: nn.Module) -> int:
             if isinstance(value, bool) and value == mode_at_capture(node):
                 mark = ModeArg("flag", index, keyword)
         if mark is not None:
-            node.meta[K.MODE] = mark
-            marked += 1
-    # the modes the model has, module by module (a frozen batch norm in a training model stays frozen)
+            marks[node] = mark
+    return marks
+
+
+def flags_as_programs(gm: fx.GraphModule, model: nn.Module, keys: tuple[str, ...]) -> int:
+    """Make a training capture whose only mode-dependent nodes are flags (its modules' dropout and batch-norm
+    flags, see :func:`_marks`) the union of the programs ``keys``, as ``capture.programs.merge`` would have made
+    it from a capture per mode: each flag's value noted per program, the statistics counter in the programs that
+    update statistics only. ``GIVEN``: each node in the mode ``model``'s module that issued it is in. Returns how
+    many nodes differ."""
+    marks = _marks(gm, lambda node: True)
+    every = frozenset(keys)
     for node in gm.graph.nodes:
-        if K.MODE in node.meta:
-            set_node(node, node.meta[K.MODE], _owner_training(node, model))
-    _copy_module_modes(gm, model)
-    gm.recompile()
-    return marked
+        node.meta[MEMBERS] = every
+    for node, mark in marks.items():
+        off = [k for k in keys if k == EVAL or (k == GIVEN and not _owner_training(node, model))]
+        if mark.kind == "counter":
+            node.meta[MEMBERS] = every - set(off)
+            continue
+        if mark.kind == "swap":
+            diff = {"target": mark.eval_target}
+        else:
+            value = False if mark.kind == "flag" else mark.eval_value
+            where = mark.keyword if mark.keyword in node.kwargs or mark.index >= len(node.args) else mark.index
+            diff = {where: value}
+        if off:
+            node.meta[MODE_ARGS] = {k: dict(diff) for k in off}
+    gm.meta[K.PROGRAM_KEYS] = tuple(keys)
+    return len(marks)
 
 
 def _copy_module_modes(gm: fx.GraphModule, model: nn.Module) -> None:
@@ -330,6 +361,10 @@ def describe(gm: fx.GraphModule) -> dict:
         return {"how": "one program for both modes: the model's code read no training flag while it was "
                        "captured (its dropout and batch norms are modules that switch by themselves)",
                 "differences": []}
+    if keys and gm.meta.get(K.MODES_READ) == "flags":
+        return {"how": f"one program per mode ({', '.join(keys)}) from one capture: only torch's dropout and "
+                       "batch-norm modules read the mode, as their ops' flags",
+                "differences": differences(gm.graph, tuple(keys))}
     if keys:
         return {"how": f"one program per mode ({', '.join(keys)}), captured and planned together",
                 "differences": differences(gm.graph, tuple(keys))}
