@@ -72,8 +72,8 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, preserve: tuple[str, ..
     example's; a static export when the dynamic one fails (a model whose code needs concrete sizes).
 
     Other sizes (an image's height and width, feature widths) are the example's: free spatial sizes cost a
-    windowed vision model's export nearly a minute of symbolic reasoning on its padding arithmetic (a small
-    Hugging Face Swin: 59 s with every size free, 1.9 s with a free batch, 1.1 s static)."""
+    windowed vision model's export nearly a minute of symbolic reasoning on its padding arithmetic
+    (docs/benchmarks.md, "Free sizes in torch.export")."""
     target = ctx.meta_device
     if target is not None:  # on the meta device: the inputs too, and the device the program will run on after
         args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
