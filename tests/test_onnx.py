@@ -144,3 +144,43 @@ def test_deployment_example_runs(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "onnxruntime" in proc.stdout and (tmp_path / "model.onnx").exists()
+
+
+class _Exported(nn.Module):
+    """A forward symbolic tracing cannot run (it unpacks a traced shape): torch.export captures it."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        b, *_ = x.shape  # noqa: F841
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("path", ["symbolic_trace", "torch.export"])
+def test_folded_batch_norms_use_their_own_statistics_on_either_capture(path):
+    """Batch norms with statistics and affine parameters that all differ (a fresh batch norm's mean 0, var 1,
+    weight 1, bias 0 hide a mixed-up argument order): the folded convolutions compute the float32 model's eval
+    output, from F.batch_norm's arguments (symbolic tracing) and from aten.batch_norm's (torch.export)."""
+    torch.manual_seed(0)
+    model, (x,) = example("resnet")
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-1, 1)
+                m.running_var.uniform_(0.5, 2)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    model = (model if path == "symbolic_trace" else _Exported(model)).eval()
+    gm = autocastfx.convert(model, (x,))
+    assert gm.meta["autocastfx"].capture == path
+    inf = autocastfx.for_inference(gm)
+    assert len(inf.meta["autocastfx"].extra_totals["inference"]["batch_norms_folded"]) == 5
+    ref = model(x)
+    bound = max(3 * _rel(gm(x), ref), 1e-2)
+    assert _rel(inf(x), ref) < bound, (_rel(inf(x), ref), bound)
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref).abs().max() / ref.abs().max())

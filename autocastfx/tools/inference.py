@@ -99,9 +99,15 @@ def _bn_of(gm: fx.GraphModule, node: fx.Node):
         if len(users) != 1 or users[0].target is not __import__("operator").getitem or users[0].args[1] != 0:
             return None
         out = users[0]
-    elif node.target in (_aten.batch_norm.default, F.batch_norm) and not _arg(node, 5, "training", False):
+    elif node.target is F.batch_norm and not _arg(node, 5, "training", False):
+        # F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
         mean, var = _arg(node, 1, "running_mean", None), _arg(node, 2, "running_var", None)
         w, b = _arg(node, 3, "weight", None), _arg(node, 4, "bias", None)
+        eps, out = _arg(node, 7, "eps", 1e-5), node
+    elif node.target is _aten.batch_norm.default and not _arg(node, 5, "training", False):
+        # aten.batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled)
+        w, b = _arg(node, 1, "weight", None), _arg(node, 2, "bias", None)
+        mean, var = _arg(node, 3, "running_mean", None), _arg(node, 4, "running_var", None)
         eps, out = _arg(node, 7, "eps", 1e-5), node
     else:
         return None
