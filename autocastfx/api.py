@@ -326,6 +326,9 @@ def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: Con
         # opaque calls (torch.fx.wrap'd functions) traced by torch.export and inlined; propagated on the inputs
         gm, how, inlined = capture_programs(model, args, kwargs, options.policy, ctx,
                                             share_tensors=True)  # the model's own tensors: shared, not copied
+        for _, unit in _weights.converted_units(model):  # converted blocks, shared: switched by the captures
+            if unit is not model:
+                _module.follow_module_modes(unit)
     with _one_recompile(gm):
         passed = run_passes(gm, model, args, kwargs, options, meta_device=ctx.meta_device, entry_casts=entry_casts)
         _keep_non_persistent(gm, model)

@@ -618,3 +618,98 @@ def test_torchs_dropout_and_batch_norm_modules_are_captured_once_as_flags(monkey
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         else:
             assert torch.equal(a, b)
+
+
+class _ReadsDropoutsFlag(nn.Module):
+    """The model's own code branches on a dropout module's flag: a read that is not the dropout's."""
+
+    def __init__(self, hook=False, literal=False, inplace=False, feature=False):
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.drop = (nn.Dropout1d if feature else nn.Dropout)(0.3, inplace=inplace)
+        self.branch, self.literal = not (hook or literal or inplace or feature), literal
+        if hook:  # a forward hook that reads the flag (a logging or noise hook)
+            self.drop.register_forward_hook(lambda mod, i, o: o + 10.0 if mod.training else o)
+
+    def forward(self, x):
+        b, *_ = x.shape  # noqa: F841 - torch.export captures it
+        h = self.fc(x)
+        if self.branch and self.drop.training:
+            h = h + 10.0
+        if self.literal:  # Monte-Carlo dropout, on in both modes, beside a module's
+            h = F.dropout(h, 0.5, training=True)
+        h = self.drop(h.unsqueeze(-1)).squeeze(-1) if isinstance(self.drop, nn.Dropout1d) else self.drop(h)
+        return self.fc2(h)
+
+
+@pytest.mark.parametrize("kind", ["branch", "hook", "literal", "inplace", "feature"])
+def test_only_the_flags_torchs_modules_issue_themselves_follow_the_mode(monkeypatch, kind):
+    """The one-capture programs hold for reads of the mode by the dropout module's own forward only, and for the
+    flags it issued itself: the model's code reading ``self.drop.training``, a hook reading it, and a literal
+    ``training=True`` of the model's own stay as a capture per mode makes them; in-place dropouts (``dropout_``)
+    are switched too. Each, in eval mode, is bit for bit the per-mode programs' output and near the float32
+    model's; in training mode it consumes the random stream the same way."""
+    from autocastfx.capture import programs
+    torch.manual_seed(0)
+    model = _ReadsDropoutsFlag(**({kind: True} if kind != "branch" else {}))
+    x = torch.randn(8, 16)
+    gm = autocastfx.convert(copy.deepcopy(model), (x,), blocks=None)
+    assert gm.meta["autocastfx"].capture == "torch.export"
+    monkeypatch.setattr(programs, "flag_only", lambda *a: False)
+    per_mode = autocastfx.convert(copy.deepcopy(model), (x,), blocks=None)
+    for mode in (False, True, False):
+        gm.train(mode)
+        per_mode.train(mode)
+        model.train(mode)
+        torch.manual_seed(1)
+        a = gm(x)
+        torch.manual_seed(1)
+        assert torch.equal(a, per_mode(x)), mode
+        if not mode and kind != "literal":
+            torch.testing.assert_close(a.float(), model(x), rtol=1e-2, atol=1e-2)
+    one_capture = "from one capture" in autocastfx.report(gm).totals["modes"]["how"]
+    assert one_capture is (kind in ("literal", "inplace", "feature"))
+
+
+def test_frozen_batch_norm_blocks_stay_frozen_in_a_training_model():
+    """Fine-tuning with frozen batch norms (``model.train()``, then every BatchNorm ``.eval()``), blocks
+    converted apart: the capture of the model around them switches them, and they are given back the program of
+    their modules' modes, so no running statistic moves, as in the float32 model."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+
+        def forward(self, x):
+            b, *_ = x.shape  # noqa: F841
+            return x + torch.relu(self.bn(self.conv(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem, self.bn0 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+            self.layers = nn.ModuleList([Block(), Block()])
+            self.drop, self.head = nn.Dropout(0.2), nn.Linear(8, 4)
+
+        def forward(self, x):
+            b, *_ = x.shape  # noqa: F841
+            h = torch.relu(self.bn0(self.stem(x)))
+            for layer in self.layers:
+                h = layer(h)
+            return self.head(self.drop(h.mean((2, 3))))
+
+    torch.manual_seed(0)
+    model = Net().train()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.eval()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 3, 6, 6) * 2 + 1
+    gm = autocastfx.convert(model, (x,), blocks="auto")
+    assert all("autocastfx_programs" in gm.layers[i].meta for i in (0, 1))  # blocks converted apart
+    before = {k: v.clone() for k, v in gm.named_buffers()}
+    torch.manual_seed(1)
+    out = gm(x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(out.float(), ref(x), rtol=1e-2, atol=2e-3)
+    assert all(torch.equal(v, before[k]) for k, v in gm.named_buffers())

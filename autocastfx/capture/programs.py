@@ -356,11 +356,14 @@ def _capture_programs(model: nn.Module, work: nn.Module, given: dict[str, bool],
     try:
         gm, how = capture_graph(work.train(), args, kwargs, policy, ctx, compile_code=False, reads=reads)
         programs[TRAIN] = gm
-        if not _switches_itself(work) and all(flag_only(m) for m in reads):
-            # nothing read the mode, or only torch's dropout and batch norms, which write it as one op's flag:
-            # one capture, whose flags (if any) follow the mode
+        if not _switches_itself(work) and all(flag_only(m, code) for m, code in reads):
+            # nothing read the mode, or only the forwards of torch's dropout and batch norms, which write it as one
+            # op's flag: one capture, whose flags (if any) follow the mode
             keys = ((TRAIN, EVAL, GIVEN) if mixed else (TRAIN, EVAL)) if reads else None
-            return programs, how, why, _one_for_both(gm, how, work, given, args, kwargs, ctx, keys, current)
+            owners = {name for name, m in work.named_modules() if any(m is r for r, _ in reads)}
+            done = _one_for_both(gm, how, work, given, args, kwargs, ctx, keys, current, owners)
+            if done is not None:
+                return programs, how, why, done
         for key in (EVAL, GIVEN) if mixed else (EVAL,):
             work.eval() if key == EVAL else _restore(work, given)
             try:
@@ -382,18 +385,21 @@ def _capture_programs(model: nn.Module, work: nn.Module, given: dict[str, bool],
 
 
 def _one_for_both(gm: fx.GraphModule, how: str, work: nn.Module, given: dict[str, bool], args: tuple,
-                  kwargs: dict, ctx: CaptureContext, flag_keys: tuple | None = None,
-                  current: str = TRAIN) -> tuple[fx.GraphModule, str, list]:
+                  kwargs: dict, ctx: CaptureContext, flag_keys: tuple | None = None, current: str = TRAIN,
+                  owners: set | None = None) -> tuple[fx.GraphModule, str, list] | None:
     """The training capture of a model whose code read no mode, as the program of both modes, its opaque calls
-    opened up. With ``flag_keys``, the code read it only as the flags of :func:`flag_only` modules: the capture
-    is made the union of those programs (``core.modes.flags_as_programs``), one graph per mode as from a capture
-    per mode."""
+    opened up. With ``flag_keys``, the code read it only as the flags of :func:`flag_only` modules (``owners``,
+    by name): the capture is made the union of those programs (``core.modes.flags_as_programs``), one graph per
+    mode as from a capture per mode; None, the capture left as it was, where a module that read it issued no
+    flag that could be found (the eval capture then tells what differs)."""
     _restore(work, given)
+    if flag_keys and not flags_as_programs(gm, work, flag_keys, owners, check=True):
+        return None
     decisions = _inline.inline_opaque_calls(gm)
     if any(d.inlined for d in decisions):
         propagate(gm, args, kwargs, meta_device=ctx.meta_device)
     if flag_keys:
-        flags_as_programs(gm, work, flag_keys)
+        flags_as_programs(gm, work, flag_keys, owners)
         gm.meta[K.MODES_READ] = "flags"
     else:
         for n in gm.graph.nodes:
@@ -458,12 +464,14 @@ _FLAG_ONLY = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDrop
               nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
-def flag_only(module: nn.Module) -> bool:
-    """Whether ``module``'s forward uses its mode only as the training flag of the one op it calls (torch's
-    dropout modules; its batch norms where they keep running statistics with a momentum), which
-    ``core.modes.record`` marks and ``gm.train()``/``gm.eval()`` set: its eval capture would be the training
-    capture with that flag off. Exact classes only: a subclass may read the mode in code of its own."""
-    if original_class(module) not in _FLAG_ONLY:
+def flag_only(module: nn.Module, code=None) -> bool:
+    """Whether a read of ``module``'s mode by ``code`` is one whose only use is the training flag of the one op
+    the module's forward calls: ``code`` is the forward of one of torch's dropout modules, or of its batch norms
+    where they keep running statistics with a momentum (a hook or another module reading the flag is not). Its
+    eval capture would be the training capture with that flag off. Exact classes only: a subclass may read the
+    mode in code of its own."""
+    cls = original_class(module)
+    if cls not in _FLAG_ONLY or (code is not None and code is not cls.forward.__code__):
         return False
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         return bool(module.track_running_stats) and module.running_mean is not None and \

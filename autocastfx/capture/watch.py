@@ -7,6 +7,7 @@ this thread or another, is touched.
 """
 from __future__ import annotations
 import contextlib
+import sys
 from typing import Callable, Iterable
 import torch.fx as fx
 import torch.nn as nn
@@ -90,16 +91,17 @@ def _unwatched(v):
 
 @contextlib.contextmanager
 def watch_training(model: nn.Module, reads: list | None):
-    """Append to ``reads`` every module of ``model`` (the capture's copy) whose ``training`` attribute is read
-    meanwhile (``None``: watch nothing). A capture that reads none wrote no mode-dependent code (leaf modules,
-    which switch by themselves, are not run by a capture), so the model's eval capture would be the same graph."""
+    """Append to ``reads`` ``(module, code)`` for every read of the ``training`` attribute of a module of ``model``
+    (the capture's copy) meanwhile, ``code`` being the code object that read it (``None``: watch nothing). A
+    capture that reads none wrote no mode-dependent code (leaf modules, which switch by themselves, are not run by
+    a capture), so the model's eval capture would be the same graph."""
     if reads is None:
         yield
         return
 
     def seen(module, name):
-        if name == "training":
-            reads.append(module)
+        if name == "training":  # the frame that read it: above this callback and the reporting __getattribute__
+            reads.append((module, sys._getframe(2).f_code))
 
     with watch_reads(watchable(model), seen):
         yield

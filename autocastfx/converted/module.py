@@ -20,7 +20,7 @@ from . import calls as _calls
 from ..base import keys as K
 from ..base.meta import is_converted
 from ..core import weights as _weights
-from ..core.modes import EVAL, MEMBERS, MODE_ARGS, TRAIN, ModeArg, Programs, set_node, split
+from ..core.modes import EVAL, GIVEN, MEMBERS, MODE_ARGS, TRAIN, ModeArg, Programs, set_node, split
 
 
 def set_mode(gm: fx.GraphModule, mode: bool) -> fx.GraphModule:
@@ -46,6 +46,21 @@ def set_mode(gm: fx.GraphModule, mode: bool) -> fx.GraphModule:
         gm.recompile()
     nn.Module.train(gm, mode)  # leaf modules (call_module nodes) and every .training flag
     return gm
+
+
+def follow_module_modes(gm: fx.GraphModule) -> None:
+    """Run the program of the modes ``gm``'s modules are in now, where their flags were set one by one (a capture
+    of a model around ``gm`` switched it, then gave each module its flag back): train or eval where they agree,
+    the program of the modes they had at conversion where they are mixed as then."""
+    programs: Programs | None = gm.meta.get(K.PROGRAMS)
+    if programs is None:
+        return
+    flags = {m.training for m in gm.modules()}
+    key = (TRAIN if flags.pop() else EVAL) if len(flags) == 1 else GIVEN
+    if key != programs.current and key in programs.graphs:
+        _keep_wrapped_call(type(gm))
+        programs.current = key
+        _switch_graph(gm, programs, key)
 
 
 _CODE_FIELDS = ("_code", "_lineno_map", "_prologue_start", "_in_spec", "_out_spec")

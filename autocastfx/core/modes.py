@@ -50,6 +50,10 @@ def _flag_positions() -> dict:
         _aten.feature_dropout.default: (2, "train"),
         _aten.alpha_dropout.default: (2, "train"),
         _aten.feature_alpha_dropout.default: (2, "train"),
+        _aten.dropout_.default: (2, "train"),
+        _aten.feature_dropout_.default: (2, "train"),
+        _aten.alpha_dropout_.default: (2, "train"),
+        _aten.feature_alpha_dropout_.default: (2, "train"),
         _aten.batch_norm.default: (5, "training"),
         _aten.native_batch_norm.default: (5, "training"),
         _aten._native_batch_norm_legit.default: (5, "training"),
@@ -77,17 +81,24 @@ _DROPOUT_P = {_aten.scaled_dot_product_attention.default: (4, "dropout_p"),
               F.scaled_dot_product_attention: (4, "dropout_p")}
 
 
-def _owner_training(node: fx.Node, model: nn.Module) -> bool:
-    """The training flag of the module that issued ``node`` (the root when the graph does not say)."""
+def _owner_path(node: fx.Node) -> str | None:
+    """The name of the module that issued ``node`` (``""``: the root), None where the graph does not say."""
     stack = node.meta.get("nn_module_stack")
     if stack:
         path = list(stack.values())[-1][0]
         if isinstance(path, str):
-            path = path.removeprefix("L['self'].").replace("L__self___", "")
-            try:
-                return model.get_submodule(path).training if path else model.training
-            except AttributeError:
-                pass
+            return path.removeprefix("L['self'].").replace("L__self___", "")
+    return None
+
+
+def _owner_training(node: fx.Node, model: nn.Module) -> bool:
+    """The training flag of the module that issued ``node`` (the root when the graph does not say)."""
+    path = _owner_path(node)
+    if path:
+        try:
+            return model.get_submodule(path).training
+        except AttributeError:
+            pass
     return model.training
 
 
@@ -158,13 +169,17 @@ def _marks(gm: fx.GraphModule, mode_at_capture) -> dict[fx.Node, ModeArg]:
     return marks
 
 
-def flags_as_programs(gm: fx.GraphModule, model: nn.Module, keys: tuple[str, ...]) -> int:
-    """Make a training capture whose only mode-dependent nodes are flags (its modules' dropout and batch-norm
-    flags, see :func:`_marks`) the union of the programs ``keys``, as ``capture.programs.merge`` would have made
-    it from a capture per mode: each flag's value noted per program, the statistics counter in the programs that
-    update statistics only. ``GIVEN``: each node in the mode ``model``'s module that issued it is in. Returns how
-    many nodes differ."""
-    marks = _marks(gm, lambda node: True)
+def flags_as_programs(gm: fx.GraphModule, model: nn.Module, keys: tuple[str, ...], owners: set[str],
+                      check: bool = False) -> int:
+    """Make a training capture whose only mode-dependent nodes are the flags the modules ``owners`` (names in
+    ``model``) issued themselves (see :func:`_marks`) the union of the programs ``keys``, as
+    ``capture.programs.merge`` would have made it from a capture per mode: each flag's value noted per program,
+    the statistics counter in the programs that update statistics only. ``GIVEN``: each node in the mode
+    ``model``'s module that issued it is in. Returns how many nodes differ; ``check``: only whether every owner
+    issued one (0 where one did not), changing nothing."""
+    marks = {n: m for n, m in _marks(gm, lambda node: True).items() if _owner_path(n) in owners}
+    if check:
+        return len(marks) if {_owner_path(n) for n in marks} == set(owners) else 0
     every = frozenset(keys)
     for node in gm.graph.nodes:
         node.meta[MEMBERS] = every

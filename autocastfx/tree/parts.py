@@ -61,6 +61,13 @@ def set_modes(tree: nn.Module, model: nn.Module, modes: dict) -> None:
             flags = {modes[id(s)] for s in o.modules()}
             if len(flags) == 1:
                 m.train(flags.pop())
+            else:  # mixed: each module's own flag, and the unit's program for them where it has one
+                from ..converted.module import follow_module_modes
+                inner = dict(o.named_modules())
+                for sub_name, sub in m.named_modules():
+                    if sub_name in inner:
+                        sub.training = modes[id(inner[sub_name])]
+                follow_module_modes(m)
         else:
             m.training = modes[id(o)]
     if is_converted(tree) and hasattr(tree, "graph"):
