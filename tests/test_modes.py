@@ -713,3 +713,32 @@ def test_frozen_batch_norm_blocks_stay_frozen_in_a_training_model():
     torch.manual_seed(1)
     torch.testing.assert_close(out.float(), ref(x), rtol=1e-2, atol=2e-3)
     assert all(torch.equal(v, before[k]) for k, v in gm.named_buffers())
+
+
+def test_a_submodules_own_mode_is_followed_where_a_program_computes_it_and_refused_elsewhere():
+    """A converted graph holds each module's mode as its ops' flags. Frozen batch norms set again after
+    ``gm.train()`` (as fine-tuning loops do after each ``model.train()``) run the program converted with them
+    frozen; a mode no program computes (a batch norm frozen after conversion) is a ValueError naming the module,
+    never a silent update of its statistics."""
+    torch.manual_seed(0)
+    model = _Untraceable(BNNet()).train()
+    model.inner.bn.eval()  # frozen at conversion: the given program
+    x = torch.randn(4, 3, 6, 6)
+    gm = autocastfx.convert(model, (x,), blocks=None)
+    assert gm.meta["autocastfx"].capture == "torch.export"
+    stats = lambda: {k: v.clone() for k, v in gm.named_buffers()}  # noqa: E731
+    gm.train()
+    before = stats()
+    gm(x)
+    assert not torch.equal(before["inner.bn.running_mean"], gm.get_buffer("inner.bn.running_mean"))
+    gm.get_submodule("inner.bn").eval()  # frozen again, as at conversion
+    before = stats()
+    gm(x)
+    assert all(torch.equal(v, before[k]) for k, v in stats().items())
+    assert gm.meta["autocastfx_programs"].current == "given"
+    gm.eval()
+    gm.get_submodule("inner.bn").train()  # a mode no program computes
+    before = stats()
+    with pytest.raises(ValueError, match=r"inner\.bn \(train\).*gm\.train\(\) and gm\.eval\(\)"):
+        gm(x)
+    assert all(torch.equal(v, before[k]) for k, v in stats().items())

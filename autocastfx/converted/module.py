@@ -20,7 +20,7 @@ from . import calls as _calls
 from ..base import keys as K
 from ..base.meta import is_converted
 from ..core import weights as _weights
-from ..core.modes import EVAL, GIVEN, MEMBERS, MODE_ARGS, TRAIN, ModeArg, Programs, set_node, split
+from ..core.modes import EVAL, GIVEN, MEMBERS, MODE_ARGS, TRAIN, ModeArg, Programs, owner_names, set_node, split
 
 
 def set_mode(gm: fx.GraphModule, mode: bool) -> fx.GraphModule:
@@ -191,6 +191,9 @@ class _Switchable:
         # of the mode it is in (the programs' code holds the mode as constants, which nothing else guards on)
         if self.training:
             pass
+        programs = self.__dict__.get("meta", {}).get(K.PROGRAMS)
+        if programs is not None and programs.owners and not torch.compiler.is_compiling():
+            _check_owner_modes(self, programs)
         info = self.__dict__.get("meta", {}).get("autocastfx")
         if info is not None and info.call_signature and \
                 _calls.raw_key(args, kwargs) != _calls.captured_key(info.call_signature):
@@ -245,6 +248,31 @@ class _Switchable:
         out = super()._apply(fn, recurse)
         _weights.retie(self, tied)  # to_empty from meta makes a new Parameter per module: tied weights stay tied
         return out
+
+
+def _check_owner_modes(gm: fx.GraphModule, programs: Programs) -> None:
+    """Before a call: the modules whose mode the programs hold as their ops' flags are in the mode of the program
+    that runs. Where they are in the modes they had at conversion, that program runs (a model fine-tuned with
+    frozen batch norms, converted frozen: ``gm.train()``, then those modules ``.eval()`` again); any other
+    mixture is a ValueError, since no program computes it."""
+    want = {TRAIN: True, EVAL: False}.get(programs.current)
+    flags = {name: gm.get_submodule(name).training for name in programs.owners}
+    if all(flag == (programs.owners[name] if want is None else want) for name, flag in flags.items()):
+        return
+    if flags == programs.owners and GIVEN in programs.graphs:
+        _keep_wrapped_call(type(gm))
+        programs.current = GIVEN
+        _switch_graph(gm, programs, GIVEN)
+        return
+    odd = [f"{n} ({'train' if f else 'eval'})" for n, f in flags.items()
+           if f != (programs.owners[n] if want is None else want)]
+    raise ValueError(
+        f"modules of this converted module are in another mode than the program it runs ({programs.current}): "
+        f"{', '.join(odd[:4])}{' and more' if len(odd) > 4 else ''}. The converted graph holds each module's mode "
+        "as its ops' flags, one program per mode of the whole module: gm.train() and gm.eval() switch them. A "
+        "submodule's mode set on its own after convert() (frozen batch norms) is followed only where it is the "
+        "mode it had at conversion: set the model's modules' modes before convert(), then after each gm.train() "
+        "set those modules' modes again as they were")
 
 
 def _check_fsdp_param_dtype(unit: nn.Module) -> None:
@@ -322,7 +350,13 @@ def install(gm: fx.GraphModule) -> None:
     if keys and _programs_differ(gm.graph, keys):  # one graph per mode; run the one of the model's mode
         union = gm.graph
         graphs = {k: split(union, k) for k in keys}
-        gm.meta[K.PROGRAMS] = Programs(union, graphs, current)
+        owners = {}
+        for name in owner_names(union, keys):
+            try:
+                owners[name] = gm.get_submodule(name).training
+            except AttributeError:  # a module the graph module does not keep: nothing to check
+                pass
+        gm.meta[K.PROGRAMS] = Programs(union, graphs, current, owners=owners)
         gm.graph = graphs[current]
     gm.recompile()
 

@@ -286,6 +286,17 @@ class Programs:
     # recompiling (a recompile of anyone else drops them)
     code: dict[str, dict] = dataclasses.field(default_factory=dict, repr=False)
     switching: bool = False
+    # the modules that issued nodes which differ between programs, by name, and the mode each had at conversion
+    # (its mode in the given program): the converted module checks their modes at each call
+    owners: dict[str, bool] = dataclasses.field(default_factory=dict)
+
+
+def owner_names(graph: fx.Graph, keys: tuple[str, ...]) -> set[str]:
+    """The names of the modules (not the root) that issued a node which differs between the programs ``keys``."""
+    every = frozenset(keys)
+    return {p for n in graph.nodes if n.op != "output"
+            and ((n.meta.get(MEMBERS) is not None and n.meta[MEMBERS] != every) or MODE_ARGS in n.meta)
+            for p in (_owner_path(n),) if p}
 
 
 def split(graph: fx.Graph, key: str) -> fx.Graph:
