@@ -255,10 +255,17 @@ def _check_owner_modes(gm: fx.GraphModule, programs: Programs) -> None:
     that runs. Where they are in the modes they had at conversion, that program runs (a model fine-tuned with
     frozen batch norms, converted frozen: ``gm.train()``, then those modules ``.eval()`` again); any other
     mixture is a ValueError, since no program computes it."""
+    kept = gm.__dict__.get("_autocastfx_owners")  # the modules, found once per Programs (a copy has its own)
+    if kept is None or kept[0] is not programs:
+        kept = gm.__dict__["_autocastfx_owners"] = (programs, [gm.get_submodule(n) for n in programs.owners],
+                                                    list(programs.owners.values()))
     want = {TRAIN: True, EVAL: False}.get(programs.current)
-    flags = {name: gm.get_submodule(name).training for name in programs.owners}
-    if all(flag == (programs.owners[name] if want is None else want) for name, flag in flags.items()):
+    if want is None:
+        if all(m.training == f for m, f in zip(kept[1], kept[2])):
+            return
+    elif all(m.training == want for m in kept[1]):
         return
+    flags = {name: m.training for name, m in zip(programs.owners, kept[1])}
     if flags == programs.owners and GIVEN in programs.graphs:
         _keep_wrapped_call(type(gm))
         programs.current = GIVEN
