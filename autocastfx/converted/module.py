@@ -31,9 +31,7 @@ def set_mode(gm: fx.GraphModule, mode: bool) -> fx.GraphModule:
     if programs is not None:
         key = TRAIN if mode else EVAL
         if programs.current != key:
-            _keep_wrapped_call(type(gm))
-            programs.current = key
-            _switch_graph(gm, programs, key)
+            _run_program(gm, programs, key)
         nn.Module.train(gm, mode)
         return gm
     changed = False
@@ -58,9 +56,14 @@ def follow_module_modes(gm: fx.GraphModule) -> None:
     flags = {m.training for m in gm.modules()}
     key = (TRAIN if flags.pop() else EVAL) if len(flags) == 1 else GIVEN
     if key != programs.current and key in programs.graphs:
-        _keep_wrapped_call(type(gm))
-        programs.current = key
-        _switch_graph(gm, programs, key)
+        _run_program(gm, programs, key)
+
+
+def _run_program(gm: fx.GraphModule, programs: Programs, key: str) -> None:
+    """Make the program ``key`` the one ``gm`` runs."""
+    _keep_wrapped_call(type(gm))
+    programs.current = key
+    _switch_graph(gm, programs, key)
 
 
 _CODE_FIELDS = ("_code", "_lineno_map", "_prologue_start", "_in_spec", "_out_spec")
@@ -267,9 +270,7 @@ def _check_owner_modes(gm: fx.GraphModule, programs: Programs) -> None:
         return
     flags = {name: m.training for name, m in zip(programs.owners, kept[1])}
     if flags == programs.owners and GIVEN in programs.graphs:
-        _keep_wrapped_call(type(gm))
-        programs.current = GIVEN
-        _switch_graph(gm, programs, GIVEN)
+        _run_program(gm, programs, GIVEN)
         return
     odd = [f"{n} ({'train' if f else 'eval'})" for n, f in flags.items()
            if f != (programs.owners[n] if want is None else want)]
