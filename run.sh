@@ -256,16 +256,53 @@ make_environment() {
   fi
 }
 
+# use_uv: whether this run installs with uv: into a .venv of run.sh's own (never an environment it was handed),
+# unless AUTOCASTFX_PIP=1; pip puts uv into that .venv once. uv installs and compiles in a third of pip's time (the
+# suite's set-up is on CI's clock); wherever it cannot install something, pip does.
+UV=unknown
+use_uv() {
+  if [ "$UV" = unknown ]; then
+    UV=no
+    if [ "$ENV_ACTION" != use-active ] && [ "${AUTOCASTFX_PIP:-}" != 1 ] \
+        && "$ENV_PY" -m pip install --quiet uv >/dev/null 2>&1; then
+      UV=yes
+    fi
+  fi
+  [ "$UV" = yes ]
+}
+
+# uv_install ARGS: uv pip install into the environment, compiling bytecode as pip does (every test process would
+# otherwise compile torch's and transformers' modules in memory again), and reading the local wheel directories
+# pip is configured with (pip config, PIP_FIND_LINKS), which uv does not read of itself.
+uv_install() {
+  local links=() link
+  for link in $( { "$ENV_PY" -m pip config get global.find-links 2>/dev/null || true; } ) ${PIP_FIND_LINKS:-}; do
+    links+=(--find-links "$link")
+  done
+  UV_HTTP_TIMEOUT=15 "$ENV_PY" -m uv pip install --quiet --compile-bytecode --python "$ENV_PY" \
+    ${links[@]+"${links[@]}"} "$@"
+}
+
+# install_cpu_torch [FORCE]: the CPU build from PyTorch's CPU index, else torch==$TORCH_PIN as PyPI and the local
+# wheel directories serve it; with uv first where this run uses it, then pip.
+install_cpu_torch() {
+  local pip=("$ENV_PY" -m pip install --quiet)
+  if use_uv; then
+    uv_install "$@" --index-url "$TORCH_CPU_INDEX" "torch==$TORCH_PIN" 2>/dev/null && return
+    uv_install "$@" "torch==$TORCH_PIN" 2>/dev/null && return
+    say "uv could not install torch; installing it with pip"
+  fi
+  "${pip[@]}" "$@" --index-url "$TORCH_CPU_INDEX" --timeout 15 --retries 0 "torch==$TORCH_PIN" 2>/dev/null \
+    || { say "the CPU wheel index did not answer; installing torch==$TORCH_PIN from PyPI"
+         "${pip[@]}" "$@" "torch==$TORCH_PIN"; }
+}
+
 install_torch() {
   local pip=("$ENV_PY" -m pip install --quiet) force=()
   [ "$TORCH_ACTION" = replace ] && force=(--force-reinstall)
   say "installing torch ($TORCH_WHY)"
   case "$TORCH_WANT" in
-    cpu)
-      "${pip[@]}" ${force[@]+"${force[@]}"} --index-url "$TORCH_CPU_INDEX" --timeout 15 --retries 0 \
-          "torch==$TORCH_PIN" 2>/dev/null \
-        || { say "the CPU wheel index did not answer; installing torch==$TORCH_PIN from PyPI"
-             "${pip[@]}" ${force[@]+"${force[@]}"} "torch==$TORCH_PIN"; } ;;
+    cpu) install_cpu_torch ${force[@]+"${force[@]}"} ;;
     cuda)
       # Leave out a local CPU wheel of the same version that pip may have at hand.
       "${pip[@]}" ${force[@]+"${force[@]}"} "torch==$TORCH_PIN,!=$TORCH_PIN+cpu" ;;
@@ -289,13 +326,11 @@ install_torch() {
   fi
 }
 
-# install_package: the package and its extras, into the environment. Into a .venv of run.sh's own that holds its
-# torch, with uv where uv installs (a third of pip's time: the suite's set-up is on CI's clock), torch held at the
-# installed version by a constraint so that uv never fetches another; else, and into any other environment, pip.
-# AUTOCASTFX_PIP=1 always uses pip.
+# install_package: the package and its extras, into the environment: with uv where this run uses it and the torch
+# it imports is the environment's own, held at its version by a constraint so that uv never fetches another; else pip.
 install_package() {
   local spec=".[$extras]" pin=""
-  if [ "$ENV_ACTION" != use-active ] && [ "${AUTOCASTFX_PIP:-}" != 1 ]; then
+  if use_uv; then
     pin=$("$ENV_PY" - <<'PY' 2>/dev/null || true
 import os, sys, torch
 here = os.path.realpath(torch.__file__).startswith(os.path.realpath(sys.prefix) + os.sep)
@@ -303,9 +338,8 @@ print(torch.__version__ if here else "")
 PY
 )
   fi
-  if [ -n "$pin" ] && "$ENV_PY" -m pip install --quiet uv >/dev/null 2>&1; then
-    if "$ENV_PY" -m uv pip install --quiet --compile-bytecode --python "$ENV_PY" \
-        --constraint <(echo "torch==$pin") -e "$spec"; then
+  if [ -n "$pin" ]; then
+    if uv_install --constraint <(echo "torch==$pin") -e "$spec"; then
       return
     fi
     say "uv could not install the extras; installing them with pip"
