@@ -62,8 +62,19 @@ def _losses(trainer, key="loss"):
     return [h[key] for h in trainer.state.log_history if key in h]
 
 
-def test_hugging_face_trainer_trains_through_the_generated_step(tmp_path):
-    ours, rec = _hf_run(tmp_path / "ours", 4, record=True)
+@pytest.fixture(scope="module")
+def hf_whole(tmp_path_factory):
+    """A whole 4-step run through autocastfx's Trainer, its aten calls recorded, and its output directory: what
+    the float32 Trainer is compared with, and what an interrupted and resumed run must repeat."""
+    out = tmp_path_factory.mktemp("hf") / "ours"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer, rec = _hf_run(out, 4, record=True)
+    return trainer, rec, out
+
+
+def test_hugging_face_trainer_trains_through_the_generated_step(tmp_path, hf_whole):
+    ours, rec, out = hf_whole
     ref = _hf_run(tmp_path / "ref", 4, float32=True)
     a, b = _losses(ours), _losses(ref)
     assert len(a) == len(b) == 4
@@ -76,10 +87,10 @@ def test_hugging_face_trainer_trains_through_the_generated_step(tmp_path):
     assert all(h["grad_norm"] >= 0 for h in logs)
     mms = [c for c in rec.calls if c.name in ("mm", "addmm", "bmm")]
     assert mms and sum(torch.float16 in c.in_dtypes for c in mms) > len(mms) // 2
-    assert "autocastfx_step.pt" in os.listdir(tmp_path / "ours" / "checkpoint-2")
+    assert "autocastfx_step.pt" in os.listdir(out / "checkpoint-2")
     # the checkpoint's weights are the converted module's float32 parameters, unrounded, under the model's names
     from safetensors.torch import load_file
-    saved = load_file(str(tmp_path / "ours" / "checkpoint-4" / "model.safetensors"))
+    saved = load_file(str(out / "checkpoint-4" / "model.safetensors"))
     weights = ours.model.state_dict()
     assert all(p.dtype == torch.float32 for p in ours.model.parameters())
     assert saved and all(v.dtype == torch.float32 for v in saved.values())
@@ -88,8 +99,8 @@ def test_hugging_face_trainer_trains_through_the_generated_step(tmp_path):
     assert any(not torch.equal(v, v.half().float()) for v in saved.values())  # not float16 values
 
 
-def test_hugging_face_trainer_resumes_as_if_never_stopped(tmp_path):
-    whole = _hf_run(tmp_path / "whole", 4)
+def test_hugging_face_trainer_resumes_as_if_never_stopped(tmp_path, hf_whole):
+    whole = hf_whole[0]
     _hf_run(tmp_path / "part", 4, stop_at=2)
     resumed = _hf_run(tmp_path / "part", 4, resume=str(tmp_path / "part" / "checkpoint-2"))
     a = [h for h in whole.state.log_history if "loss" in h][2:]

@@ -74,6 +74,24 @@ def _out(gm, name):
     return getattr(out, "logits", out)
 
 
+@pytest.fixture(scope="module")
+def seed0():
+    """``seed0(name)``: the seed-0 model of a path and its conversion, made once in this file where the path is a
+    Hugging Face Llama's (a conversion costs seconds) and afresh for the others. The tests given a shared pair
+    only read it and run forwards, which change nothing in a Llama (no batch norm; dropout 0)."""
+    made = {}
+
+    def get(name):
+        if not name.startswith("hf"):
+            model = _build(name)
+            return model, _convert(model, name)
+        if name not in made:
+            model = _build(name)
+            made[name] = (model, _convert(model, name))
+        return made[name]
+    return get
+
+
 def _units(gm):
     return [m for m in gm.modules() if isinstance(getattr(m, "meta", None), dict) and "autocastfx" in m.meta]
 
@@ -81,9 +99,8 @@ def _units(gm):
 # ------------------------------------------------------------------ the float32 parameters and the state dict
 
 @pytest.mark.parametrize("name", ["traced", "export", "blocks", "hf-blocks", "piecewise"])
-def test_master_parameters_cover_every_block_and_are_the_models_parameters_the_step_updates(name):
-    model = _build(name)
-    gm = _convert(model, name)
+def test_master_parameters_cover_every_block_and_are_the_models_parameters_the_step_updates(name, seed0):
+    model, gm = seed0(name)
     own = {id(p) for p in gm.parameters()}
     assert own == {id(p) for p in model.parameters()}  # the model's own tensors, shared, not copied
     assert all(p.dtype == torch.float32 for p in gm.parameters())  # nothing stored low
@@ -106,9 +123,8 @@ def test_master_parameters_cover_every_block_and_are_the_models_parameters_the_s
 
 
 @pytest.mark.parametrize("name", ["traced", "export", "blocks", "hf-blocks", "piecewise"])
-def test_state_dict_is_the_float32_model_and_loads_both_ways(name):
-    model = _build(name)
-    gm = _convert(model, name)
+def test_state_dict_is_the_float32_model_and_loads_both_ways(name, seed0):
+    model, gm = seed0(name)
     sd = gm.state_dict()
     assert set(sd) == set(model.state_dict())
     fresh = _build(name, seed=5)
@@ -235,9 +251,8 @@ def test_the_parameters_follow_the_module_to_a_device_and_an_optimizer_over_the_
 # ------------------------------------------------------------------------------------------ the meta device
 
 @pytest.mark.parametrize("name", ["traced", "traced-vit", "export", "blocks", "hf-one-graph", "hf-blocks"])
-def test_converted_on_meta_then_loaded_is_the_materialised_conversion(name):
-    model = _build(name)
-    ref = _convert(model, name)
+def test_converted_on_meta_then_loaded_is_the_materialised_conversion(name, seed0):
+    model, ref = seed0(name)
     with torch.device("meta"):
         empty = _factory(name)()
     gm = _convert(empty, name)
