@@ -227,6 +227,31 @@ def test_torch_save_of_the_state_dict_resumes_exactly():
     assert first + run(resumed, 3, 3) == whole
 
 
+@pytest.mark.parametrize("name", ["traced", "export", "blocks"])
+def test_pickling_the_converted_module_is_refused_at_save_time_with_the_way_that_works(name, tmp_path):
+    """``torch.save(gm)`` would write a file that loads, if at all, as a plain GraphModule running the program it
+    was saved in whatever its mode: refused when saving, naming the state dict (not when loading it, after the run
+    is over); the state dict loads into the model itself and into a module converted again."""
+    model = _build(name)
+    gm = _convert(model, name)
+    for saving in (lambda: torch.save(gm, tmp_path / "gm.pt"), lambda: copy.copy(gm)):
+        with pytest.raises(TypeError, match=r"does not pickle or copy.copy.*torch\.save\(gm\.state_dict\(\)\).*"
+                                            r"copy\.deepcopy\(gm\)"):
+            saving()
+    torch.save(gm.state_dict(), tmp_path / "sd.pt")
+    fresh = _build(name, seed=3)
+    fresh.load_state_dict(torch.load(tmp_path / "sd.pt"))
+    again = _convert(_build(name, seed=4), name)
+    again.load_state_dict(torch.load(tmp_path / "sd.pt"))
+    twin = copy.deepcopy(gm)
+    for g in (gm, again, twin):
+        g.eval()
+    fresh.eval()
+    assert torch.equal(_out(again, name), _out(gm, name)) and torch.equal(_out(twin, name), _out(gm, name))
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, model.state_dict()[k]), k
+
+
 def test_the_parameters_follow_the_module_to_a_device_and_an_optimizer_over_the_old_ones_is_refused():
     """gm.to(device) moves gm's own parameters, the weights its graph casts low among them, float32; where torch
     makes new Parameters for the move (another device type), gm no longer shares the model's tensors, and a step

@@ -246,6 +246,22 @@ class _Switchable:
                 c._non_persistent_buffers_set = {b for b in m._non_persistent_buffers_set if b in c._buffers}
         return out
 
+    def __reduce_ex__(self, protocol):
+        """Refused (``torch.save(gm)``, a multiprocessing argument): unpickled, and copied by ``copy.copy``, a
+        GraphModule is rebuilt as a plain one from the code of the program it was in, which then runs whatever its
+        mode."""
+        raise TypeError(
+            f"a converted module ({type(self).__name__}) does not pickle or copy.copy: torch.save(gm) would write a "
+            "file that loads, if at all, as a plain GraphModule running the one program it was saved in, whatever "
+            "its mode. "
+            "Save its state instead: torch.save(gm.state_dict()) is the float32 model under the model's own names; "
+            "load it into the model, or into a module converted again (autocastfx.convert(model, example_inputs)). "
+            "copy.deepcopy(gm) makes a working copy; autocastfx.export(gm, 'model.pt2') writes a program that loads "
+            "without autocastfx")
+
+    def __copy__(self):
+        return self.__reduce_ex__(4)
+
     def _apply(self, fn, recurse=True):
         tied = [names for names in _weights.aliases(self)[1].values() if len(names) > 1]
         out = super()._apply(fn, recurse)
