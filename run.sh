@@ -271,15 +271,15 @@ use_uv() {
   [ "$UV" = yes ]
 }
 
-# uv_install ARGS: uv pip install into the environment, compiling bytecode as pip does (every test process would
-# otherwise compile torch's and transformers' modules in memory again), and reading the local wheel directories
-# pip is configured with (pip config, PIP_FIND_LINKS), which uv does not read of itself.
+# uv_install ARGS: uv pip install into the environment, reading the local wheel directories pip is configured with
+# (pip config, PIP_FIND_LINKS), which uv does not read of itself. No bytecode is compiled here (a minute and a half
+# of CPU for the 15,000 modules of torch and the extras): see keep_bytecode.
 uv_install() {
   local links=() link
   for link in $( { "$ENV_PY" -m pip config get global.find-links 2>/dev/null || true; } ) ${PIP_FIND_LINKS:-}; do
     links+=(--find-links "$link")
   done
-  UV_HTTP_TIMEOUT=15 "$ENV_PY" -m uv pip install --quiet --compile-bytecode --python "$ENV_PY" \
+  UV_HTTP_TIMEOUT=15 "$ENV_PY" -m uv pip install --quiet --python "$ENV_PY" \
     ${links[@]+"${links[@]}"} "$@"
 }
 
@@ -371,6 +371,17 @@ else
 fi
 install_package
 
+# keep_bytecode: in a .venv of run.sh's own, Python writes the bytecode of each module it imports the first time
+# (PYTHONDONTWRITEBYTECODE cleared for what run.sh runs): the modules the tests and the demo import are compiled once,
+# by the first process that imports them, instead of all of them at install, or again in every process. An
+# environment run.sh was handed keeps the caller's setting.
+keep_bytecode() {
+  if [ "$ENV_ACTION" != use-active ]; then
+    unset PYTHONDONTWRITEBYTECODE
+  fi
+}
+
+keep_bytecode
 case "$what" in
   demo) exec "$ENV_PY" examples/train_digits.py ;;
   test) shift  # with arguments: one pytest given them; without: the suite on every core (tests/parallel.py)
