@@ -347,6 +347,16 @@ PY
   "$ENV_PY" -m pip install --quiet -e "$spec"
 }
 
+# keep_bytecode: in a .venv of run.sh's own, Python writes the bytecode of each module it imports the first time
+# (PYTHONDONTWRITEBYTECODE cleared for what run.sh runs): the modules the tests and the demo import are compiled once,
+# by the first process that imports them, instead of all of them at install, or again in every process. An
+# environment run.sh was handed keeps the caller's setting.
+keep_bytecode() {
+  if [ "$ENV_ACTION" != use-active ]; then
+    unset PYTHONDONTWRITEBYTECODE
+  fi
+}
+
 what="${1:-demo}"
 case "$what" in
   demo) extras=demo ;;
@@ -363,6 +373,7 @@ if [ "$what" = env ]; then
   print_decisions
   exit 0
 fi
+keep_bytecode
 make_environment
 if [ "$TORCH_ACTION" = keep ]; then
   [ -z "$TORCH_WARN" ] || say "warning: $TORCH_WARN"
@@ -371,17 +382,7 @@ else
 fi
 install_package
 
-# keep_bytecode: in a .venv of run.sh's own, Python writes the bytecode of each module it imports the first time
-# (PYTHONDONTWRITEBYTECODE cleared for what run.sh runs): the modules the tests and the demo import are compiled once,
-# by the first process that imports them, instead of all of them at install, or again in every process. An
-# environment run.sh was handed keeps the caller's setting.
-keep_bytecode() {
-  if [ "$ENV_ACTION" != use-active ]; then
-    unset PYTHONDONTWRITEBYTECODE
-  fi
-}
 
-keep_bytecode
 case "$what" in
   demo) exec "$ENV_PY" examples/train_digits.py ;;
   test) shift  # with arguments: one pytest given them; without: the suite on every core (tests/parallel.py)
