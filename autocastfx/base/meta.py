@@ -158,9 +158,15 @@ def names_by_id(model: nn.Module) -> dict[int, tuple[str, ...]]:
 
 
 def module_path(node: fx.Node) -> str | None:
-    """Qualified name of the innermost module a node came from."""
+    """Qualified name of the innermost module a node came from: a leaf module's call is its module's."""
     if node.op == "call_module":
         return str(node.target)
+    return issuer_path(node)
+
+
+def issuer_path(node: fx.Node) -> str | None:
+    """Qualified name of the module whose code issued ``node`` (``""``: the root), from ``nn_module_stack``; None
+    where the graph does not say."""
     stack = node.meta.get("nn_module_stack")
     if stack:
         path = list(stack.values())[-1][0]

@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..base import keys as K
+from ..base.meta import issuer_path, module_path
 
 _aten = torch.ops.aten
 
@@ -81,19 +82,9 @@ _DROPOUT_P = {_aten.scaled_dot_product_attention.default: (4, "dropout_p"),
               F.scaled_dot_product_attention: (4, "dropout_p")}
 
 
-def _owner_path(node: fx.Node) -> str | None:
-    """The name of the module that issued ``node`` (``""``: the root), None where the graph does not say."""
-    stack = node.meta.get("nn_module_stack")
-    if stack:
-        path = list(stack.values())[-1][0]
-        if isinstance(path, str):
-            return path.removeprefix("L['self'].").replace("L__self___", "")
-    return None
-
-
 def _owner_training(node: fx.Node, model: nn.Module) -> bool:
     """The training flag of the module that issued ``node`` (the root when the graph does not say)."""
-    path = _owner_path(node)
+    path = issuer_path(node)
     if path:
         try:
             return model.get_submodule(path).training
@@ -177,9 +168,9 @@ def flags_as_programs(gm: fx.GraphModule, model: nn.Module, keys: tuple[str, ...
     the statistics counter in the programs that update statistics only. ``GIVEN``: each node in the mode
     ``model``'s module that issued it is in. Returns how many nodes differ; ``check``: only whether every owner
     issued one (0 where one did not), changing nothing."""
-    marks = {n: m for n, m in _marks(gm, lambda node: True).items() if _owner_path(n) in owners}
+    marks = {n: m for n, m in _marks(gm, lambda node: True).items() if issuer_path(n) in owners}
     if check:
-        return len(marks) if {_owner_path(n) for n in marks} == set(owners) else 0
+        return len(marks) if {issuer_path(n) for n in marks} == set(owners) else 0
     every = frozenset(keys)
     for node in gm.graph.nodes:
         node.meta[MEMBERS] = every
@@ -296,7 +287,7 @@ def owner_names(graph: fx.Graph, keys: tuple[str, ...]) -> set[str]:
     every = frozenset(keys)
     return {p for n in graph.nodes if n.op != "output"
             and ((n.meta.get(MEMBERS) is not None and n.meta[MEMBERS] != every) or MODE_ARGS in n.meta)
-            for p in (_owner_path(n),) if p}
+            for p in (issuer_path(n),) if p}
 
 
 def split(graph: fx.Graph, key: str) -> fx.Graph:
@@ -342,8 +333,6 @@ def split(graph: fx.Graph, key: str) -> fx.Graph:
 def differences(graph: fx.Graph, keys: tuple[str, ...]) -> list[str]:
     """Where the programs differ, one line per module and program (the nodes it wrote that only some programs
     have), and one per node whose flag or probability differs."""
-    from .plan import module_path
-
     lines: list[str] = []
     groups: dict[tuple[str, frozenset], list[str]] = {}
     every = frozenset(keys)
