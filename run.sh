@@ -271,13 +271,17 @@ use_uv() {
   [ "$UV" = yes ]
 }
 
-# uv_install ARGS: uv pip install into the environment, reading the local wheel directories pip is configured with
-# (pip config, PIP_FIND_LINKS), which uv does not read of itself. No bytecode is compiled here (a minute and a half
+# uv_install ARGS: uv pip install into the environment, given the wheel directories pip is configured with (pip
+# config's global.find-links, PIP_FIND_LINKS), which uv does not read of itself; pip's other settings (its indexes,
+# constraints) are not passed on: uv uses its own, PyPI by default. No bytecode is compiled here (a minute and a half
 # of CPU for the 15,000 modules of torch and the extras): see keep_bytecode.
 uv_install() {
   local links=() link
   for link in $( { "$ENV_PY" -m pip config get global.find-links 2>/dev/null || true; } ) ${PIP_FIND_LINKS:-}; do
-    links+=(--find-links "$link")
+    case "$link" in  # uv stops at a directory that is not there, where pip passes over it
+      *://*) links+=(--find-links "$link") ;;
+      *) [ ! -d "$link" ] || links+=(--find-links "$link") ;;
+    esac
   done
   UV_HTTP_TIMEOUT=15 "$ENV_PY" -m uv pip install --quiet --python "$ENV_PY" \
     ${links[@]+"${links[@]}"} "$@"
@@ -288,7 +292,7 @@ uv_install() {
 install_cpu_torch() {
   local pip=("$ENV_PY" -m pip install --quiet)
   if use_uv; then
-    uv_install "$@" --index-url "$TORCH_CPU_INDEX" "torch==$TORCH_PIN" 2>/dev/null && return
+    UV_HTTP_RETRIES=0 uv_install "$@" --index-url "$TORCH_CPU_INDEX" "torch==$TORCH_PIN" 2>/dev/null && return
     uv_install "$@" "torch==$TORCH_PIN" 2>/dev/null && return
     say "uv could not install torch; installing it with pip"
   fi
@@ -330,7 +334,7 @@ install_torch() {
 # it imports is the environment's own, held at its version by a constraint so that uv never fetches another; else pip.
 install_package() {
   local spec=".[$extras]" pin=""
-  if use_uv; then
+  if [ "$ENV_ACTION" != use-active ] && [ "${AUTOCASTFX_PIP:-}" != 1 ]; then
     pin=$("$ENV_PY" - <<'PY' 2>/dev/null || true
 import os, sys, torch
 here = os.path.realpath(torch.__file__).startswith(os.path.realpath(sys.prefix) + os.sep)
@@ -338,7 +342,7 @@ print(torch.__version__ if here else "")
 PY
 )
   fi
-  if [ -n "$pin" ]; then
+  if [ -n "$pin" ] && use_uv; then
     if uv_install --constraint <(echo "torch==$pin") -e "$spec"; then
       return
     fi
@@ -347,12 +351,21 @@ PY
   "$ENV_PY" -m pip install --quiet -e "$spec"
 }
 
-# keep_bytecode: in a .venv of run.sh's own, Python writes the bytecode of each module it imports the first time
+# keep_bytecode: in an isolated .venv of run.sh's own, Python writes the bytecode of each module it imports the first time
 # (PYTHONDONTWRITEBYTECODE cleared for what run.sh runs): the modules the tests and the demo import are compiled once,
 # by the first process that imports them, instead of all of them at install, or again in every process. An
 # environment run.sh was handed keeps the caller's setting.
 keep_bytecode() {
-  if [ "$ENV_ACTION" != use-active ]; then
+  local shared="$SYSTEM_SITE"
+  if [ "$ENV_ACTION" = reuse ]; then  # this checkout's .venv from an earlier run: isolated or not, as made then
+    if grep -qiE '^include-system-site-packages *= *true' "$ENV_DIR/pyvenv.cfg" 2>/dev/null; then
+      shared=yes
+    else
+      shared=no
+    fi
+  fi
+  # never where Python would write into another interpreter's packages (a .venv that sees the base's)
+  if [ "$ENV_ACTION" != use-active ] && [ "$shared" != yes ]; then
     unset PYTHONDONTWRITEBYTECODE
   fi
 }

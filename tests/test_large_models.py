@@ -78,7 +78,8 @@ def _out(gm, name):
 def seed0():
     """``seed0(name)``: the seed-0 model of a path and its conversion, made once in this file where the path is a
     Hugging Face Llama's (a conversion costs seconds) and afresh for the others. The tests given a shared pair
-    only read it and run forwards, which change nothing in a Llama (no batch norm; dropout 0)."""
+    read it, run forwards and switch its mode (a test that needs one sets it), none of which changes a Llama's
+    weights or outputs (no batch norm; dropout 0); a step may be built over it, never taken."""
     made = {}
 
     def get(name):

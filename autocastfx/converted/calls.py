@@ -79,8 +79,9 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 class ModelChecks:
     """The model on the meta device (its structure and code, no memory), kept to tell a failing call's own
-    errors: see :func:`model_check`. Shared by copies of the converted module, and dropped when it is pickled
-    (``torch.save(gm)``): the model may hold what does not pickle (a lambda hook), and nothing else needs it."""
+    errors: see :func:`model_check`. Shared by copies of the converted module, and dropped where the conversion's
+    information is pickled (the converted module itself does not pickle): the model may hold what does not pickle
+    (a lambda hook), and nothing else needs it."""
 
     def __init__(self, model: nn.Module | None, example: tuple = ((), {})):
         self.model = model
@@ -205,7 +206,7 @@ def mark_free_dims(free: tuple, args: tuple, kwargs: dict) -> None:
 
 class OtherCalls:
     """The conversions for other calls of one converted module, by call key. Not copied (a copy converts again
-    on its first such call) and not pickled."""
+    on its first such call), and left out where the conversion's information is pickled."""
 
     def __init__(self):
         self.by_key: dict[tuple, tuple[nn.Module, list]] = {}
