@@ -464,14 +464,14 @@ _FLAG_ONLY = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDrop
               nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
-def flag_only(module: nn.Module, code=None) -> bool:
+def flag_only(module: nn.Module, code) -> bool:
     """Whether a read of ``module``'s mode by ``code`` is one whose only use is the training flag of the one op
     the module's forward calls: ``code`` is the forward of one of torch's dropout modules, or of its batch norms
     where they keep running statistics with a momentum (a hook or another module reading the flag is not). Its
     eval capture would be the training capture with that flag off. Exact classes only: a subclass may read the
     mode in code of its own."""
     cls = original_class(module)
-    if cls not in _FLAG_ONLY or (code is not None and code is not cls.forward.__code__):
+    if cls not in _FLAG_ONLY or code is not cls.forward.__code__:
         return False
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         return bool(module.track_running_stats) and module.running_mean is not None and \

@@ -11,6 +11,7 @@ import torch.nn as nn
 from ..base import keys as K
 from ..base.errors import one_line
 from ..base.meta import is_converted
+from ..converted.module import follow_module_modes, set_mode
 from ..core import weights as _weights
 
 
@@ -62,7 +63,6 @@ def set_modes(tree: nn.Module, model: nn.Module, modes: dict) -> None:
             if len(flags) == 1:
                 m.train(flags.pop())
             else:  # mixed: each module's own flag, and the unit's program for them where it has one
-                from ..converted.module import follow_module_modes
                 inner = dict(o.named_modules())
                 for sub_name, sub in m.named_modules():
                     if sub_name in inner:
@@ -71,7 +71,6 @@ def set_modes(tree: nn.Module, model: nn.Module, modes: dict) -> None:
         else:
             m.training = modes[id(o)]
     if is_converted(tree) and hasattr(tree, "graph"):
-        from ..converted.module import set_mode
         flags = {modes[id(s)] for s in model.modules()}
         programs = tree.meta.get(K.PROGRAMS)
         if programs is not None and len(flags) == 1:  # the root's running program is its mode's
