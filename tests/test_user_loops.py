@@ -669,3 +669,82 @@ def test_torch_compile_inside_the_loop():
     # measured: converted vs autocast 2.1e-3, autocast vs float32 7.8e-4, the loss falls by 0.45
     assert_losses_track_autocast(losses, ac, f32, tol=0.01)
     assert_checkpoint_is_the_trained_model(gm, make, init, (torch.randn(16, 8),))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a loop that finds the model's modules by class (detectron2-style frozen batch norms, a freeze by layer type)
+
+class _FrozenBNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.conv(self.bn(self.stem(x)).relu()).mean((2, 3)))
+
+
+class _FrozenBNExportOnly(_FrozenBNNet):
+    def forward(self, x):
+        assert x.shape[1] == 3, "three colour channels"  # symbolic_trace cannot; torch.export captures it
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("cls", [_FrozenBNNet, _FrozenBNExportOnly], ids=["symbolic_trace", "torch.export"])
+def test_a_loop_that_finds_modules_by_class_finds_them_in_the_converted_module(cls):
+    """``isinstance(m, nn.BatchNorm2d)`` over ``gm.modules()`` finds the modules the model had at those names, on
+    either capture: where the graph reads a module's parameters (a convolution or linear traced through, every
+    module of an export), the module at that name has the model's torch.nn class and settings and holds the same
+    parameters. A freeze by class then freezes (the frozen weights stay as they were, the others train, as in the
+    float32 model with the same freeze); a batch norm set to eval on its own after ``gm.train()`` is followed where
+    the graph calls the module (symbolic_trace) and is a clear error where the graph holds its mode as a flag, never
+    a silent run of the training program."""
+    torch.manual_seed(0)
+    init, make = same_model(cls)
+    x, y = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 3])
+    gm = autocastfx.convert(make(), (x,), dtype=BF16)
+    assert gm.meta["autocastfx"].capture == ("torch.export" if cls is _FrozenBNExportOnly else "symbolic_trace")
+    kinds = (nn.Conv2d, nn.BatchNorm2d, nn.Linear)
+    ref = make()
+    assert [(n, type(m)) for n, m in gm.named_modules() if isinstance(m, kinds)] == \
+        [(n, type(m)) for n, m in ref.named_modules() if isinstance(m, kinds)]
+    assert gm.stem.kernel_size == (3, 3) and gm.bn.eps == ref.bn.eps and "BatchNorm2d(8" in str(gm)
+    assert not any(isinstance(v, torch.Tensor) for m in gm.modules() for v in vars(m).values())  # no tensor aside
+    # the freeze by class, in the converted module and in the float32 model
+    for model in (gm, ref):
+        for m in model.modules():
+            if isinstance(m, (nn.BatchNorm2d, nn.Linear)):
+                m.weight.requires_grad_(False)
+    frozen = {n: p.detach().clone() for n, p in gm.named_parameters() if not p.requires_grad}
+    assert set(frozen) == {"bn.weight", "head.weight"}
+    opt = torch.optim.SGD([p for p in gm.parameters() if p.requires_grad], lr=0.1)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    for model, o in ((gm, opt), (ref, ref_opt)):
+        model.train()
+        for _ in range(3):
+            F.cross_entropy(model(x), y).backward()
+            o.step()
+            o.zero_grad()
+    params = dict(gm.named_parameters())
+    assert all(torch.equal(params[n], before) for n, before in frozen.items())
+    assert not torch.equal(params["conv.weight"], init["conv.weight"])
+    for n, p in ref.named_parameters():  # the converted run trained what the float32 one did, about as far (the
+        # stem's bias, which the batch norm after it cancels, moves by rounding alone)
+        moved, ref_moved = float((params[n] - init[n]).norm()), float((p - init[n]).norm())
+        assert abs(moved - ref_moved) <= 0.1 * ref_moved + 1e-4 and (moved == 0) == (ref_moved == 0), n
+    # a batch norm set to eval on its own, after gm.train()
+    gm.train()
+    for m in gm.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.eval()
+    stats = gm.bn.running_mean.clone()
+    if cls is _FrozenBNNet:  # a call of the module: it follows its own mode
+        gm(x)
+        assert torch.equal(gm.bn.running_mean, stats)
+    else:
+        with pytest.raises(ValueError, match=r"bn \(eval\).*set the model's modules' modes before convert\(\)"):
+            gm(x)
+        assert torch.equal(gm.bn.running_mean, stats)
+    ref.load_state_dict(gm.state_dict())  # the checkpoint is still the model's

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from . import calls as _calls
 from ..base import keys as K
-from ..base.meta import is_converted
+from ..base.meta import is_converted, original_class
 from ..core import weights as _weights
 from ..core.modes import EVAL, GIVEN, MEMBERS, MODE_ARGS, TRAIN, ModeArg, Programs, owner_names, set_node, split
 
@@ -328,6 +328,51 @@ def _check_fsdp_param_dtype(unit: nn.Module) -> None:
                 "MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32) (or no policy), or use "
                 "autocastfx.shard(gm), which gathers only the weights the graph reads low in the low dtype")
     unit.__dict__["_autocastfx_fsdp_checked"] = True
+
+
+_MODULE_FIELDS = frozenset(vars(nn.Module()))
+
+
+def _torch_class(cls: type) -> bool:
+    """One of torch.nn's own layer classes, whose instance is its parameters, its buffers and plain settings (not a
+    container, which holds modules; not a recurrent layer, which keeps lists of its tensors; not a lazy one, which
+    changes class as it runs)."""
+    return (cls.__module__.startswith("torch.nn.modules.") and cls.__module__ != "torch.nn.modules.container"
+            and not issubclass(cls, (nn.RNNBase, nn.modules.lazy.LazyModuleMixin)))
+
+
+def _tensor_names(m: nn.Module, table: str) -> set[str]:
+    return {k for k, v in getattr(m, table).items() if v is not None}
+
+
+def adopt_model_classes(gm: nn.Module, model: nn.Module) -> None:
+    """Give each plain container of ``gm`` (where a capture keeps a module's parameters and buffers for the graph to
+    read: ``c.weight``) the class and the plain settings of the model's module at that name, where that is one of
+    torch.nn's own classes. A user's loop finds the model's modules by class after convert() as before: a frozen
+    batch norm (``if isinstance(m, nn.BatchNorm2d): m.eval(); m.weight.requires_grad_(False)``), linears left out of
+    weight decay, a freeze by layer type, none of which may find nothing and go on silently. The graph still runs
+    each op as converted; the module at that name, called on its own, is the float32 torch module it was."""
+    models = dict(model.named_modules(remove_duplicate=False))
+    for name, sub in gm.named_modules(remove_duplicate=False):
+        if not name or type(sub) is not nn.Module:
+            continue
+        own = models.get(name)
+        if own is None:
+            continue
+        cls = original_class(own)
+        if not _torch_class(cls) or own._modules or any(
+                _tensor_names(sub, t) != _tensor_names(own, t) for t in ("_parameters", "_buffers")):
+            continue  # the class only where the module at that name holds the same tensors as the model's
+        for table in ("_parameters", "_buffers"):  # a convolution without bias: its bias is None, as in the model
+            for key, value in getattr(own, table).items():
+                if value is None:
+                    getattr(sub, table).setdefault(key, None)
+        for key, value in vars(own).items():
+            if key in _MODULE_FIELDS or key in sub.__dict__ or isinstance(value, nn.Module) or any(
+                    isinstance(t, torch.Tensor) for t in torch.utils._pytree.tree_leaves(value)):
+                continue
+            sub.__dict__[key] = value
+        sub.__class__ = cls
 
 
 _BASES: dict[type, type] = {}
