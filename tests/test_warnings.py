@@ -91,3 +91,31 @@ def test_torch_warnings_about_its_own_internals_do_not_reach_the_caller():
     gm, ours, others = _caught(lambda: autocastfx.convert(Packs("ops"), (torch.randn(2, 8),)))  # traced
     assert gm.meta["autocastfx"].capture == "symbolic_trace"
     assert len(ours) == 1 and "special_erfcx" in ours[0] and others == [], others
+
+
+class _BranchesOnValues(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem, self.head = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = self.stem(x)
+        if y.sum() > -1e9:  # a branch on a value: neither symbolic_trace nor torch.export captures it
+            y = y.relu()
+        return self.head(y)
+
+
+def test_a_model_that_branches_on_values_converts_without_torch_printing_its_partial_graph(capfd):
+    """torch.export prints the graph traced so far to stderr when the model's code branches on a tensor's value
+    (pytorch/pytorch#146298); convert() then captures the model piecewise, so nothing reaches the caller's stderr
+    or stdout, and where nothing else captures either, the error still names the data dependence."""
+    torch.manual_seed(0)
+    model, x = _BranchesOnValues(), torch.randn(3, 8)
+    gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    out, err = capfd.readouterr()
+    assert "def forward" not in err + out and out == "" and err == "", err[:500]
+    assert torch.allclose(gm(x), model(x), atol=0.05)
+    with pytest.raises(autocastfx.CaptureError, match="data-dependent expression"):
+        autocastfx.convert(model, (x,), dtype=torch.bfloat16, blocks=None)
+    out, err = capfd.readouterr()
+    assert out == "" and err == "", err[:500]

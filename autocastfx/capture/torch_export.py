@@ -77,13 +77,18 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, preserve: tuple[str, ..
     target = ctx.meta_device
     if target is not None:  # on the meta device: the inputs too, and the device the program will run on after
         args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
-    with _explicit_keywords(model, kwargs):
+    with _explicit_keywords(model, kwargs), _data_dependence_raised_quietly(model):
         try:
             spec = _auto_dynamic_shapes(model, args, kwargs, ctx.dynamic_sizes)
             ep = run_export(model, args, kwargs, dynamic_shapes=spec, strict=False,
                             preserve_module_call_signature=preserve)
+        except _DataDependent as e:  # the static export would stop at the same line of the model's code
+            raise e.__cause__ from None
         except Exception:  # noqa: BLE001 - the static export below reports its own failure
-            ep = run_export(model, args, kwargs, strict=False, preserve_module_call_signature=preserve)
+            try:
+                ep = run_export(model, args, kwargs, strict=False, preserve_module_call_signature=preserve)
+            except _DataDependent as e:
+                raise e.__cause__ from None
     if target is not None:
         _retarget_devices(ep.graph_module, torch.device("meta"), target)
         _constants_with_values(ep, model, args, kwargs, target, preserve)
@@ -150,6 +155,39 @@ def _retarget_devices(gm: fx.GraphModule, old: torch.device, new: torch.device) 
             node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
         if isinstance(m, fx.GraphModule):
             m.recompile()
+
+
+class _DataDependent(Exception):
+    """The model's code branching on a tensor's value while torch.export traces it, raised through torch.export as
+    another error than a RuntimeError: torch.export prints the graph traced so far to stderr for a RuntimeError that
+    says "data-dependent" (pytorch/pytorch#146298, for debugging an export), and convert() goes on to capture the
+    model piecewise, where that print is pages of noise. The model's own error is raised after the export."""
+
+
+@contextlib.contextmanager
+def _data_dependence_raised_quietly(model: nn.Module):
+    """Meanwhile ``model.forward`` (of the capture's own copy) raises a data-dependence error as
+    :class:`_DataDependent`, its cause the model's error."""
+    own = model.__dict__.get("forward")
+    original = model.forward
+
+    @functools.wraps(original)
+    def forward(*a, **k):
+        try:
+            return original(*a, **k)
+        except RuntimeError as e:
+            if e.args and isinstance(e.args[0], str) and "data-dependent" in e.args[0]:
+                raise _DataDependent() from e
+            raise
+
+    model.__dict__["forward"] = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.__dict__["forward"]
+        else:
+            model.__dict__["forward"] = own
 
 
 @contextlib.contextmanager
