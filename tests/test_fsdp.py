@@ -761,8 +761,8 @@ def test_example_trains_with_torchrun_on_two_processes(tmp_path):
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     ckpt = str(tmp_path / "ckpt")
 
-    def torchrun(*args):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    def torchrun(*args, processes=2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
                os.path.join(root, "examples", "fsdp_train.py"), "--layers", "1", "--log-every", "5",
                "--checkpoint", ckpt, *args]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -781,8 +781,10 @@ def test_example_trains_with_torchrun_on_two_processes(tmp_path):
     losses = [float(line.split("loss")[1].split()[0]) for line in lines if line.startswith("update")]
     assert len(losses) == 4 and losses[-1] < losses[0], losses
     assert os.path.isdir(ckpt) and any(name.endswith(".distcp") for name in os.listdir(ckpt))
-    resumed = torchrun("--steps", "25", "--resume").splitlines()
+    # the two processes' checkpoint, resumed on one (the example's claim: it loads on any number of processes)
+    resumed = torchrun("--steps", "25", "--resume", processes=1).splitlines()
     assert any("resumed from" in line and "at update 20" in line for line in resumed), resumed
+    assert any("1 process(es), gloo on CPU" in line for line in resumed), resumed
     assert [line.split()[1] for line in resumed if line.startswith("update")] == ["25"]
 
 
