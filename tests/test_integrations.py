@@ -26,7 +26,7 @@ def _quiet():
 
 # ------------------------------------------------------------------------------------------ Hugging Face
 
-def _hf_run(out, steps, resume=None, float32=False, record=False, stop_at=None):
+def _hf_run(out, steps, resume=None, float32=False, record=False):
     tf = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from autocastfx.integrations.hf import Trainer
@@ -45,11 +45,6 @@ def _hf_run(out, steps, resume=None, float32=False, record=False, stop_at=None):
     cls = tf.Trainer if float32 else Trainer
     trainer = cls(model=tf.GPT2LMHeadModel(cfg), args=args, train_dataset=data, eval_dataset=data[:8])
     trainer.model_accepts_loss_kwargs = False  # both: the mean over each micro-batch's tokens, as the model gives it
-    if stop_at is not None:  # an interrupted run: the schedule of the whole run, stopped after its checkpoint
-        class Stop(tf.TrainerCallback):
-            def on_step_end(self, args, state, control, **kw):
-                control.should_training_stop = state.global_step >= stop_at
-        trainer.add_callback(Stop())
     if record:
         with AtenRecorder() as rec:
             trainer.train(resume_from_checkpoint=resume)
@@ -100,9 +95,10 @@ def test_hugging_face_trainer_trains_through_the_generated_step(tmp_path, hf_who
 
 
 def test_hugging_face_trainer_resumes_as_if_never_stopped(tmp_path, hf_whole):
-    whole = hf_whole[0]
-    _hf_run(tmp_path / "part", 4, stop_at=2)
-    resumed = _hf_run(tmp_path / "part", 4, resume=str(tmp_path / "part" / "checkpoint-2"))
+    """A fresh Trainer resumed from the whole run's step-2 checkpoint (what a run stopped there leaves: the same
+    schedule, the same state) repeats the whole run's last two steps bit for bit."""
+    whole, _, out = hf_whole
+    resumed = _hf_run(tmp_path / "resumed", 4, resume=str(out / "checkpoint-2"))
     a = [h for h in whole.state.log_history if "loss" in h][2:]
     b = [h for h in resumed.state.log_history if "loss" in h and h["step"] > 2]
     assert [h["loss"] for h in a] == [h["loss"] for h in b]
