@@ -168,7 +168,6 @@ class _DataDependent(Exception):
 def _data_dependence_raised_quietly(model: nn.Module):
     """Meanwhile ``model.forward`` (of the capture's own copy) raises a data-dependence error as
     :class:`_DataDependent`, its cause the model's error."""
-    own = model.__dict__.get("forward")
     original = model.forward
 
     @functools.wraps(original)
@@ -180,6 +179,14 @@ def _data_dependence_raised_quietly(model: nn.Module):
                 raise _DataDependent() from e
             raise
 
+    with _forward_as(model, forward):
+        yield
+
+
+@contextlib.contextmanager
+def _forward_as(model: nn.Module, forward):
+    """Meanwhile ``model.forward`` is ``forward`` (an instance attribute of the capture's copy), then as it was."""
+    own = model.__dict__.get("forward")
     model.__dict__["forward"] = forward
     try:
         yield
@@ -210,21 +217,14 @@ def _explicit_keywords(model: nn.Module, kwargs: dict):
         return
     named = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
     named += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in extra]
-    own = model.__dict__.get("forward")
     original = model.forward
 
     def forward(*a, **k):
         return original(*a, **k)
 
     forward.__signature__ = sig.replace(parameters=named)
-    model.__dict__["forward"] = forward
-    try:
+    with _forward_as(model, forward):
         yield
-    finally:
-        if own is None:
-            del model.__dict__["forward"]
-        else:
-            model.__dict__["forward"] = own
 
 
 def _auto_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict, sizes: frozenset[int]) -> dict:
