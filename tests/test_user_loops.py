@@ -708,8 +708,8 @@ def test_a_loop_that_finds_modules_by_class_finds_them_in_the_converted_module(c
     assert gm.meta["autocastfx"].capture == ("torch.export" if cls is _FrozenBNExportOnly else "symbolic_trace")
     kinds = (nn.Conv2d, nn.BatchNorm2d, nn.Linear)
     ref = make()
-    assert [(n, type(m)) for n, m in gm.named_modules() if isinstance(m, kinds)] == \
-        [(n, type(m)) for n, m in ref.named_modules() if isinstance(m, kinds)]
+    assert [(n, type(m).__name__) for n, m in gm.named_modules() if isinstance(m, kinds)] == \
+        [(n, type(m).__name__) for n, m in ref.named_modules() if isinstance(m, kinds)]
     assert gm.stem.kernel_size == (3, 3) and gm.bn.eps == ref.bn.eps and "BatchNorm2d(8" in str(gm)
     assert not any(isinstance(v, torch.Tensor) for m in gm.modules() for v in vars(m).values())  # no tensor aside
     # the freeze by class, in the converted module and in the float32 model
@@ -748,3 +748,68 @@ def test_a_loop_that_finds_modules_by_class_finds_them_in_the_converted_module(c
             gm(x)
         assert torch.equal(gm.bn.running_mean, stats)
     ref.load_state_dict(gm.state_dict())  # the checkpoint is still the model's
+    # SWA's statistics pass sets each batch norm's momentum: followed where the graph calls the module, refused
+    # (never silently unread) where the graph holds it as a constant
+    swa = torch.optim.swa_utils.AveragedModel(gm)
+    if cls is _FrozenBNNet:
+        torch.optim.swa_utils.update_bn([x, x.flip(0)], swa)
+        ref_swa = torch.optim.swa_utils.AveragedModel(ref)
+        torch.optim.swa_utils.update_bn([x, x.flip(0)], ref_swa)
+        assert torch.allclose(swa.module.bn.running_mean, ref_swa.module.bn.running_mean, atol=0.05)
+    else:
+        with pytest.raises(ValueError, match=r"BatchNorm2d.momentum is a constant.*run update_bn there"):
+            torch.optim.swa_utils.update_bn([x], swa)
+
+
+class _ScaleNorm(nn.Module):
+    """A model's own norm class, a leaf: its weight and a setting."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(d)), 1e-6
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class _OwnNormNet(nn.Module):
+    def __init__(self, export_only=False):
+        super().__init__()
+        self.fc, self.norm, self.head, self.export_only = nn.Linear(8, 8), _ScaleNorm(8), nn.Linear(8, 4), export_only
+
+    def forward(self, x):
+        if self.export_only:
+            assert x.shape[1] == 8, "eight features"
+        return self.head(self.norm(self.fc(x)))
+
+
+@pytest.mark.parametrize("export_only", [False, True], ids=["symbolic_trace", "torch.export"])
+def test_the_models_own_layer_classes_settings_and_hooks_after_convert(export_only):
+    """A model's own layer class is found by ``isinstance`` too (a weight-decay group without norms); a setting of
+    a module whose ops the graph holds is read-only with an error that says what to do (``update_bn`` sets a batch
+    norm's momentum), never silently unread; a hook on such a module, which the graph never calls, is warned
+    about."""
+    torch.manual_seed(0)
+    model, x = _OwnNormNet(export_only), torch.randn(4, 8)
+    gm = autocastfx.convert(model, (x,), dtype=BF16)
+    assert gm.meta["autocastfx"].capture == ("torch.export" if export_only else "symbolic_trace")
+    norms = [m for m in gm.modules() if isinstance(m, _ScaleNorm)]
+    assert [n for n, m in gm.named_modules() if isinstance(m, _ScaleNorm)] == ["norm"] and norms[0].eps == 1e-6
+    no_decay = {id(p) for m in norms for p in m.parameters()}
+    assert no_decay == {id(model.norm.weight)}  # the model's own parameter: the group an optimizer is built from
+    with pytest.raises(ValueError, match=r"_ScaleNorm.eps is a constant of the converted graph.*convert again"):
+        gm.norm.eps = 1e-3
+    with pytest.raises(ValueError, match=r"Linear.in_features is a constant"):
+        gm.head.in_features = 9
+    gm.norm.weight = nn.Parameter(torch.full((8,), 2.0))  # its tensors are the graph's to read, as before
+    assert torch.allclose(gm(x), model.head(2 * (model.norm(model.fc(x)) / model.norm.weight)), atol=0.05)
+    seen = []
+    with pytest.warns(UserWarning, match="a hook on this Linear never runs"):
+        handle = gm.head.register_forward_hook(lambda m, a, out: seen.append(out))
+    gm(x)
+    handle.remove()
+    assert seen == []  # as warned
+    copy_ = __import__("copy").deepcopy(gm)  # copies keep the class and the read-only settings
+    assert isinstance(copy_.norm, _ScaleNorm) and copy_.norm.eps == 1e-6
+    with pytest.raises(ValueError, match="constant of the converted graph"):
+        copy_.norm.eps = 0.5

@@ -19,6 +19,7 @@ import torch.nn as nn
 from . import calls as _calls
 from ..base import keys as K
 from ..base.meta import is_converted, original_class
+from ..base.quiet import warn_user
 from ..core import weights as _weights
 from ..core.modes import EVAL, GIVEN, MEMBERS, MODE_ARGS, TRAIN, ModeArg, Programs, owner_names, set_node, split
 
@@ -331,14 +332,73 @@ def _check_fsdp_param_dtype(unit: nn.Module) -> None:
 
 
 _MODULE_FIELDS = frozenset(vars(nn.Module()))
+# what nn.Module does for a whole model and a class may do its own way: a module whose class overrides any of these
+# may need more than its tensors and settings to answer them, so it keeps the plain container
+_MODULE_PROTOCOL = ("train", "eval", "_apply", "state_dict", "_save_to_state_dict", "load_state_dict",
+                    "_load_from_state_dict", "__getattr__", "__setattr__", "__delattr__", "__getstate__",
+                    "__setstate__", "named_parameters", "named_buffers", "named_modules", "parameters", "children")
+_SETTINGS = "_autocastfx_settings"
+_HOOK_WORDS = "never runs: the converted graph computes this module's ops itself and reads only its tensors"
 
 
-def _torch_class(cls: type) -> bool:
-    """One of torch.nn's own layer classes, whose instance is its parameters, its buffers and plain settings (not a
-    container, which holds modules; not a recurrent layer, which keeps lists of its tensors; not a lazy one, which
-    changes class as it runs)."""
-    return (cls.__module__.startswith("torch.nn.modules.") and cls.__module__ != "torch.nn.modules.container"
-            and not issubclass(cls, (nn.RNNBase, nn.modules.lazy.LazyModuleMixin)))
+def _layer_class(cls: type) -> bool:
+    """A class whose instance is its parameters, its buffers and plain settings: one of torch.nn's own layers (not a
+    container; not a recurrent layer, which keeps lists of its tensors; not a lazy one, which changes class as it
+    runs), or a model's own class that does none of nn.Module's work its own way (``_MODULE_PROTOCOL``)."""
+    if cls.__module__.startswith("torch.nn.modules."):
+        return (cls.__module__ != "torch.nn.modules.container"
+                and not issubclass(cls, (nn.RNNBase, nn.modules.lazy.LazyModuleMixin)))
+    return not cls.__module__.startswith("torch.") and all(
+        getattr(cls, name) is getattr(nn.Module, name) for name in _MODULE_PROTOCOL)
+
+
+class _Held:
+    """Mixed into the class a parameter holder of a converted module takes (see :func:`adopt_model_classes`): the
+    graph holds the module's ops and settings as constants, so a setting written afterwards (a batch norm's
+    ``momentum``, which ``torch.optim.swa_utils.update_bn`` sets) is refused rather than silently unread, and a
+    hook registered on it is warned about, since the module is never called."""
+
+    def __setattr__(self, name, value):
+        if name in self.__dict__.get(_SETTINGS, ()):
+            raise ValueError(
+                f"{type(self).__name__}.{name} is a constant of the converted graph, which computes this module's "
+                f"ops itself: setting it after convert() changes nothing the converted module computes. Set it on "
+                "the model and convert again (autocastfx.convert(model, ...); gm.state_dict() loads into the model). "
+                "For torch.optim.swa_utils.update_bn: load the averaged weights into the unconverted model "
+                "(model.load_state_dict(swa_model.module.state_dict())) and run update_bn there")
+        super().__setattr__(name, value)
+
+    def _warn_hook(self, hook) -> None:
+        if not getattr(getattr(hook, "func", hook), "__module__", "").startswith("torch."):  # FSDP2's own: called
+            warn_user(f"autocastfx: a hook on this {type(self).__name__} {_HOOK_WORDS}. Hook a module the graph "
+                      "calls (a converted block, or a leaf such as a norm under symbolic_trace), or return the value "
+                      "from the model's forward")
+
+    def register_forward_hook(self, hook, *args, **kwargs):
+        self._warn_hook(hook)
+        return super().register_forward_hook(hook, *args, **kwargs)
+
+    def register_forward_pre_hook(self, hook, *args, **kwargs):
+        self._warn_hook(hook)
+        return super().register_forward_pre_hook(hook, *args, **kwargs)
+
+    def register_full_backward_hook(self, hook, *args, **kwargs):
+        self._warn_hook(hook)
+        return super().register_full_backward_hook(hook, *args, **kwargs)
+
+    def register_full_backward_pre_hook(self, hook, *args, **kwargs):
+        self._warn_hook(hook)
+        return super().register_full_backward_pre_hook(hook, *args, **kwargs)
+
+
+_HELD: dict[type, type] = {}
+
+
+def _held_class(cls: type) -> type:
+    """``cls`` with :class:`_Held` in front: the same name, ``isinstance`` of ``cls``."""
+    if cls not in _HELD:
+        _HELD[cls] = type(cls.__name__, (_Held, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return _HELD[cls]
 
 
 def _tensor_names(m: nn.Module, table: str) -> set[str]:
@@ -347,11 +407,11 @@ def _tensor_names(m: nn.Module, table: str) -> set[str]:
 
 def adopt_model_classes(gm: nn.Module, model: nn.Module) -> None:
     """Give each plain container of ``gm`` (where a capture keeps a module's parameters and buffers for the graph to
-    read: ``c.weight``) the class and the plain settings of the model's module at that name, where that is one of
-    torch.nn's own classes. A user's loop finds the model's modules by class after convert() as before: a frozen
-    batch norm (``if isinstance(m, nn.BatchNorm2d): m.eval(); m.weight.requires_grad_(False)``), linears left out of
-    weight decay, a freeze by layer type, none of which may find nothing and go on silently. The graph still runs
-    each op as converted; the module at that name, called on its own, is the float32 torch module it was."""
+    read: ``c.weight``) the class and the plain settings of the model's module at that name, where that module has
+    no children and its class is a layer's (:func:`_layer_class`). A user's loop finds the model's modules by class
+    after convert() as before: a frozen batch norm (``if isinstance(m, nn.BatchNorm2d): m.eval()``), norms left out
+    of weight decay, a freeze by layer type, none of which may find nothing and go on silently. The graph still runs
+    each op as converted: the settings are read-only (:class:`_Held`)."""
     models = dict(model.named_modules(remove_duplicate=False))
     for name, sub in gm.named_modules(remove_duplicate=False):
         if not name or type(sub) is not nn.Module:
@@ -360,19 +420,22 @@ def adopt_model_classes(gm: nn.Module, model: nn.Module) -> None:
         if own is None:
             continue
         cls = original_class(own)
-        if not _torch_class(cls) or own._modules or any(
+        if not _layer_class(cls) or own._modules or any(
                 _tensor_names(sub, t) != _tensor_names(own, t) for t in ("_parameters", "_buffers")):
             continue  # the class only where the module at that name holds the same tensors as the model's
         for table in ("_parameters", "_buffers"):  # a convolution without bias: its bias is None, as in the model
             for key, value in getattr(own, table).items():
                 if value is None:
                     getattr(sub, table).setdefault(key, None)
+        settings = []
         for key, value in vars(own).items():
             if key in _MODULE_FIELDS or key in sub.__dict__ or isinstance(value, nn.Module) or any(
                     isinstance(t, torch.Tensor) for t in torch.utils._pytree.tree_leaves(value)):
                 continue
             sub.__dict__[key] = value
-        sub.__class__ = cls
+            settings.append(key)
+        sub.__dict__[_SETTINGS] = frozenset(settings)
+        sub.__class__ = _held_class(cls)
 
 
 _BASES: dict[type, type] = {}
