@@ -759,6 +759,14 @@ def test_a_loop_that_finds_modules_by_class_finds_them_in_the_converted_module(c
     else:
         with pytest.raises(ValueError, match=r"BatchNorm2d.momentum is a constant.*run update_bn there"):
             torch.optim.swa_utils.update_bn([x], swa)
+    # SyncBatchNorm: a module the graph calls is replaced and called; one whose ops it holds is refused
+    if cls is _FrozenBNNet:
+        assert isinstance(nn.SyncBatchNorm.convert_sync_batchnorm(gm).bn, nn.SyncBatchNorm)
+        assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["bn"]
+    else:
+        with pytest.raises(ValueError, match=r"'bn' is a BatchNorm2d whose ops.*SyncBatchNorm"):
+            nn.SyncBatchNorm.convert_sync_batchnorm(gm)
+        assert type(gm.bn).__name__ == "BatchNorm2d"
 
 
 class _ScaleNorm(nn.Module):
@@ -809,6 +817,23 @@ def test_the_models_own_layer_classes_settings_and_hooks_after_convert(export_on
     gm(x)
     handle.remove()
     assert seen == []  # as warned
+    # a module replaced by one of another class (a LoRA wrapper around the linear): refused, the model as it was
+    class LoRA(nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base, self.weight, self.bias = base, base.weight, base.bias
+            self.a, self.b = nn.Parameter(torch.randn(2, 8)), nn.Parameter(torch.zeros(4, 2))
+
+    head = gm.head
+    with pytest.raises(ValueError, match=r"'head' is a Linear whose ops the converted graph computes itself.*LoRA"):
+        gm.head = LoRA(gm.head)
+    with pytest.raises(ValueError, match=r"replacing it with a LoRA"):
+        gm.add_module("head", LoRA(gm.head))
+    assert gm.head is head
+    with pytest.raises(ValueError, match=r"planned for its tensors' shapes .*'weight': \(4, 8\).*\(10, 8\)"):
+        gm.head = nn.Linear(8, 10)  # a head for other classes: the graph was planned for the old one's shapes
+    gm.head = nn.Linear(8, 4)  # one of the same class and shapes: the graph reads its tensors (a fresh head)
+    assert torch.allclose(gm(x), model.head.__class__.forward(gm.head, model.norm(model.fc(x)) * 2), atol=0.05)
     copy_ = __import__("copy").deepcopy(gm)  # copies keep the class and the read-only settings
     assert isinstance(copy_.norm, _ScaleNorm) and copy_.norm.eps == 1e-6
     with pytest.raises(ValueError, match="constant of the converted graph"):

@@ -171,6 +171,14 @@ class _Switchable:
     def train(self, mode: bool = True):
         return set_mode(self, mode)
 
+    def __setattr__(self, name, value):
+        check_replacement(self, name, value)
+        super().__setattr__(name, value)
+
+    def add_module(self, name, module):
+        check_replacement(self, name, module)
+        return super().add_module(name, module)
+
     def compile(self, *args, **kwargs):
         """``nn.Module.compile``, with a forward pre-hook that reads the mode first: torch.compile traces hooks
         with the call it compiles, so it guards on the mode and runs each mode's program (see ``__call__``)."""
@@ -359,6 +367,7 @@ class _Held:
     hook registered on it is warned about, since the module is never called."""
 
     def __setattr__(self, name, value):
+        check_replacement(self, name, value)
         if name in self.__dict__.get(_SETTINGS, ()):
             raise ValueError(
                 f"{type(self).__name__}.{name} is a constant of the converted graph, which computes this module's "
@@ -367,6 +376,10 @@ class _Held:
                 "For torch.optim.swa_utils.update_bn: load the averaged weights into the unconverted model "
                 "(model.load_state_dict(swa_model.module.state_dict())) and run update_bn there")
         super().__setattr__(name, value)
+
+    def add_module(self, name, module):
+        check_replacement(self, name, module)
+        return super().add_module(name, module)
 
     def _warn_hook(self, hook) -> None:
         if not getattr(getattr(hook, "func", hook), "__module__", "").startswith("torch."):  # FSDP2's own: called
@@ -392,6 +405,32 @@ class _Held:
 
 
 _HELD: dict[type, type] = {}
+_CLASS = "_autocastfx_class"  # a held module's model class (nn.Module for a plain container)
+
+
+def check_replacement(parent: nn.Module, name: str, value: Any) -> None:
+    """ValueError where ``value`` would replace ``parent``'s held child ``name`` (see :class:`_Held`) with a module
+    of another class: the graph would read the new module's tensors and go on computing the old one's ops."""
+    old = parent.__dict__.get("_modules", {}).get(name)
+    if not isinstance(old, _Held) or value is old or not isinstance(value, nn.Module):
+        return
+    cls = old.__dict__.get(_CLASS)
+    if cls is None:
+        return
+    if type(value) in (cls, type(old)):
+        shapes = [{k: tuple(t.shape) for k, t in getattr(m, table).items() if t is not None}
+                  for m in (old, value) for table in ("_parameters", "_buffers")]
+        if shapes[:2] == shapes[2:]:
+            return
+        raise ValueError(
+            f"{name!r} is a {cls.__name__} whose ops the converted graph computes itself, planned for its tensors' "
+            f"shapes {shapes[0]}; the new one's are {shapes[2]}. Make the change on the model and convert again "
+            "(gm.state_dict() loads into the model where the shapes agree)")
+    raise ValueError(
+        f"{name!r} is a {cls.__name__} whose ops the converted graph computes itself, reading only its tensors: "
+        f"replacing it with a {type(value).__name__} (SyncBatchNorm.convert_sync_batchnorm, a LoRA wrapper) would "
+        "change nothing the graph computes. Make the change on the model and convert again (gm.state_dict() loads "
+        "into the model)")
 
 
 def _held_class(cls: type) -> type:
@@ -417,12 +456,14 @@ def adopt_model_classes(gm: nn.Module, model: nn.Module) -> None:
         if not name or type(sub) is not nn.Module:
             continue
         own = models.get(name)
-        if own is None:
-            continue
-        cls = original_class(own)
-        if not _layer_class(cls) or own._modules or any(
+        cls = original_class(own) if own is not None else nn.Module
+        if own is None or not _layer_class(cls) or own._modules or any(
                 _tensor_names(sub, t) != _tensor_names(own, t) for t in ("_parameters", "_buffers")):
-            continue  # the class only where the module at that name holds the same tensors as the model's
+            # a plain container stays one (the class only where the module at that name holds the same tensors as
+            # the model's), held: its children are not replaced by modules of other classes
+            sub.__dict__.update({_SETTINGS: frozenset(), _CLASS: nn.Module})
+            sub.__class__ = _held_class(nn.Module)
+            continue
         for table in ("_parameters", "_buffers"):  # a convolution without bias: its bias is None, as in the model
             for key, value in getattr(own, table).items():
                 if value is None:
@@ -434,7 +475,7 @@ def adopt_model_classes(gm: nn.Module, model: nn.Module) -> None:
                 continue
             sub.__dict__[key] = value
             settings.append(key)
-        sub.__dict__[_SETTINGS] = frozenset(settings)
+        sub.__dict__.update({_SETTINGS: frozenset(settings), _CLASS: cls})
         sub.__class__ = _held_class(cls)
 
 
