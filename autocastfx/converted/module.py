@@ -387,21 +387,20 @@ class _Held:
                       "calls (a converted block, or a leaf such as a norm under symbolic_trace), or return the value "
                       "from the model's forward")
 
-    def register_forward_hook(self, hook, *args, **kwargs):
-        self._warn_hook(hook)
-        return super().register_forward_hook(hook, *args, **kwargs)
 
-    def register_forward_pre_hook(self, hook, *args, **kwargs):
+def _warned(method: str):
+    """``nn.Module``'s ``method`` (a hook registration), warning first that the hook never runs (:class:`_Held`)."""
+    def register(self, hook, *args, **kwargs):
         self._warn_hook(hook)
-        return super().register_forward_pre_hook(hook, *args, **kwargs)
+        return getattr(super(_Held, self), method)(hook, *args, **kwargs)
+    register.__name__, register.__qualname__ = method, f"_Held.{method}"
+    return register
 
-    def register_full_backward_hook(self, hook, *args, **kwargs):
-        self._warn_hook(hook)
-        return super().register_full_backward_hook(hook, *args, **kwargs)
 
-    def register_full_backward_pre_hook(self, hook, *args, **kwargs):
-        self._warn_hook(hook)
-        return super().register_full_backward_pre_hook(hook, *args, **kwargs)
+for _method in ("register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook",
+                "register_full_backward_pre_hook"):
+    setattr(_Held, _method, _warned(_method))
+del _method
 
 
 _HELD: dict[type, type] = {}
