@@ -830,7 +830,7 @@ def test_the_models_own_layer_classes_settings_and_hooks_after_convert(export_on
     with pytest.raises(ValueError, match=r"replacing it with a LoRA"):
         gm.add_module("head", LoRA(gm.head))
     assert gm.head is head
-    with pytest.raises(ValueError, match=r"planned for its tensors' shapes .*'weight': \(4, 8\).*\(10, 8\)"):
+    with pytest.raises(ValueError, match=r"settings as constants; the new one's differ \(out_features=10\)"):
         gm.head = nn.Linear(8, 10)  # a head for other classes: the graph was planned for the old one's shapes
     gm.head = nn.Linear(8, 4)  # one of the same class and shapes: the graph reads its tensors (a fresh head)
     assert torch.allclose(gm(x), model.head.__class__.forward(gm.head, model.norm(model.fc(x)) * 2), atol=0.05)
@@ -838,3 +838,79 @@ def test_the_models_own_layer_classes_settings_and_hooks_after_convert(export_on
     assert isinstance(copy_.norm, _ScaleNorm) and copy_.norm.eps == 1e-6
     with pytest.raises(ValueError, match="constant of the converted graph"):
         copy_.norm.eps = 0.5
+
+
+class _Slotted(nn.Module):
+    __slots__ = ("note",)
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class _Registry(nn.Module):
+    known: dict = {}
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        _Registry.known[cls.__name__] = cls
+
+
+class _Registered(_Registry):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class _ManyLeaves(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.slotted, self.registered, self.head = _Slotted(), _Registered(), nn.Linear(8, 4)
+        self.head.tool_hook = print  # what a tool leaves on a module (accelerate's _hf_hook, an instance forward)
+
+    def forward(self, x):
+        assert x.shape[1] == 3  # torch.export
+        return self.head(self.registered(self.slotted(self.conv(x).mean((2, 3)))))
+
+
+def test_held_modules_keep_to_what_their_classes_allow():
+    """The class is given only where the instance can take it: not a class with ``__slots__``, a subclass hook or
+    anything but plain settings (a tool's callable); a held module pickles as the model's class; a model holding a
+    converted module's held module converts; a same-class replacement with other settings is refused; torch's own
+    hooks that the graph would never run (pruning) are warned about as a user's are."""
+    torch.manual_seed(0)
+    model, x = _ManyLeaves(), torch.randn(2, 3, 6, 6)
+    gm = autocastfx.convert(model, (x,), dtype=BF16)
+    assert type(gm.conv).__name__ == "Conv2d" and isinstance(gm.conv, nn.Conv2d)
+    assert [type(gm.get_submodule(n)).__name__ for n in ("slotted", "registered", "head")] == \
+        ["Module", "_Registered", "Module"]
+    assert _Registry.known == {"_Registered": _Registered}  # the capture's and the held subclasses are not announced
+    gm.head.tool_hook = None  # a plain container: its attributes are its own
+    buf = io.BytesIO()
+    torch.save(gm.conv, buf)  # pickled as the model's class
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert type(loaded) is nn.Conv2d and torch.equal(loaded.weight, model.conv.weight) and loaded.stride == (1, 1)
+    with pytest.raises(ValueError, match=r"settings as constants; the new one's differ \(stride=\(2, 2\)\)"):
+        gm.conv = nn.Conv2d(3, 8, 3, padding=1, stride=2)
+
+    class Reuse(nn.Module):  # a new model around a held module of a converted one
+        def __init__(self):
+            super().__init__()
+            self.conv = gm.conv
+
+        def forward(self, x):
+            assert x.shape[1] == 3
+            return self.conv(x)
+
+    again = autocastfx.convert(Reuse(), (x,), dtype=BF16)
+    assert isinstance(again.conv, nn.Conv2d) and again(x).shape == (2, 8, 6, 6)
+    with pytest.warns(UserWarning, match="a hook on this Conv2d never runs"):
+        __import__("torch.nn.utils.prune").nn.utils.prune.l1_unstructured(gm.conv, "weight", 0.5)

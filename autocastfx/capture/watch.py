@@ -15,6 +15,15 @@ from ..base.meta import WATCHED_CLASS, is_converted
 _CALLBACKS: dict[int, list] = {}  # id(a watched module) -> what is called on each of its reads
 
 
+class _Unannounced:
+    """First base of a watched class: its ``__init_subclass__`` does nothing, so a class's hook (a registry of its
+    subclasses) is not told of a subclass that exists only while a capture runs."""
+
+    @classmethod
+    def __init_subclass__(cls, **kwargs):
+        pass
+
+
 def _reporting(cls: type) -> type:
     """A subclass of ``cls`` that calls the callbacks of the instance on every attribute read; made for one watch
     and dropped with it (nothing is kept of the classes a process captured)."""
@@ -23,7 +32,7 @@ def _reporting(cls: type) -> type:
             callback(self, name)
         return super(sub, self).__getattribute__(name)
 
-    sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__,
+    sub = type(cls.__name__, (_Unannounced, cls), {"__getattribute__": __getattribute__, "__module__": cls.__module__,
                                       "__qualname__": cls.__qualname__, WATCHED_CLASS: cls})
     return sub
 

@@ -9,6 +9,8 @@ weights, and copies that keep all of it.
 from __future__ import annotations
 
 import contextlib
+import copy
+import copyreg
 import inspect
 from typing import Any
 
@@ -344,7 +346,8 @@ _MODULE_FIELDS = frozenset(vars(nn.Module()))
 # may need more than its tensors and settings to answer them, so it keeps the plain container
 _MODULE_PROTOCOL = ("train", "eval", "_apply", "state_dict", "_save_to_state_dict", "load_state_dict",
                     "_load_from_state_dict", "__getattr__", "__setattr__", "__delattr__", "__getstate__",
-                    "__setstate__", "named_parameters", "named_buffers", "named_modules", "parameters", "children")
+                    "__setstate__", "named_parameters", "named_buffers", "named_modules", "parameters", "children",
+                    "get_extra_state", "set_extra_state")
 _SETTINGS = "_autocastfx_settings"
 _HOOK_WORDS = "never runs: the converted graph computes this module's ops itself and reads only its tensors"
 
@@ -356,8 +359,8 @@ def _layer_class(cls: type) -> bool:
     if cls.__module__.startswith("torch.nn.modules."):
         return (cls.__module__ != "torch.nn.modules.container"
                 and not issubclass(cls, (nn.RNNBase, nn.modules.lazy.LazyModuleMixin)))
-    return not cls.__module__.startswith("torch.") and all(
-        getattr(cls, name) is getattr(nn.Module, name) for name in _MODULE_PROTOCOL)
+    return (not cls.__module__.startswith("torch.") and type(cls) is type  # no metaclass of its own
+            and all(getattr(cls, name) is getattr(nn.Module, name) for name in _MODULE_PROTOCOL))
 
 
 class _Held:
@@ -365,6 +368,11 @@ class _Held:
     graph holds the module's ops and settings as constants, so a setting written afterwards (a batch norm's
     ``momentum``, which ``torch.optim.swa_utils.update_bn`` sets) is refused rather than silently unread, and a
     hook registered on it is warned about, since the module is never called."""
+
+    @classmethod
+    def __init_subclass__(cls, **kwargs):
+        """Nothing: the held subclass is not the model's own, and its class's hook (a registry of subclasses) is
+        not told of it."""
 
     def __setattr__(self, name, value):
         check_replacement(self, name, value)
@@ -381,8 +389,20 @@ class _Held:
         check_replacement(self, name, module)
         return super().add_module(name, module)
 
+    def __reduce_ex__(self, protocol):
+        """Pickled (``torch.save(gm.head)``) as the model's class: the held class exists in this process only."""
+        state = {k: v for k, v in self.__dict__.items() if k not in (_SETTINGS, _CLASS)}
+        return copyreg._reconstructor, (self.__dict__[_CLASS], object, None), state
+
+    def __deepcopy__(self, memo):
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return new
+
     def _warn_hook(self, hook) -> None:
-        if not getattr(getattr(hook, "func", hook), "__module__", "").startswith("torch."):  # FSDP2's own: called
+        fn = getattr(hook, "func", hook)
+        if not getattr(fn, "__module__", "").startswith("torch.distributed."):  # FSDP2's own: it calls them itself
             warn_user(f"autocastfx: a hook on this {type(self).__name__} {_HOOK_WORDS}. Hook a module the graph "
                       "calls (a converted block, or a leaf such as a norm under symbolic_trace), or return the value "
                       "from the model's forward")
@@ -405,6 +425,7 @@ del _method
 
 _HELD: dict[type, type] = {}
 _CLASS = "_autocastfx_class"  # a held module's model class (nn.Module for a plain container)
+_OWN_FIELDS = _MODULE_FIELDS | {_SETTINGS, _CLASS}  # not settings: nn.Module's, and a held module's own
 
 
 def check_replacement(parent: nn.Module, name: str, value: Any) -> None:
@@ -419,8 +440,15 @@ def check_replacement(parent: nn.Module, name: str, value: Any) -> None:
     if type(value) in (cls, type(old)):
         shapes = [{k: tuple(t.shape) for k, t in getattr(m, table).items() if t is not None}
                   for m in (old, value) for table in ("_parameters", "_buffers")]
-        if shapes[:2] == shapes[2:]:
+        settings = {k: (old.__dict__.get(k), value.__dict__.get(k)) for k in old.__dict__.get(_SETTINGS, ())}
+        changed = {k: v for k, (u, v) in settings.items() if u != v}
+        if shapes[:2] == shapes[2:] and not changed:
             return
+        if changed:
+            raise ValueError(
+                f"{name!r} is a {cls.__name__} whose ops the converted graph computes itself with its settings as "
+                f"constants; the new one's differ ({', '.join(f'{k}={v!r}' for k, v in changed.items())}). Make the "
+                "change on the model and convert again (gm.state_dict() loads into the model where the shapes agree)")
         raise ValueError(
             f"{name!r} is a {cls.__name__} whose ops the converted graph computes itself, planned for its tensors' "
             f"shapes {shapes[0]}; the new one's are {shapes[2]}. Make the change on the model and convert again "
@@ -434,6 +462,8 @@ def check_replacement(parent: nn.Module, name: str, value: Any) -> None:
 
 def _held_class(cls: type) -> type:
     """``cls`` with :class:`_Held` in front: the same name, ``isinstance`` of ``cls``."""
+    if issubclass(cls, _Held):
+        return cls
     if cls not in _HELD:
         _HELD[cls] = type(cls.__name__, (_Held, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
     return _HELD[cls]
@@ -443,39 +473,61 @@ def _tensor_names(m: nn.Module, table: str) -> set[str]:
     return {k for k, v in getattr(m, table).items() if v is not None}
 
 
+def _plain(v: Any) -> bool:
+    """A setting's value: a number, a string, a flag, None, a dtype or device, or a tuple or list of them."""
+    if isinstance(v, (tuple, list)):
+        return all(_plain(x) for x in v)
+    return v is None or isinstance(v, (bool, int, float, str, torch.dtype, torch.device))
+
+
+def _hold(sub: nn.Module, cls: type, settings: dict) -> bool:
+    """Make ``sub`` a held ``cls`` with ``settings`` (read-only where public); False, ``sub`` as it was, where the
+    class does not take the container's layout (``__slots__``) or cannot describe it (its ``extra_repr``)."""
+    kept = dict(sub.__dict__)
+    sub.__dict__.update(settings)
+    sub.__dict__.update({_SETTINGS: frozenset(k for k in settings if not k.startswith("_")), _CLASS: cls})
+    try:
+        sub.__class__ = _held_class(cls)
+        sub.extra_repr()
+        return True
+    except Exception:  # noqa: BLE001 - the plain container it was
+        sub.__class__ = nn.Module
+        sub.__dict__.clear()
+        sub.__dict__.update(kept)
+        return False
+
+
 def adopt_model_classes(gm: nn.Module, model: nn.Module) -> None:
     """Give each plain container of ``gm`` (where a capture keeps a module's parameters and buffers for the graph to
     read: ``c.weight``) the class and the plain settings of the model's module at that name, where that module has
-    no children and its class is a layer's (:func:`_layer_class`). A user's loop finds the model's modules by class
-    after convert() as before: a frozen batch norm (``if isinstance(m, nn.BatchNorm2d): m.eval()``), norms left out
-    of weight decay, a freeze by layer type, none of which may find nothing and go on silently. The graph still runs
-    each op as converted: the settings are read-only (:class:`_Held`)."""
+    no children, its class is a layer's (:func:`_layer_class`) and its instance holds nothing but its tensors and
+    plain settings. A user's loop finds the model's modules by class after convert() as before: a frozen batch norm
+    (``if isinstance(m, nn.BatchNorm2d): m.eval()``), norms left out of weight decay, a freeze by layer type, none of
+    which may find nothing and go on silently. The graph still runs each op as converted: the settings are
+    read-only (:class:`_Held`). The other containers stay plain, held too."""
     models = dict(model.named_modules(remove_duplicate=False))
     for name, sub in gm.named_modules(remove_duplicate=False):
         if not name or type(sub) is not nn.Module:
             continue
         own = models.get(name)
-        cls = original_class(own) if own is not None else nn.Module
-        if own is None or not _layer_class(cls) or own._modules or any(
-                _tensor_names(sub, t) != _tensor_names(own, t) for t in ("_parameters", "_buffers")):
-            # a plain container stays one (the class only where the module at that name holds the same tensors as
-            # the model's), held: its children are not replaced by modules of other classes
-            sub.__dict__.update({_SETTINGS: frozenset(), _CLASS: nn.Module})
-            sub.__class__ = _held_class(nn.Module)
-            continue
-        for table in ("_parameters", "_buffers"):  # a convolution without bias: its bias is None, as in the model
-            for key, value in getattr(own, table).items():
-                if value is None:
-                    getattr(sub, table).setdefault(key, None)
-        settings = []
-        for key, value in vars(own).items():
-            if key in _MODULE_FIELDS or key in sub.__dict__ or isinstance(value, nn.Module) or any(
-                    isinstance(t, torch.Tensor) for t in torch.utils._pytree.tree_leaves(value)):
+        if own is not None and _adoptable(sub, own):
+            for table in ("_parameters", "_buffers"):  # a convolution without bias: its bias None, as in the model
+                for key, value in getattr(own, table).items():
+                    if value is None:
+                        getattr(sub, table).setdefault(key, None)
+            settings = {k: v for k, v in vars(own).items() if k not in _OWN_FIELDS and k not in sub.__dict__}
+            if _hold(sub, own.__dict__.get(_CLASS, original_class(own)), settings):
                 continue
-            sub.__dict__[key] = value
-            settings.append(key)
-        sub.__dict__.update({_SETTINGS: frozenset(settings), _CLASS: cls})
-        sub.__class__ = _held_class(cls)
+        _hold(sub, nn.Module, {})
+
+
+def _adoptable(sub: nn.Module, own: nn.Module) -> bool:
+    """Whether the container ``sub`` can be the model's module ``own``: a layer's class, no children, the same
+    tensors, and nothing else in the instance but plain settings."""
+    cls = own.__dict__.get(_CLASS, original_class(own))
+    return (_layer_class(cls) and not own._modules
+            and all(_tensor_names(sub, t) == _tensor_names(own, t) for t in ("_parameters", "_buffers"))
+            and all(_plain(v) for k, v in vars(own).items() if k not in _OWN_FIELDS and k not in sub.__dict__))
 
 
 _BASES: dict[type, type] = {}
