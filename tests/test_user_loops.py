@@ -809,6 +809,8 @@ def test_the_models_own_layer_classes_settings_and_hooks_after_convert(export_on
         gm.norm.eps = 1e-3
     with pytest.raises(ValueError, match=r"Linear.in_features is a constant"):
         gm.head.in_features = 9
+    with pytest.raises(ValueError, match=r"_ScaleNorm.eps is a constant"):
+        del gm.norm.eps
     gm.norm.weight = nn.Parameter(torch.full((8,), 2.0))  # its tensors are the graph's to read, as before
     assert torch.allclose(gm(x), model.head(2 * (model.norm(model.fc(x)) / model.norm.weight)), atol=0.05)
     seen = []

@@ -366,28 +366,14 @@ def _layer_class(cls: type) -> bool:
 class _Held:
     """Mixed into the class a parameter holder of a converted module takes (see :func:`adopt_model_classes`): the
     graph holds the module's ops and settings as constants, so a setting written afterwards (a batch norm's
-    ``momentum``, which ``torch.optim.swa_utils.update_bn`` sets) is refused rather than silently unread, and a
-    hook registered on it is warned about, since the module is never called."""
+    ``momentum``, which ``torch.optim.swa_utils.update_bn`` sets) is refused (:class:`_Setting`) rather than
+    silently unread, and a hook registered on it is warned about, since the module is never called. No
+    ``__setattr__`` of its own: FSDP2 swaps a parameter by ``_parameters`` alone where a module has none."""
 
     @classmethod
     def __init_subclass__(cls, **kwargs):
         """Nothing: the held subclass is not the model's own, and its class's hook (a registry of subclasses) is
         not told of it."""
-
-    def __setattr__(self, name, value):
-        check_replacement(self, name, value)
-        if name in self.__dict__.get(_SETTINGS, ()):
-            raise ValueError(
-                f"{type(self).__name__}.{name} is a constant of the converted graph, which computes this module's "
-                f"ops itself: setting it after convert() changes nothing the converted module computes. Set it on "
-                "the model and convert again (autocastfx.convert(model, ...); gm.state_dict() loads into the model). "
-                "For torch.optim.swa_utils.update_bn: load the averaged weights into the unconverted model "
-                "(model.load_state_dict(swa_model.module.state_dict())) and run update_bn there")
-        super().__setattr__(name, value)
-
-    def add_module(self, name, module):
-        check_replacement(self, name, module)
-        return super().add_module(name, module)
 
     def __reduce_ex__(self, protocol):
         """Pickled (``torch.save(gm.head)``) as the model's class: the held class exists in this process only."""
@@ -408,6 +394,45 @@ class _Held:
                       "from the model's forward")
 
 
+class _HeldContainer(_Held):
+    """A held plain container (a parent of held modules): a child replaced by a module of another class, or of
+    other settings or shapes, is refused (:func:`check_replacement`)."""
+
+    def __setattr__(self, name, value):
+        check_replacement(self, name, value)
+        super().__setattr__(name, value)
+
+    def add_module(self, name, module):
+        check_replacement(self, name, module)
+        return super().add_module(name, module)
+
+
+class _Setting:
+    """A held module's setting, on its class: read from the instance, refused on write (see :class:`_Held`)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        try:
+            return obj.__dict__[self.name]
+        except KeyError:
+            raise AttributeError(self.name) from None
+
+    def __set__(self, obj, value):
+        raise ValueError(
+            f"{type(obj).__name__}.{self.name} is a constant of the converted graph, which computes this module's "
+            "ops itself: setting it after convert() changes nothing the converted module computes. Set it on the "
+            "model and convert again (autocastfx.convert(model, ...); gm.state_dict() loads into the model). For "
+            "torch.optim.swa_utils.update_bn: load the averaged weights into the unconverted model "
+            "(model.load_state_dict(swa_model.module.state_dict())) and run update_bn there")
+
+    def __delete__(self, obj):
+        self.__set__(obj, None)
+
+
 def _warned(method: str):
     """``nn.Module``'s ``method`` (a hook registration), warning first that the hook never runs (:class:`_Held`)."""
     def register(self, hook, *args, **kwargs):
@@ -423,7 +448,7 @@ for _method in ("register_forward_hook", "register_forward_pre_hook", "register_
 del _method
 
 
-_HELD: dict[type, type] = {}
+_HELD: dict[tuple, type] = {}
 _CLASS = "_autocastfx_class"  # a held module's model class (nn.Module for a plain container)
 _OWN_FIELDS = _MODULE_FIELDS | {_SETTINGS, _CLASS}  # not settings: nn.Module's, and a held module's own
 
@@ -460,13 +485,17 @@ def check_replacement(parent: nn.Module, name: str, value: Any) -> None:
         "into the model)")
 
 
-def _held_class(cls: type) -> type:
-    """``cls`` with :class:`_Held` in front: the same name, ``isinstance`` of ``cls``."""
+def _held_class(cls: type, settings: frozenset = frozenset()) -> type:
+    """``cls`` with :class:`_Held` in front (:class:`_HeldContainer` for a plain container) and a :class:`_Setting`
+    for each of ``settings``: the same name, ``isinstance`` of ``cls``."""
     if issubclass(cls, _Held):
         return cls
-    if cls not in _HELD:
-        _HELD[cls] = type(cls.__name__, (_Held, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
-    return _HELD[cls]
+    key = (cls, settings)
+    if key not in _HELD:
+        mixin = _HeldContainer if cls is nn.Module else _Held
+        _HELD[key] = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                                        **{k: _Setting(k) for k in settings}})
+    return _HELD[key]
 
 
 def _tensor_names(m: nn.Module, table: str) -> set[str]:
@@ -484,10 +513,11 @@ def _hold(sub: nn.Module, cls: type, settings: dict) -> bool:
     """Make ``sub`` a held ``cls`` with ``settings`` (read-only where public); False, ``sub`` as it was, where the
     class does not take the container's layout (``__slots__``) or cannot describe it (its ``extra_repr``)."""
     kept = dict(sub.__dict__)
+    public = frozenset(k for k in settings if not k.startswith("_"))
     sub.__dict__.update(settings)
-    sub.__dict__.update({_SETTINGS: frozenset(k for k in settings if not k.startswith("_")), _CLASS: cls})
+    sub.__dict__.update({_SETTINGS: public, _CLASS: cls})
     try:
-        sub.__class__ = _held_class(cls)
+        sub.__class__ = _held_class(cls, public)
         sub.extra_repr()
         return True
     except Exception:  # noqa: BLE001 - the plain container it was
