@@ -165,13 +165,9 @@ def _without_autocast():
     return stack
 
 
-class _Switchable:
-    """Mixed into the converted module's class, so that copies keep working modes: ``copy.deepcopy`` of a
-    GraphModule builds a fresh class over the first base whose qualified name does not end in
-    ``GraphModuleImpl``, which is the one made here."""
-
-    def train(self, mode: bool = True):
-        return set_mode(self, mode)
+class _GuardsChildren:
+    """A module whose held children (see :class:`_Held`) are not replaced by modules of another class, or of other
+    settings or shapes (:func:`check_replacement`): the converted root and held plain containers."""
 
     def __setattr__(self, name, value):
         check_replacement(self, name, value)
@@ -180,6 +176,16 @@ class _Switchable:
     def add_module(self, name, module):
         check_replacement(self, name, module)
         return super().add_module(name, module)
+
+
+class _Switchable(_GuardsChildren):
+    """Mixed into the converted module's class, so that copies keep working modes: ``copy.deepcopy`` of a
+    GraphModule builds a fresh class over the first base whose qualified name does not end in
+    ``GraphModuleImpl``, which is the one made here."""
+
+    def train(self, mode: bool = True):
+        return set_mode(self, mode)
+
 
     def compile(self, *args, **kwargs):
         """``nn.Module.compile``, with a forward pre-hook that reads the mode first: torch.compile traces hooks
@@ -394,17 +400,8 @@ class _Held:
                       "from the model's forward")
 
 
-class _HeldContainer(_Held):
-    """A held plain container (a parent of held modules): a child replaced by a module of another class, or of
-    other settings or shapes, is refused (:func:`check_replacement`)."""
-
-    def __setattr__(self, name, value):
-        check_replacement(self, name, value)
-        super().__setattr__(name, value)
-
-    def add_module(self, name, module):
-        check_replacement(self, name, module)
-        return super().add_module(name, module)
+class _HeldContainer(_GuardsChildren, _Held):
+    """A held plain container: the parent of held modules."""
 
 
 class _Setting:
