@@ -329,7 +329,7 @@ def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: Con
         for _, unit in _weights.converted_units(model):  # converted blocks, shared: switched by the captures
             if unit is not model:
                 _module.follow_module_modes(unit)
-        _module.adopt_model_classes(gm, model)  # torch's module classes kept where the graph reads them
+        _module.adopt_model_classes(gm, model)  # the model's layer classes where the graph reads their tensors
     with _one_recompile(gm):
         passed = run_passes(gm, model, args, kwargs, options, meta_device=ctx.meta_device, entry_casts=entry_casts)
         _keep_non_persistent(gm, model)

@@ -355,7 +355,6 @@ _MODULE_PROTOCOL = ("train", "eval", "_apply", "state_dict", "_save_to_state_dic
                     "__setstate__", "named_parameters", "named_buffers", "named_modules", "parameters", "children",
                     "get_extra_state", "set_extra_state")
 _SETTINGS = "_autocastfx_settings"
-_HOOK_WORDS = "never runs: the converted graph computes this module's ops itself and reads only its tensors"
 
 
 def _layer_class(cls: type) -> bool:
@@ -395,7 +394,8 @@ class _Held:
     def _warn_hook(self, hook) -> None:
         fn = getattr(hook, "func", hook)
         if not getattr(fn, "__module__", "").startswith("torch.distributed."):  # FSDP2's own: it calls them itself
-            warn_user(f"autocastfx: a hook on this {type(self).__name__} {_HOOK_WORDS}. Hook a module the graph "
+            warn_user(f"autocastfx: a hook on this {type(self).__name__} never runs: the converted graph computes "
+                      "this module's ops itself and reads only its tensors. Hook a module the graph "
                       "calls (a converted block, or a leaf such as a norm under symbolic_trace), or return the value "
                       "from the model's forward")
 
