@@ -270,7 +270,8 @@ def measure(w: Workload, mode: str, recipes: list[str], args, log) -> dict[str, 
             row = rows[r]
             if row.error:
                 continue
-            gc.collect()
+            if not args.quick:  # the same heap state before every timed run; a smoke run measures nothing
+                gc.collect()
             try:
                 for _ in range(args.steps):
                     row.times.append(_call(row, mode, ref))

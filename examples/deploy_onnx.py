@@ -44,6 +44,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="folder for model.onnx (default: a temporary folder)")
     args = ap.parse_args(argv)
     out = args.out or tempfile.mkdtemp()
+    os.makedirs(out, exist_ok=True)
     torch.manual_seed(0)
     model = build().eval()
     with torch.no_grad():  # statistics as a trained network has them, not the initial zeros and ones

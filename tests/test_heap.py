@@ -1,6 +1,7 @@
 """autocastfx.keep_cpu_memory() keeps freed CPU memory for the next step (autocastfx.training.heap), and nothing
 else does: checked by the effect, the page faults a process takes to allocate and fill 64 MiB again after freeing
-it, the last two of six times. Each case that may change glibc's setting runs in a fresh process: it is process-wide."""
+it, the last two of six times. The cases that may change glibc's setting run in a fresh process of their own (it is
+process-wide): the allocator left alone first, then after keep_cpu_memory()."""
 import os
 import subprocess
 import sys
@@ -13,48 +14,54 @@ import autocastfx
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc: Linux")
 
 SCRIPT = r"""
-import resource, sys, torch, torch.nn as nn, autocastfx
+import resource, torch, torch.nn as nn, autocastfx
 from autocastfx.training import heap
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
 x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
-if sys.argv[1] == "keep":
-    autocastfx.keep_cpu_memory()
-gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
-step = autocastfx.train_step(gm, nn.functional.cross_entropy, torch.optim.AdamW(gm.parameters()))
-step(x, y)
-faults = []
-for _ in range(6):
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    t = torch.empty(16 << 20)  # 64 MiB, over glibc's largest mmap threshold of its own choosing (32 MiB)
-    t.fill_(1.0)
-    del t
-    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(heap.kept(), max(faults[-2:]), step.code.splitlines()[0], sep="\n")
+
+
+def case():
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    step = autocastfx.train_step(gm, nn.functional.cross_entropy, torch.optim.AdamW(gm.parameters()))
+    step(x, y)
+    faults = []
+    for _ in range(6):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        t = torch.empty(16 << 20)  # 64 MiB, over glibc's largest mmap threshold of its own choosing (32 MiB)
+        t.fill_(1.0)
+        del t
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    print(heap.kept(), max(faults[-2:]), step.code.splitlines()[0], sep="\n")
+
+
+case()  # the allocator as the process found it: convert() and a step alone
+autocastfx.keep_cpu_memory()
+case()
 """
 
 
-def _run(mode, **env):
+def _run(**env):
+    """Both cases in one fresh process, the allocator left alone first: [(kept, faults, the step's first line)]."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_")) and k != "LD_PRELOAD"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=120,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120,
                           env={**clean, **env})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    kept, faults, doc = proc.stdout.strip().splitlines()[-3:]
-    return kept == "True", int(faults), doc
+    lines = proc.stdout.strip().splitlines()[-6:]
+    return [(kept == "True", int(faults), doc) for kept, faults, doc in (lines[:3], lines[3:])]
 
 
 @pytest.mark.skipif(torch.__config__.show().find("jemalloc") >= 0, reason="torch built with jemalloc")
 def test_keep_cpu_memory_keeps_freed_memory_and_a_step_alone_leaves_the_allocator_be():
-    kept, faults, doc = _run("keep")
+    (left, left_faults, left_doc), (kept, faults, doc) = _run()
+    assert not left and "autocastfx.keep_cpu_memory() not called" in left_doc  # convert() and a step changed nothing
+    if not _huge_pages_always():  # else 64 MiB of fresh memory is 32 faults of 2 MiB pages
+        assert left_faults > 16_000 * 0.9, left_faults  # glibc's default: fresh pages every time, each faulted in
+
     assert kept and "freed CPU memory kept for the next step" in doc
     # 64 MiB again from the heap: no fresh page (16,384 of them otherwise) once the heap has room for it whole (a
     # small allocation may take a piece of a freed block, and the heap grows once or twice before it has)
     assert faults < 1000, faults
-
-    kept, faults, doc = _run("leave")
-    assert not kept and "autocastfx.keep_cpu_memory() not called" in doc  # convert() and a step changed nothing
-    if not _huge_pages_always():  # else 64 MiB of fresh memory is 32 faults of 2 MiB pages
-        assert faults > 16_000 * 0.9, faults  # glibc's default: fresh pages every time, each faulted in
 
 
 def _huge_pages_always():
