@@ -251,16 +251,16 @@ def _keep_checks(out: nn.Module, model: nn.Module, args: tuple, kwargs: dict) ->
     info.convert_call = _convert_for_call
 
 
-def _convert_for_call(gm: nn.Module, args: tuple, kwargs: dict) -> nn.Module:
+def _convert_for_call(gm: nn.Module, args: tuple, kwargs: dict, state: tuple = ()) -> nn.Module:
     """The model (kept on meta) converted for a call of another structure than ``gm``'s example, with ``gm``'s
-    options, its tensors made ``gm``'s own (converted.calls.other_call); a TypeError naming both calls where it
-    cannot be."""
+    options, in the modes and settings ``state`` of ``gm``'s modules (``calls.module_state``), its tensors made
+    ``gm``'s own (converted.calls.other_call); a TypeError naming both calls where it cannot be."""
     info = gm.meta[K.CONVERTED]
     try:
         try:  # sizes of 1 would be fixed by the capture (a first sample of one sequence): converted at 2
-            other = _convert_quietly(info, *_calls.widened(args, kwargs))
+            other = _convert_quietly(info, *_calls.widened(args, kwargs), state)
         except Exception:  # noqa: BLE001 - a size of 1 the model needs as it is: converted for the call as given
-            other = _convert_quietly(info, args, kwargs)
+            other = _convert_quietly(info, args, kwargs, state)
         _weights.share_tensors(gm, other, _weights.pair_modules(gm, other))
     except Exception as e:  # noqa: BLE001 - any failure: the call is refused, naming both calls and the cause
         raise TypeError(
@@ -272,12 +272,14 @@ def _convert_for_call(gm: nn.Module, args: tuple, kwargs: dict) -> nn.Module:
     return other
 
 
-def _convert_quietly(info: ConvertInfo, args: tuple, kwargs: dict) -> nn.Module:
-    """The model kept on meta, converted for ``(args, kwargs)`` with ``info``'s options and no warnings (the
-    first conversion said what there was to say)."""
+def _convert_quietly(info: ConvertInfo, args: tuple, kwargs: dict, state: tuple = ()) -> nn.Module:
+    """The model kept on meta, its modules in ``state`` (``calls.module_state``), converted for ``(args, kwargs)``
+    with ``info``'s options and no warnings (the first conversion said what there was to say)."""
+    twin = copy.deepcopy(info.checks.model)
+    _calls.apply_module_state(twin, state)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return _convert_any(copy.deepcopy(info.checks.model), args, kwargs, info.options, CaptureContext())
+        return _convert_any(twin, args, kwargs, info.options, CaptureContext())
 
 
 def _tensors(model: nn.Module):

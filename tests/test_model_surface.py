@@ -159,9 +159,10 @@ def test_a_call_of_another_structure_is_converted_on_first_use_on_the_same_weigh
     step(x, x)  # one more update: the other call sees it at once, the same Parameter objects
     trained.load_state_dict(gm.state_dict())
     assert torch.equal(gm(x, x)[1], autocastfx.convert(trained, (x, x), dtype=torch.bfloat16)(x, x)[1])
-    gm.eval()
+    gm.eval()  # a conversion of its own for the modes the modules are in now, on the same tensors
     gm(x, x)
-    assert not other.training
+    (_, _), (evaluating, _) = gm.meta[K.OTHER_CALLS].by_key.values()
+    assert other.training and not evaluating.training and all(id(p) in own for p in evaluating.parameters())
     with pytest.raises(IndexError):  # an error of the model's own, on a call of the captured shape: as it was
         gm(torch.full((2, 8), 99))
 

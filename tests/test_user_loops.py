@@ -916,3 +916,101 @@ def test_held_modules_keep_to_what_their_classes_allow():
     assert isinstance(again.conv, nn.Conv2d) and again(x).shape == (2, 8, 6, 6)
     with pytest.warns(UserWarning, match="a hook on this Conv2d never runs"):
         __import__("torch.nn.utils.prune").nn.utils.prune.l1_unstructured(gm.conv, "weight", 0.5)
+
+
+# ------------------------------------------------------------------------ another call, a compiled call
+
+class _LossOrLogits(nn.Module):
+    """Returns the loss where the targets are given, else the logits: converted for the loss call, ``gm(x)`` is a
+    call of another structure, converted on first use."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 4)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x, y=None):
+        out = self.fc2(self.drop(F.relu(self.bn(self.fc1(x)))))
+        return out if y is None else F.cross_entropy(out, y)
+
+
+def test_another_call_follows_modes_settings_and_modules_set_after_convert():
+    """The logits call of a module converted for its loss call runs the modes, settings and modules the converted
+    module has at that call, as the model would: a batch norm frozen after convert() (its statistics untouched), a
+    dropout turned off through its module's ``p``, a head replaced by a fresh one after a first such call."""
+    torch.manual_seed(0)
+    model = _LossOrLogits()
+    ref = _LossOrLogits()
+    ref.load_state_dict(model.state_dict())
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    gm = autocastfx.convert(model, (x, y), dtype=torch.float16)
+    for m in (gm, ref):
+        m.train()
+        m.bn.eval()
+        m.drop.p = 0.0
+    mean = ref.bn.running_mean.clone()
+    torch.testing.assert_close(gm(x, y), ref(x, y), rtol=0, atol=2e-3)
+    torch.manual_seed(1)
+    first = gm(x)
+    torch.manual_seed(2)
+    torch.testing.assert_close(gm(x), first, rtol=0, atol=0)  # dropout off: the same output under another seed
+    torch.testing.assert_close(first, ref(x), rtol=0, atol=2e-3)
+    assert torch.equal(gm.bn.running_mean, mean) and int(gm.bn.num_batches_tracked) == 0  # frozen: not updated
+    # a fresh head of the same class and shapes, after the logits call ran once: that call reads it too
+    head = nn.Linear(32, 4)
+    gm.fc2 = head
+    ref.fc2.load_state_dict(head.state_dict())
+    torch.testing.assert_close(gm(x), ref(x), rtol=0, atol=2e-3)
+    gm.eval()
+    ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), ref(x), rtol=0, atol=2e-3)
+
+
+class _ExportOnlyNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        b, *_ = x.shape  # symbolic_trace cannot unpack a traced size; torch.export captures it
+        return self.fc2(F.relu(self.bn(self.fc1(x)))).reshape(b, -1)
+
+
+def test_torch_compile_of_the_converted_module_follows_a_frozen_batch_norm():
+    """``torch.compile(gm)`` runs the program of its modules' modes, as ``gm`` does: a batch norm frozen before
+    convert() and again after each ``gm.train()`` (the documented recipe) keeps its statistics, and the losses follow
+    the float32 model's; a module frozen after convert() on a torch.export capture is the same ValueError as
+    eager."""
+    torch.manual_seed(0)
+    model = _ExportOnlyNet()
+    ref = _ExportOnlyNet()
+    ref.load_state_dict(model.state_dict())
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    model.train()
+    model.bn.eval()
+    gm = autocastfx.convert(model, (x,), dtype=torch.float16)
+    net = torch.compile(gm, backend="eager")
+    opt, ref_opt = torch.optim.SGD(gm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    mean = ref.bn.running_mean.clone()
+    for _ in range(3):
+        for m in (gm, ref):
+            m.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(net(x), ref(x), rtol=0, atol=2e-3)
+        for m in (gm, ref):
+            m.train()
+            m.bn.eval()
+        loss, ref_loss = F.cross_entropy(net(x), y), F.cross_entropy(ref(x), y)
+        torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-3)
+        for o, l in ((opt, loss), (ref_opt, ref_loss)):
+            o.zero_grad()
+            l.backward()
+            o.step()
+    assert torch.equal(gm.bn.running_mean, mean) and int(gm.bn.num_batches_tracked) == 0
+    gm2 = autocastfx.convert(_ExportOnlyNet(), (x,), dtype=torch.float16)
+    net2 = torch.compile(gm2, backend="eager")
+    net2(x)
+    gm2.bn.eval()  # after convert(): no program computes it
+    with pytest.raises(ValueError, match="another mode than the program it runs"):
+        net2(x)

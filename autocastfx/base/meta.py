@@ -40,6 +40,14 @@ def fetch(module: Any, target: str, missing: Any = _RAISE) -> Any:
     return obj
 
 
+def is_plain_setting(v: Any) -> bool:
+    """A module setting's kind of value: a number, a string, a flag, None, a dtype or device, or a tuple or list of
+    them."""
+    if isinstance(v, (tuple, list)):
+        return all(is_plain_setting(x) for x in v)
+    return v is None or isinstance(v, (bool, int, float, str, torch.dtype, torch.device))
+
+
 def original_class(module: Any) -> type:
     """The module's own class: the one it had before a capture watched its reads (capture.watch swaps it for a
     subclass meanwhile)."""

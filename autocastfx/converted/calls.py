@@ -14,9 +14,11 @@ import os
 from typing import Any
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 from ..base import keys as K
 from ..base.errors import one_line
+from ..base.meta import is_plain_setting
 from ..capture.context import free_axes
 from ..core import weights as _weights
 
@@ -201,15 +203,22 @@ def mark_free_dims(free: tuple, args: tuple, kwargs: dict) -> None:
 # A graph is captured for one call's structure: which inputs are given and which are None. A call of another
 # structure (the targets given where the example had none, a mask left out) is converted for that call on first
 # use, from the model on meta, and kept beside the first: its parameters and buffers are the first's own
-# tensors (one set of weights, which training trains), its mode follows the first's. Where it cannot be (no model
-# kept, a conversion that fails), the call is refused naming both calls.
+# tensors (one set of weights, which training trains), found anew at every call (a module replaced since is read).
+# One conversion per call structure and per state of the converted module's modules (each one's mode, and the
+# settings of those the model's own code runs, such as a dropout's ``p``): the model on meta is given that state
+# before it is converted, so a frozen batch norm or a setting changed after convert() is followed by every call.
+# Where it cannot be (no model kept, a conversion that fails), the call is refused naming both calls.
+
+MAX_OTHER_CONVERSIONS = 16  # the oldest is dropped past this (a loop that keeps changing a setting)
+
 
 class OtherCalls:
-    """The conversions for other calls of one converted module, by call key. Not copied (a copy converts again
-    on its first such call), and left out where the conversion's information is pickled."""
+    """The conversions for other calls of one converted module, by call key and module state (see above). Not
+    copied (a copy converts again on its first such call), and left out where the conversion's information is
+    pickled."""
 
     def __init__(self):
-        self.by_key: dict[tuple, tuple[nn.Module, list]] = {}
+        self.by_key: dict[tuple, nn.Module] = {}
         self.example_key: tuple | None = None
 
     def __deepcopy__(self, memo):
@@ -250,10 +259,10 @@ def bound_key(model: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
 
 
 def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict) -> nn.Module | tuple | None:
-    """The module to run a call of another structure than the captured one: the model converted for it (on first
-    use), its tensors the converted module's own; ``(args, kwargs)`` spelled as the captured call where the call
-    is that one spelled another way (``gm(idx=x)`` for ``gm(x)``); None where it cannot be told (no model kept):
-    the converted module then runs the call as it is."""
+    """The module to run a call of another structure than the captured one: the model converted for it in the
+    state ``gm``'s modules are in (on first use), its tensors ``gm``'s own; ``(args, kwargs)`` spelled as the
+    captured call where the call is that one spelled another way (``gm(idx=x)`` for ``gm(x)``); None where it
+    cannot be told (no model kept): the converted module then runs the call as it is."""
     checks = info.checks
     if checks is None or checks.model is None or info.convert_call is None:
         return None
@@ -268,15 +277,54 @@ def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict) -> nn.Module
         holder.example_key = bound_key(checks.model, *checks.example)
     if key == holder.example_key:
         return respelled(checks.model, info.call_signature, args, kwargs)
-    made = holder.by_key.get(key)
+    mods = dict(gm.named_modules(remove_duplicate=False))
+    state = module_state(mods)
+    made = holder.by_key.get((key, state))
     if made is None:
-        other = info.convert_call(gm, args, kwargs)
-        made = holder.by_key[key] = (other, _weights.pair_modules(gm, other))
-    other, pairs = made
-    _weights.share_tensors(gm, other, pairs)  # again each call: a move or a load may have replaced them
-    if other.training != gm.training:
-        other.train(gm.training)
+        other = info.convert_call(gm, args, kwargs, state)
+        holders = [(name, m) for name, m in other.named_modules(remove_duplicate=False) if m._parameters or m._buffers]
+        if len(holder.by_key) >= MAX_OTHER_CONVERSIONS:
+            del holder.by_key[next(iter(holder.by_key))]
+        made = holder.by_key[(key, state)] = (other, holders)
+    other, holders = made
+    # again each call, from gm's modules now: a move or a load may have replaced the tensors, a same-class module
+    # one of the modules
+    missing = [name for name, _ in holders if name not in mods]
+    if missing:
+        raise ValueError(f"the conversion for this call has a module {missing[0]!r} that the first conversion "
+                         "does not have")
+    _weights.share_tensors(gm, other, [(m, mods[name]) for name, m in holders])
     return other
+
+
+def module_state(mods: dict[str, nn.Module]) -> tuple:
+    """What a conversion for another call depends on beyond its structure, from a converted module's modules by
+    name: each one's mode, and the public plain settings of those the model's own code runs (not the converted
+    graphs, nor the modules whose settings the graph holds as constants, which refuse a new value)."""
+    out = []
+    for name, m in mods.items():
+        if isinstance(m, fx.GraphModule) or getattr(type(m), "_autocastfx_fixed_settings", False):
+            out.append((name, m.training))
+            continue
+        settings = tuple((k, v) for k, v in m.__dict__.items()
+                         if k[0] != "_" and k != "training" and is_plain_setting(v))
+        out.append((name, m.training, settings))
+    return tuple(out)
+
+
+def apply_module_state(model: nn.Module, state: tuple) -> None:
+    """Give ``model``'s modules (the model on meta) the modes and settings of :func:`module_state` where it has a
+    module of that name with a setting of that name and type."""
+    mods = dict(model.named_modules())
+    for name, training, *settings in state:
+        m = mods.get(name)
+        if m is None:
+            continue
+        m.training = training
+        own = m.__dict__
+        for k, v in settings[0] if settings else ():
+            if k in own and type(own[k]) is type(v):
+                own[k] = v
 
 
 def widened(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

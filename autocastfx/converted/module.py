@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from . import calls as _calls
 from ..base import keys as K
-from ..base.meta import is_converted, original_class
+from ..base.meta import is_converted, is_plain_setting, original_class
 from ..base.quiet import warn_user
 from ..core import weights as _weights
 from ..core.modes import EVAL, GIVEN, MEMBERS, MODE_ARGS, TRAIN, ModeArg, Programs, owner_names, set_node, split
@@ -212,8 +212,11 @@ class _Switchable(_GuardsChildren):
         if self.training:
             pass
         programs = self.__dict__.get("meta", {}).get(K.PROGRAMS)
-        if programs is not None and programs.owners and not torch.compiler.is_compiling():
-            _check_owner_modes(self, programs)
+        if programs is not None and programs.owners:
+            if torch.compiler.is_compiling():  # run at every call, outside the compiled code: it may switch programs
+                _check_owner_modes_eagerly(self, programs)
+            else:
+                _check_owner_modes(self, programs)
         info = self.__dict__.get("meta", {}).get("autocastfx")
         if info is not None and info.call_signature and \
                 _calls.raw_key(args, kwargs) != _calls.captured_key(info.call_signature):
@@ -316,6 +319,14 @@ def _check_owner_modes(gm: fx.GraphModule, programs: Programs) -> None:
         "set those modules' modes again as they were")
 
 
+@torch.compiler.disable
+def _check_owner_modes_eagerly(gm: fx.GraphModule, programs: Programs) -> None:
+    """:func:`_check_owner_modes` where ``torch.compile(gm)`` traces ``gm``'s call: the compiler breaks its graph
+    here and runs the check at every call, so the program that runs next is the one of the modules' modes (the
+    compiled code holds each mode's flags as constants and guards on the root's mode alone)."""
+    _check_owner_modes(gm, programs)
+
+
 def _check_fsdp_param_dtype(unit: nn.Module) -> None:
     """ValueError where FSDP2 would hand this unit's graph a low-precision copy of a parameter the plan reads in
     float32 (``fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=...))`` over a group that holds a norm's
@@ -374,6 +385,8 @@ class _Held:
     ``momentum``, which ``torch.optim.swa_utils.update_bn`` sets) is refused (:class:`_Setting`) rather than
     silently unread, and a hook registered on it is warned about, since the module is never called. No
     ``__setattr__`` of its own: FSDP2 swaps a parameter by ``_parameters`` alone where a module has none."""
+
+    _autocastfx_fixed_settings = True  # read by calls.module_state: nothing to compare
 
     @classmethod
     def __init_subclass__(cls, **kwargs):
@@ -499,13 +512,6 @@ def _tensor_names(m: nn.Module, table: str) -> set[str]:
     return {k for k, v in getattr(m, table).items() if v is not None}
 
 
-def _plain(v: Any) -> bool:
-    """A setting's value: a number, a string, a flag, None, a dtype or device, or a tuple or list of them."""
-    if isinstance(v, (tuple, list)):
-        return all(_plain(x) for x in v)
-    return v is None or isinstance(v, (bool, int, float, str, torch.dtype, torch.device))
-
-
 def _hold(sub: nn.Module, cls: type, settings: dict) -> bool:
     """Make ``sub`` a held ``cls`` with ``settings`` (read-only where public); False, ``sub`` as it was, where the
     class does not take the container's layout (``__slots__``) or cannot describe it (its ``extra_repr``)."""
@@ -554,7 +560,8 @@ def _adoptable(sub: nn.Module, own: nn.Module) -> bool:
     cls = own.__dict__.get(_CLASS, original_class(own))
     return (_layer_class(cls) and not own._modules
             and all(_tensor_names(sub, t) == _tensor_names(own, t) for t in ("_parameters", "_buffers"))
-            and all(_plain(v) for k, v in vars(own).items() if k not in _OWN_FIELDS and k not in sub.__dict__))
+            and all(is_plain_setting(v) for k, v in vars(own).items()
+                    if k not in _OWN_FIELDS and k not in sub.__dict__))
 
 
 _BASES: dict[type, type] = {}
