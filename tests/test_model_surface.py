@@ -241,6 +241,12 @@ def test_hugging_face_generate_and_save_pretrained_through_the_converted_module(
     loaded = tf.LlamaForCausalLM.from_pretrained(tmp_path)
     for k, v in model.state_dict().items():
         assert loaded.state_dict()[k].dtype == torch.float32 and torch.equal(loaded.state_dict()[k], v), k
+    # a method that reshapes the model's tensors in place is refused before it changes anything, the model's too
+    before = {k: v.shape for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"resize_token_embeddings\(\) changes the model's tensor shapes"):
+        gm.resize_token_embeddings(160)
+    assert {k: v.shape for k, v in model.state_dict().items()} == before
+    assert {k: v.shape for k, v in gm.state_dict().items()} == before
 
 
 class Checked(nn.Module):

@@ -567,6 +567,21 @@ def _adoptable(sub: nn.Module, own: nn.Module) -> bool:
 _BASES: dict[type, type] = {}
 
 
+# the model's methods that change its tensors' shapes in place (Hugging Face's): the graph holds the shapes, and
+# the model itself would be left changed before the converted module could refuse the new modules
+_RESHAPING = frozenset({"resize_token_embeddings", "prune_heads", "resize_position_embeddings"})
+
+
+def _refused(name: str):
+    def refuse(self, *args, **kwargs):
+        raise ValueError(
+            f"{name}() changes the model's tensor shapes, which the converted graph holds as constants; nothing was "
+            f"changed. Call model.{name}(...) on the model, then convert it again (autocastfx.convert(model, ...); "
+            "gm.state_dict() loads into the model first if gm was trained)")
+    refuse.__name__ = name
+    return refuse
+
+
 def add_model_surface(gm: nn.Module) -> None:
     """Put on the converted module's own class (one per module) what the model answered and the converted module
     does not: the model's methods, properties and class attributes (``gm.generate()``, also for code that reads
@@ -584,7 +599,7 @@ def add_model_surface(gm: nn.Module) -> None:
             continue
         for name, value in vars(klass).items():
             if not (name.startswith("__") or name == "dtype" or hasattr(base, name)):
-                setattr(own, name, value)
+                setattr(own, name, _refused(name) if name in _RESHAPING and callable(value) else value)
     for name, value in info.model_attrs.items():
         if not hasattr(base, name) and name not in gm.__dict__:
             setattr(own, name, staticmethod(value) if inspect.isfunction(value) else value)
