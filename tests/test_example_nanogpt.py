@@ -113,11 +113,13 @@ def test_the_training_module_samples_through_its_conversion_for_the_sampling_cal
     from autocastfx.base import keys as K
     gm, cfg = run["gm"], run["config"]
     assert run["sampler"] is gm
-    (key, (other, _)), = gm.meta[K.OTHER_CALLS].by_key.items()
+    made = [other for other, _ in gm.meta[K.OTHER_CALLS].by_key.values()]  # one per mode it was called in
     own = {id(p) for p in gm.parameters()}
-    assert all(id(p) in own for p in other.parameters())
     masters = {id(m) for m in autocastfx.master_parameters(gm)}
-    assert all(id(m) in masters for m in autocastfx.master_parameters(other))
+    for other in made:
+        assert all(id(p) in own for p in other.parameters())
+        assert all(id(m) in masters for m in autocastfx.master_parameters(other))
+    other, = [other for other in made if not other.training]  # the example samples in eval mode
     model = _example().GPT(cfg)
     model.load_state_dict(gm.state_dict())
     fresh = autocastfx.convert(model, (torch.zeros(2, cfg.block_size, dtype=torch.long),), dtype=torch.bfloat16)

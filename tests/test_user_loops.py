@@ -1014,3 +1014,37 @@ def test_torch_compile_of_the_converted_module_follows_a_frozen_batch_norm():
     gm2.bn.eval()  # after convert(): no program computes it
     with pytest.raises(ValueError, match="another mode than the program it runs"):
         net2(x)
+
+
+class _ExportOnlyLossOrLogits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.drop, self.fc2 = nn.Linear(16, 32), nn.Dropout(0.5), nn.Linear(32, 4)
+
+    def forward(self, x, y=None):
+        b, *_ = x.shape  # torch.export captures it: no dropout module in the converted module
+        out = self.fc2(self.drop(F.relu(self.fc1(x)))).reshape(b, -1)
+        return out if y is None else F.cross_entropy(out, y)
+
+
+def test_another_call_on_a_torch_export_capture_follows_the_mode_of_modules_it_holds_none_of():
+    """Converted in eval mode for its loss call, on torch.export (which keeps no dropout module): after
+    ``gm.train()`` the logits call drops out, and after ``gm.eval()`` it does not and gives the model's logits."""
+    torch.manual_seed(0)
+    model = _ExportOnlyLossOrLogits().eval()
+    ref = _ExportOnlyLossOrLogits().eval()
+    ref.load_state_dict(model.state_dict())
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    gm = autocastfx.convert(model, (x, y), dtype=torch.float16)
+    assert "drop" not in dict(gm.named_modules())
+    gm.train()
+    torch.manual_seed(1)
+    first = gm(x)
+    torch.manual_seed(2)
+    assert not torch.equal(gm(x), first)  # dropout on
+    gm.eval()
+    torch.manual_seed(1)
+    first = gm(x)
+    torch.manual_seed(2)
+    assert torch.equal(gm(x), first)
+    torch.testing.assert_close(first, ref(x), rtol=0, atol=2e-3)

@@ -313,18 +313,21 @@ def module_state(mods: dict[str, nn.Module]) -> tuple:
 
 
 def apply_module_state(model: nn.Module, state: tuple) -> None:
-    """Give ``model``'s modules (the model on meta) the modes and settings of :func:`module_state` where it has a
-    module of that name with a setting of that name and type."""
-    mods = dict(model.named_modules())
-    for name, training, *settings in state:
-        m = mods.get(name)
-        if m is None:
-            continue
-        m.training = training
-        own = m.__dict__
-        for k, v in settings[0] if settings else ():
-            if k in own and type(own[k]) is type(v):
-                own[k] = v
+    """Give ``model``'s modules (the model on meta) the modes and settings of :func:`module_state`: a module of a
+    name the state has takes its mode and the settings it has of the same name and type; any other (a dropout a
+    torch.export capture holds no module for) the mode of its nearest parent, as ``train()`` would set it."""
+    given = {name: (training, settings[0] if settings else ()) for name, training, *settings in state}
+    modes: dict[str, bool] = {}
+    for name, m in model.named_modules():
+        if name in given:
+            training, settings = given[name]
+            own = m.__dict__
+            for k, v in settings:
+                if k in own and type(own[k]) is type(v):
+                    own[k] = v
+        else:
+            training = modes.get(name.rpartition(".")[0], m.training) if name else m.training
+        m.training = modes[name] = training
 
 
 def widened(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
