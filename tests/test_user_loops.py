@@ -1048,3 +1048,39 @@ def test_another_call_on_a_torch_export_capture_follows_the_mode_of_modules_it_h
     torch.manual_seed(2)
     assert torch.equal(gm(x), first)
     torch.testing.assert_close(first, ref(x), rtol=0, atol=2e-3)
+
+
+class _BNBlock(nn.Module):
+    def __init__(self, c=8):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return x + F.relu(self.bn(self.conv(x)))
+
+
+class _BNBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem, self.head = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8, 5)
+        self.layers = nn.ModuleList([_BNBlock(), _BNBlock()])
+
+    def forward(self, x):
+        h = self.stem(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h.mean((2, 3)))
+
+
+def test_converting_a_training_model_with_blocks_leaves_its_statistics_as_they_were():
+    """convert() of a model in training mode, its blocks converted as modules of their own, runs the model once to
+    learn what each block gives; the model's batch norms keep their running statistics (the converted module's
+    own) and their count, bit for bit."""
+    torch.manual_seed(0)
+    model = _BNBlocks().train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    gm = autocastfx.convert(model, (torch.randn(4, 3, 8, 8),), dtype=torch.float16, blocks="auto")
+    from autocastfx.base.meta import is_converted
+    assert all(is_converted(b) for b in gm.layers)  # each block a converted module of its own
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k

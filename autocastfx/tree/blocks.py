@@ -162,6 +162,20 @@ def _residual_template(unit: nn.Module, args: tuple, out: Any) -> Any:
         [FIRST if isinstance(t, torch.Tensor) else t for t in leaves], spec)
 
 
+@contextlib.contextmanager
+def _buffers_kept(block: nn.Module):
+    """Put ``block``'s buffers back as they were, the same tensors with the same values, after a run that may update
+    them (a batch norm in training mode updates the model's own running statistics)."""
+    kept = [(m, name, t, t.clone()) for m in block.modules() for name, t in m._buffers.items() if t is not None]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, name, t, value in kept:
+                m._buffers[name] = t
+                t.copy_(value)
+
+
 def _as_unit_gives(unit: nn.Module, block: nn.Module, args: tuple, kwargs: dict) -> Any:
     """What the converted block gives, for the rest of the one run: the model's block run in float32 (low kernels
     are slow where they are emulated, as on most CPUs, and only the dtypes and shapes matter here), its float
@@ -173,7 +187,8 @@ def _as_unit_gives(unit: nn.Module, block: nn.Module, args: tuple, kwargs: dict)
             for a in torch.utils._pytree.tree_leaves(out_node.args[0])]
     up = to_float32((args, kwargs))
     try:
-        out = block(*up[0], **up[1])
+        with _buffers_kept(block):  # the model's block runs in the model's modes: its statistics stay as they were
+            out = block(*up[0], **up[1])
     except Exception:  # noqa: BLE001 - the converted block then
         return unit(*args, **kwargs)
     leaves, spec = torch.utils._pytree.tree_flatten(out)
