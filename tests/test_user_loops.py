@@ -1084,3 +1084,33 @@ def test_converting_a_training_model_with_blocks_leaves_its_statistics_as_they_w
     assert all(is_converted(b) for b in gm.layers)  # each block a converted module of its own
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_a_step_saved_inside_an_accumulation_cycle_resumes_it(tmp_path):
+    """``step.state_dict()`` taken between the micro-batches of a cycle keeps their gradients: a step over a newly
+    converted model, loaded from it, makes the same updates as the step that went on. ``save_checkpoint`` there
+    (whose checkpoint loads on any number of processes, where one rank's gradients mean nothing) is a ValueError
+    and writes nothing."""
+    torch.manual_seed(0)
+    make = same_model(_mlp)[1]
+    x, y = _mlp_data().tensors
+
+    def new_step():
+        gm = autocastfx.convert(make(), (x[:8],), dtype=torch.float16)
+        return autocastfx.train_step(gm, F.cross_entropy, torch.optim.SGD(gm.parameters(), lr=0.5), accum_steps=2)
+
+    step = new_step()
+    for i in range(5):
+        step(x[8 * i:8 * i + 8], y[8 * i:8 * i + 8])
+    buf = io.BytesIO()
+    torch.save(step.state_dict(), buf)
+    with pytest.raises(ValueError, match="into an accumulation cycle of 2"):
+        autocastfx.save_checkpoint(step, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+    went_on = [float(step(x[:8], y[:8])) for _ in range(3)]
+    buf.seek(0)
+    resumed = new_step()
+    resumed.load_state_dict(torch.load(buf, weights_only=False))
+    assert [float(resumed(x[:8], y[:8])) for _ in range(3)] == went_on
+    for p, q in zip(step.gm.parameters(), resumed.gm.parameters()):
+        assert torch.equal(p, q)

@@ -63,11 +63,20 @@ def save_checkpoint(step, path: str | os.PathLike) -> None:
     parameters and buffers, the optimizer state by parameter name, the loss-scaler state.
 
     Args:
-        step: a step made by :func:`autocastfx.train_step` (or a :class:`CudaGraphStep`).
+        step: a step made by :func:`autocastfx.train_step` (or a :class:`CudaGraphStep`), at the end of an
+            accumulation cycle: its unfinished cycle's gradients are each rank's own and would be lost, so a save
+            in the middle of one is a ValueError, before anything is written (``step.state_dict()`` keeps them,
+            for the same number of processes).
         path: the checkpoint directory.
     """
     import torch.distributed.checkpoint as dcp
     step = getattr(step, "step", step)  # a CudaGraphStep: its eager step holds the state
+    done = step.micro % step.accum_steps
+    if done:
+        raise ValueError(
+            f"this step is {done} micro-batches into an accumulation cycle of {step.accum_steps}: their gradients "
+            "are not part of a checkpoint, and a resumed run would update without them. Save after the cycle's last "
+            "micro-batch (when step.micro % accum_steps == 0); nothing was written")
     dcp.save(_state(step), checkpoint_id=os.fspath(path))
 
 

@@ -109,6 +109,8 @@ class FSDP(Local):
         dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.group)
         return sq.sqrt()
 
+    grads_in_params = False
+
     def drop_unsynced_grads(self) -> None:
         """Forget the gradients of an unfinished accumulation cycle: with gradient sync off, FSDP2 keeps them
         unsharded inside its own parameter state, where setting ``.grad = None`` on the shards does not reach."""

@@ -92,6 +92,8 @@ class Local:
     def sync(self, last: bool):
         return contextlib.nullcontext()
 
+    grads_in_params = True  # an unfinished accumulation cycle's gradients are the parameters' .grad
+
     def drop_unsynced_grads(self) -> None:
         """Gradients held outside ``.grad`` by an unfinished accumulation cycle: none here."""
 
@@ -274,9 +276,23 @@ class TrainStep:
             "model": {k: v.clone() for k, v in self.gm.state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
             "micro": self.micro,
+            "grads": self.pending_grads(),
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         }
+
+    def pending_grads(self) -> dict[str, torch.Tensor]:
+        """The gradients of an unfinished accumulation cycle (``micro`` not a multiple of ``accum_steps``), by
+        parameter name: a resumed step adds the rest of the cycle to them. Empty at a cycle's end. ValueError where
+        they are not the parameters' own ``.grad`` (FSDP2 keeps them unsharded inside its state)."""
+        if self.micro % self.accum_steps == 0:
+            return {}
+        if not self.parallel.grads_in_params:
+            raise ValueError(
+                f"this step is {self.micro % self.accum_steps} micro-batches into an accumulation cycle of "
+                f"{self.accum_steps}, whose gradients FSDP2 holds in its own state: a checkpoint now would lose them. "
+                "Save after the cycle's last micro-batch (when step.micro % accum_steps == 0)")
+        return {n: p.grad.detach().clone() for n, p in self.gm.named_parameters() if p.grad is not None}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         missing = {"scaler", "model", "optimizer"} - set(sd)
@@ -289,6 +305,9 @@ class TrainStep:
         for p in self.all_params:  # gradients of this run's micro-batches are not the checkpoint's
             p.grad = None
         self.parallel.drop_unsynced_grads()
+        params = dict(self.gm.named_parameters())
+        for name, g in sd.get("grads", {}).items():  # the checkpoint's unfinished cycle, continued
+            params[name].grad = g.to(params[name].device).clone()
         if sd.get("rng") is not None:
             torch.set_rng_state(sd["rng"])
         if sd.get("cuda_rng") is not None and torch.cuda.is_available():
