@@ -443,6 +443,25 @@ class _Setting:
         self.__set__(obj, None)
 
 
+class _Constant(_Setting):
+    """A plain attribute of the model (a temperature, a residual scale), answered by the converted module and
+    refused on write as a held module's setting is: its forward read it while it was captured."""
+
+    def __init__(self, name: str, value: Any):
+        super().__init__(name)
+        self.value = value
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else self.value
+
+    def __set__(self, obj, value):
+        raise ValueError(
+            f"{self.name} is an attribute of the model ({self.name}={self.value!r}), a constant of the converted graph "
+            f"wherever the model's forward read it: setting it on the converted module changes nothing it computes. "
+            "Set it on the model and convert again (autocastfx.convert(model, ...); gm.state_dict() loads into the "
+            "model first if gm was trained)")
+
+
 def _warned(method: str):
     """``nn.Module``'s ``method`` (a hook registration), warning first that the hook never runs (:class:`_Held`)."""
     def register(self, hook, *args, **kwargs):
@@ -602,6 +621,8 @@ def add_model_surface(gm: nn.Module) -> None:
                 setattr(own, name, _refused(name) if name in _RESHAPING and callable(value) else value)
     for name, value in info.model_attrs.items():
         if not hasattr(base, name) and name not in gm.__dict__:
+            if name[0] != "_" and is_plain_setting(value):  # the graph holds what the model's code read of it
+                value = _Constant(name, value)
             setattr(own, name, staticmethod(value) if inspect.isfunction(value) else value)
     if hasattr(cls, "dtype") and not hasattr(base, "dtype"):
         own.dtype = property(lambda self: torch.float32)
