@@ -44,6 +44,7 @@ def test_export_loads_without_autocastfx_bit_identical(name, tmp_path):
 
 def test_save_load_round_trip_and_resume_training(tmp_path):
     gm, inputs = _convert("resnet")
+    gm.train()  # a module to train is saved in training mode: a loaded one runs the program it was saved in
     path = tmp_path / "m.acfx"
     save(gm, path)
     with zipfile.ZipFile(path) as z:  # version 2: the program holds the float32 parameters, nothing beside it
@@ -66,6 +67,15 @@ def test_save_load_round_trip_and_resume_training(tmp_path):
     step((x,), torch.tensor([1, 2]))
     moved = [n for n, p in g2.named_parameters() if not torch.equal(w0[n], p)]
     assert "stem.weight" in moved and "fc.weight" in moved
+    assert g2.training and meta["training"] is True
+    # saved after gm.eval(): the loaded module says so, and its eval program is refused for training
+    gm.eval()
+    save(gm, tmp_path / "eval.acfx")
+    g3 = load(tmp_path / "eval.acfx")
+    assert not any(m.training for m in g3.modules())
+    assert torch.equal(g3(*inputs), gm(*inputs))
+    with pytest.raises(autocastfx.StepError, match="saved after gm.eval"):
+        autocastfx.train_step(g3, F.cross_entropy, torch.optim.SGD(g3.parameters(), lr=0.1))
 
 
 def test_master_parameters_of_a_loaded_module_are_the_weights_its_program_casts_low(tmp_path):

@@ -1114,3 +1114,46 @@ def test_a_step_saved_inside_an_accumulation_cycle_resumes_it(tmp_path):
     assert [float(resumed(x[:8], y[:8])) for _ in range(3)] == went_on
     for p, q in zip(step.gm.parameters(), resumed.gm.parameters()):
         assert torch.equal(p, q)
+
+
+class _ScaledBlock(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.fc, self.scale = nn.Linear(d, d), 1.0
+
+    def forward(self, x):
+        return x + self.scale * F.gelu(self.fc(x))
+
+
+class _Tempered(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.inp, self.out, self.temp = nn.Linear(8, d), nn.Linear(d, 4), 1.0
+        self.layers = nn.ModuleList([_ScaledBlock(d) for _ in range(2)])
+
+    def forward(self, x):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.out(h) / self.temp
+
+
+@pytest.mark.parametrize("blocks", ["auto", None])
+def test_a_plain_attribute_the_forward_read_is_refused_on_the_converted_module(blocks):
+    """A model's plain attribute that its forward reads (a temperature, a block's residual scale) is a constant of
+    the converted graph: the converted module answers it, and writing it is a ValueError that says what to do,
+    instead of a value the graph never reads."""
+    torch.manual_seed(0)
+    model = _Tempered()
+    x = torch.randn(4, 8)
+    gm = autocastfx.convert(model, (x,), dtype=torch.float16, blocks=blocks)
+    out = gm(x)
+    assert gm.temp == 1.0
+    with pytest.raises(ValueError, match=r"temp is an attribute of the model \(temp=1.0\).*Set it on the model"):
+        gm.temp = 4.0
+    if blocks == "auto":
+        with pytest.raises(ValueError, match="scale is an attribute of the model"):
+            gm.layers[1].scale = 0.0
+    assert gm.temp == 1.0 and torch.equal(gm(x), out)
+    model.temp = 4.0  # on the model, converted again: followed
+    torch.testing.assert_close(autocastfx.convert(model, (x,), dtype=torch.float16, blocks=blocks)(x), out / 4)

@@ -24,6 +24,7 @@ OUTPUT_TYPE = "autocastfx_output_type"             # the model's output class, r
 MODES_READ = "autocastfx_modes_read"               # False: no module's .training read; "flags": only as ops' flags
 PROGRAM_KEYS = "autocastfx_program_keys"           # the programs laid over one another (programs; modes)
 CURRENT_PROGRAM = "autocastfx_current_program"     # the program of the model's mode (programs; converted.module.install)
+SAVED_MODE = "autocastfx_saved_mode"               # a module autocastfx.load made: the mode of its program
 PROGRAMS = "autocastfx_programs"                   # the union and one graph per mode (converted.module.install)
 SHARD = "autocastfx_shard"                         # what shard() did to a unit (sharding)
 OTHER_CALLS = "autocastfx_other_calls"             # conversions for calls of another structure (converted.calls)

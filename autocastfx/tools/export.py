@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from ..base import keys as K
 from ..base.meta import ConvertInfo, example_inputs_of, require_info
 from ..capture.torch_export import run_export
 from ..core.policy import OpClass, Policy
@@ -267,7 +268,7 @@ def save(gm: fx.GraphModule, path: str | os.PathLike, example_inputs: tuple | No
         "format": FORMAT, "version": VERSION, "torch": torch.__version__,
         "dtype": str(info.dtype).removeprefix("torch."), "capture": info.capture,
         "options": info.options.saved(), "policy": _policy_to_data(info.policy),
-        "report": report(gm).to_dict(),
+        "report": report(gm).to_dict(), "training": bool(gm.training),
     }
     with zipfile.ZipFile(os.fspath(path), "w", compression=zipfile.ZIP_STORED) as z:
         z.writestr("meta.json", json.dumps(meta))
@@ -325,6 +326,10 @@ def load(path: str | os.PathLike) -> fx.GraphModule:
                        absorbed=[], options=ConvertOptions(dtype=low, policy=policy, **meta["options"]),
                        extra_totals={"saved_report": Report(report_rows, meta["report"].get("totals", {}))})
     gm.meta["autocastfx"] = info
+    training = bool(meta.get("training", True))  # the program of the mode it was saved in, its only one
+    for m in gm.modules():
+        m.training = training
+    gm.meta[K.SAVED_MODE] = "train" if training else "eval"
     return gm
 
 

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from ..base import keys as K
 from ..converted import calls as _calls
 from .checks import InputChecker, StepError, check_grad_mode, signature, unique_by_id
 from . import heap as _heap
@@ -185,6 +186,11 @@ class TrainStep:
                  backoff_factor=0.5, growth_interval=2000, min_scale=1.0, hysteresis=1, on_overflow="skip",
                  max_retries=8, accum_steps=1, clip_grad_norm=None, parallel: Local | None = None):
         parallel, info = _parallel_and_info(model, parallel)
+        if getattr(parallel.gm, "meta", {}).get(K.SAVED_MODE) == "eval":
+            raise StepError("this module was loaded from a file saved after gm.eval(): its one program is the eval "
+                            "program (no dropout, batch-norm statistics not updated), and a loaded module cannot "
+                            "switch modes. Save it in training mode (gm.train(), then autocastfx.save) to train "
+                            "it, or train the converted module itself")
         mode, init_scale = _checked_options(info, loss_fn, optimizer, loss_scale, init_scale, on_overflow,
                                             max_retries, accum_steps, clip_grad_norm)
         self.model, self.gm, self.loss_fn, self.optimizer = model, parallel.gm, loss_fn, optimizer
