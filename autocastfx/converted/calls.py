@@ -218,7 +218,7 @@ class OtherCalls:
     pickled."""
 
     def __init__(self):
-        self.by_key: dict[tuple, nn.Module] = {}
+        self.by_key: dict[tuple, tuple[nn.Module, list]] = {}  # (call key, state) -> (module, its tensor holders)
         self.example_key: tuple | None = None
 
     def __deepcopy__(self, memo):
