@@ -282,18 +282,14 @@ def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict) -> nn.Module
     made = holder.by_key.get((key, state))
     if made is None:
         other = info.convert_call(gm, args, kwargs, state)
-        holders = [(name, m) for name, m in other.named_modules(remove_duplicate=False) if m._parameters or m._buffers]
+        holders = _weights.tensor_holders(other)
         if len(holder.by_key) >= MAX_OTHER_CONVERSIONS:
             del holder.by_key[next(iter(holder.by_key))]
         made = holder.by_key[(key, state)] = (other, holders)
     other, holders = made
     # again each call, from gm's modules now: a move or a load may have replaced the tensors, a same-class module
     # one of the modules
-    missing = [name for name, _ in holders if name not in mods]
-    if missing:
-        raise ValueError(f"the conversion for this call has a module {missing[0]!r} that the first conversion "
-                         "does not have")
-    _weights.share_tensors(gm, other, [(m, mods[name]) for name, m in holders])
+    _weights.share_tensors(gm, other, _weights.pair_modules(gm, other, mods, holders))
     return other
 
 

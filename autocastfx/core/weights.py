@@ -209,14 +209,19 @@ def _is_persistent(gm: nn.Module, name: str) -> bool:
 # A converted module converted again for a call of another structure (converted.calls.other_call) runs on the first's
 # tensors: the same Parameter objects (so training either trains both) and buffers.
 
-def pair_modules(main: nn.Module, other: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+def tensor_holders(other: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) for every module of ``other`` that holds parameters or buffers."""
+    return [(name, m) for name, m in other.named_modules(remove_duplicate=False) if m._parameters or m._buffers]
+
+
+def pair_modules(main: nn.Module, other: nn.Module, mains: dict[str, nn.Module] | None = None,
+                 holders: list[tuple[str, nn.Module]] | None = None) -> list[tuple[nn.Module, nn.Module]]:
     """What :func:`share_tensors` re-points: (module of ``other``, module of ``main`` at the same name) for every
-    module of ``other`` that holds tensors; ValueError naming the first that ``main`` lacks."""
-    mains = dict(main.named_modules(remove_duplicate=False))
+    module of ``other`` that holds tensors (``holders``, found where not given) in ``main``'s modules by name now
+    (``mains``, found where not given); ValueError naming the first that ``main`` lacks."""
+    mains = dict(main.named_modules(remove_duplicate=False)) if mains is None else mains
     pairs = []
-    for name, m in other.named_modules(remove_duplicate=False):
-        if not (m._parameters or m._buffers):
-            continue
+    for name, m in tensor_holders(other) if holders is None else holders:
         if name not in mains:
             raise ValueError(f"the conversion for this call has a module {name!r} that the first conversion "
                              "does not have")
