@@ -29,7 +29,7 @@ from .base.options import LOW_DTYPES, ConvertOptions
 from .base.runtime import no_recompile
 from .capture import inline as _inline
 from .capture.context import CaptureContext
-from .capture.programs import capture as capture_programs
+from .capture.programs import Captured, capture as capture_programs, derive_from_graph
 from .converted import calls as _calls
 from .converted import module as _module
 from .core import devices as _devices
@@ -321,32 +321,49 @@ def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: Con
     first becomes the dtype the block was converted for, no copy when it already is."""
     model_class, model_attrs = _model_surface(model)
     if isinstance(model, fx.GraphModule) and not _gemm_leaves(model):  # the graph is the program: converted as it is
-        gm, how, inlined, model_class, model_attrs = _reconvert(model, args, kwargs, ctx, model_class, model_attrs)
+        captured, model_class, model_attrs = _reconvert(model, args, kwargs, ctx, model_class, model_attrs)
+        gm = next(iter(captured.programs.values()))
     else:
         _check_params(model)
-        # the model in training mode and in eval mode, merged into one graph that every pass below sees; its
-        # opaque calls (torch.fx.wrap'd functions) traced by torch.export and inlined; propagated on the inputs
-        gm, how, inlined = capture_programs(model, args, kwargs, options.policy, ctx,
-                                            share_tensors=True)  # the model's own tensors: shared, not copied
+        # the model in training mode and in eval mode, each program its own graph module over the model's own
+        # tensors (shared, not copied); opaque calls (torch.fx.wrap'd functions) traced by torch.export and inlined;
+        # propagated on the inputs
+        captured = capture_programs(model, args, kwargs, options.policy, ctx, share_tensors=True)
         for _, unit in _weights.converted_units(model):  # converted blocks, shared: switched by the captures
             if unit is not model:
                 _module.follow_module_modes(unit)
+        gm = next(iter(captured.programs.values()))
+        modes_now = dict(model.named_modules())
+        for name, sub in gm.named_modules():  # each module in its model's module's mode
+            if name in modes_now:
+                sub.training = modes_now[name].training
         _module.adopt_model_classes(gm, model)  # the model's layer classes where the graph reads their tensors
+    graphs = {k: p.graph for k, p in captured.programs.items()}
+    one = len(graphs) == 1 or _modes.same_program(graphs)
+    programs = {captured.current: gm} if one else captured.programs
+    # what the mode changes, before the passes (whose plans may differ by mode too)
+    modes = _modes.describe({"both": gm.graph} if one else graphs, captured.found)
+    owners = set() if one else _modes.owner_names(graphs)
+    for key, p in programs.items():  # each mode's program planned on its own
+        if p is not gm:
+            object.__setattr__(p, "recompile", no_recompile)  # its graph runs in gm, which writes its code
+            run_passes(p, model, args, kwargs, options, meta_device=ctx.meta_device, entry_casts=entry_casts)
+            _rewrite.rebuild_output_type(p)
     with _one_recompile(gm):
         passed = run_passes(gm, model, args, kwargs, options, meta_device=ctx.meta_device, entry_casts=entry_casts)
         _keep_non_persistent(gm, model)
         gm.meta[K.CONVERTED] = ConvertInfo(
-            dtype=options.dtype, policy=options.policy, capture=how, plan=passed.plan,
+            dtype=options.dtype, policy=options.policy, capture=captured.how, plan=passed.plan,
             absorbed=passed.absorbed, source_params=names_by_id(model), model_class=model_class,
             model_attrs=model_attrs, call_signature=_calls.describe(args, kwargs),
             free_dims=_calls.free_dims(args, kwargs), options=options,
             extra_totals={**({"padding": passed.padding.totals()} if passed.padding is not None else {}),
                           "layout": passed.layout.totals(),
                           "shapes": gm.meta.get(K.PROPAGATED, "fake"),
-                          "modes": _modes.describe(gm),
-                          **({"opaque_calls": [str(d) for d in inlined]} if inlined else {})})
+                          "modes": modes,
+                          **({"opaque_calls": [str(d) for d in captured.decisions]} if captured.decisions else {})})
         _rewrite.rebuild_output_type(gm)
-        _module.install(gm)
+        _module.install(gm, programs, captured.current, owners)
     return gm
 
 
@@ -362,21 +379,42 @@ def _gemm_leaves(gm: fx.GraphModule) -> list[tuple[str, str]]:
 
 def _reconvert(model: fx.GraphModule, args: tuple, kwargs: dict, ctx: CaptureContext, model_class, model_attrs):
     """A graph module given to convert(): a copy of it, back to its float32 form where autocastfx converted it
-    (every mode's program, casts undone), propagated, its opaque calls inlined; its tensors are ``model``'s own."""
+    (each mode's program, casts undone), propagated, its opaque calls inlined; its tensors are ``model``'s own.
+    Returns (captured programs, the model's class and attributes)."""
     gm, how = copy.deepcopy(model, {id(t): t for t in _tensors(model)}), "graph module"
     info = gm.meta.get(K.CONVERTED)
+    found = "captures"
     if info is not None:
         how = info.capture
         model_class, model_attrs = info.model_class, info.model_attrs
-        _modes.restore_union(gm)         # every mode's program, as the passes saw them
-        _rewrite.undo(gm)
+        kept = gm.meta.pop(K.PROGRAMS, None)
         del gm.meta[K.CONVERTED]
-    _check_params(gm)
-    propagate(gm, args, kwargs, meta_device=ctx.meta_device)
-    inlined = _inline.inline_opaque_calls(gm)  # torch.fx.wrap'd functions: traced by torch.export, inlined
-    if any(d.inlined for d in inlined):
-        propagate(gm, args, kwargs, meta_device=ctx.meta_device)
-    return gm, how, inlined, model_class, model_attrs
+        if kept is not None:  # every mode's program, each a graph module over the copy's tensors
+            programs = {k: gm if g is gm.graph else _over(gm, g) for k, g in kept.graphs.items()}
+            current = next(k for k, g in kept.graphs.items() if g is gm.graph)
+        else:
+            programs, current = {"given": gm}, "given"
+    else:
+        programs, current = derive_from_graph(gm)
+        found = "flags"
+    programs = {current: programs[current], **{k: p for k, p in programs.items() if k != current}}
+    decisions = []
+    for p in programs.values():
+        _rewrite.undo(p)
+        _check_params(p)
+        propagate(p, args, kwargs, meta_device=ctx.meta_device)
+        found_calls = _inline.inline_opaque_calls(p)  # torch.fx.wrap'd functions: traced by torch.export, inlined
+        if any(d.inlined for d in found_calls):
+            propagate(p, args, kwargs, meta_device=ctx.meta_device)
+        decisions += found_calls
+    return Captured(programs, current, how, decisions, found), model_class, model_attrs
+
+
+def _over(gm: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
+    """A graph module running a copy of ``graph`` over ``gm``'s modules and tensors."""
+    out = fx.GraphModule(gm, copy.deepcopy(graph), type(gm).__name__)
+    out.meta.update({k: v for k, v in gm.meta.items() if k != K.CONVERTED})
+    return out
 
 
 _MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"forward"}

@@ -176,8 +176,10 @@ def test_attention_dropout_probability_follows_the_mode():
     x = torch.randn(2, 8, 16)
     gm = autocastfx.convert(Attn().eval(), (x,))
     (node,) = modes.mode_nodes(gm)  # eval mode: the probability is 0.0, and 0.5 in the training program
-    assert node.kwargs["dropout_p"] == 0.0 and node.meta[modes.MODE_ARGS] == {modes.TRAIN: {}} or \
-        node.meta[modes.MODE_ARGS][modes.EVAL] == {"dropout_p": 0.0}
+    assert node.kwargs["dropout_p"] == 0.0
+    programs = gm.meta["autocastfx_programs"]
+    (train_node,) = [n for n in programs.graphs[modes.TRAIN].nodes if n.target is node.target]
+    assert train_node.kwargs["dropout_p"] == 0.5  # the training program's own
     assert torch.equal(gm(x), gm(x))
     gm.train()
     assert not torch.equal(gm(x), gm(x))
@@ -415,7 +417,7 @@ def test_mixed_modes_run_as_given_then_all_train_or_all_eval(blocks):
     x = torch.randn(16, 6, 16)
     gm = autocastfx.convert(model, (x,), blocks=blocks)
     if blocks is None:
-        assert set(gm.meta["autocastfx_program_keys"]) == {modes.TRAIN, modes.EVAL, modes.GIVEN}
+        assert set(gm.meta["autocastfx_programs"].graphs) == {modes.TRAIN, modes.EVAL, modes.GIVEN}
     else:  # each block converted in its own mode, the tree as given
         assert [b.training for b in gm.blocks] == [True, False, True] and gm.training
 
@@ -501,7 +503,8 @@ def test_a_model_that_reads_no_mode_is_captured_once():
     model, (x,) = small_models.example("resnet")
     gm = autocastfx.convert(model, (x,))
     assert autocastfx.report(gm).totals["modes"]["differences"] == []
-    assert "autocastfx_programs" not in gm.meta and gm.meta["autocastfx_modes_read"] is False
+    assert "autocastfx_programs" not in gm.meta
+    assert autocastfx.report(gm).totals["modes"]["how"].startswith("one program for both modes")
 
 
 class OwnSwitch(nn.Module):
@@ -555,8 +558,8 @@ class _EvalDoesNotRun(_Head):
 
 
 def test_an_eval_program_that_does_not_run_leaves_the_training_program_whole():
-    """The merge joined the two programs' outputs; falling back to the training program alone gives its output
-    back before erasing what the merge added (this raised 'Tried to erase Node by_mode ... still had users')."""
+    """An eval capture that does not run on the example inputs: every program derived from the training capture,
+    with a warning, and the training program as captured."""
     torch.manual_seed(0)
     model = _EvalDoesNotRun()
     x = torch.randn(8, 16)

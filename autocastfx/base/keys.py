@@ -10,22 +10,14 @@ CONVERTED = "autocastfx"                           # gm.meta: the ConvertInfo of
 INFO = "autocastfx_info"                           # TensorInfo of the value (propagate; read by every pass)
 FLOPS = "autocastfx_flops"                         # FLOPs of the op, counted once (flops; padding, report)
 LAYOUT = "autocastfx_layout"                       # why a layout-changing node was inserted (layout)
-MODE = "autocastfx_mode"                           # a flag that follows gm.training (modes.record)
-MEMBERS = "autocastfx_members"                     # the programs a node belongs to (programs.merge; modes)
-MODE_ARGS = "autocastfx_mode_args"                 # {program: {position: value}} where an argument differs
-BY_MODE = "autocastfx_by_mode"                     # {program: index of its value} on a by_mode node
 INLINED_FROM = "autocastfx_inlined_from"           # the wrapped function an inlined node came from (inline)
 
 # gm.meta
 BLOCK = "autocastfx_block"                         # a converted block: name, inputs' dtypes, whence its plan
 PROPAGATED = "autocastfx_propagate"                # "fake" or "real (...)": how shapes were found (propagate)
-CAPTURED_TRAINING = "autocastfx_captured_training"  # captured in training mode (trace; modes.record)
 OUTPUT_TYPE = "autocastfx_output_type"             # the model's output class, rebuilt at the end (trace; rewrite)
-MODES_READ = "autocastfx_modes_read"               # False: no module's .training read; "flags": only as ops' flags
-PROGRAM_KEYS = "autocastfx_program_keys"           # the programs laid over one another (programs; modes)
-CURRENT_PROGRAM = "autocastfx_current_program"     # the program of the model's mode (programs; converted.module.install)
 SAVED_MODE = "autocastfx_saved_mode"               # a module autocastfx.load made: the mode of its program
-PROGRAMS = "autocastfx_programs"                   # the union and one graph per mode (converted.module.install)
+PROGRAMS = "autocastfx_programs"                   # one graph per mode (core.modes.Programs; converted.module.install)
 SHARD = "autocastfx_shard"                         # what shard() did to a unit (sharding)
 OTHER_CALLS = "autocastfx_other_calls"             # conversions for calls of another structure (converted.calls)
 PACKED = "autocastfx_packed"                       # a layer converted for packed sequences: its sizes (tree.packed)

@@ -23,11 +23,13 @@ from ..base import keys as K
 from ..base.meta import is_converted, is_plain_setting, original_class
 from ..base.quiet import warn_user
 from ..core import weights as _weights
-from ..core.modes import EVAL, GIVEN, MEMBERS, MODE_ARGS, TRAIN, ModeArg, Programs, owner_names, set_node, split
+from ..base.meta import fetch
+from ..core.modes import EVAL, GIVEN, TRAIN, Programs
 
 
 def set_mode(gm: fx.GraphModule, mode: bool) -> fx.GraphModule:
-    """Switch the marked flags and the leaf modules to ``mode``; recompile only when a flag changed."""
+    """Run the program of ``mode`` (where the programs differ) and switch every module's flag, as
+    ``nn.Module.train`` does."""
     if not isinstance(mode, bool):
         raise ValueError(f"training mode is expected to be boolean, got {type(mode).__name__}")
     programs: Programs | None = gm.meta.get(K.PROGRAMS)
@@ -35,17 +37,7 @@ def set_mode(gm: fx.GraphModule, mode: bool) -> fx.GraphModule:
         key = TRAIN if mode else EVAL
         if programs.current != key:
             _run_program(gm, programs, key)
-        nn.Module.train(gm, mode)
-        return gm
-    changed = False
-    for node in gm.graph.nodes:
-        mark: ModeArg | None = node.meta.get(K.MODE)
-        if mark is not None:
-            changed |= set_node(node, mark, mode)
-    if changed:
-        _keep_wrapped_call(type(gm))
-        gm.recompile()
-    nn.Module.train(gm, mode)  # leaf modules (call_module nodes) and every .training flag
+    nn.Module.train(gm, mode)
     return gm
 
 
@@ -628,8 +620,11 @@ def add_model_surface(gm: nn.Module) -> None:
         own.dtype = property(lambda self: torch.float32)
 
 
-def install(gm: fx.GraphModule) -> None:
-    """Give ``gm`` working ``train()``/``eval()``, replacing torch.export's methods that raise."""
+def install(gm: fx.GraphModule, programs: dict[str, fx.GraphModule] | None = None, current: str | None = None,
+            owners: set[str] = frozenset()) -> None:
+    """Give ``gm`` its class (working ``train()``/``eval()``, the call, the model's surface), replacing torch.export's
+    methods that raise; with more than one of ``programs`` (by mode, ``gm`` among them), a graph per mode over
+    ``gm``'s tensors, running the one of ``current``, the modes of ``owners`` (module names) checked at each call."""
     base = next(c for c in type(gm).__mro__ if c.__qualname__.split(".")[-1] != "GraphModuleImpl")
     if not issubclass(base, _Switchable):
         if base not in _BASES:
@@ -639,24 +634,50 @@ def install(gm: fx.GraphModule) -> None:
     gm.__dict__.pop("eval", None)
     gm.__class__ = type("GraphModuleImpl", (base,), {})  # GraphModule keeps forward on a class of its own
     add_model_surface(gm)
-    keys = gm.meta.get(K.PROGRAM_KEYS)
-    current = gm.meta.pop(K.CURRENT_PROGRAM, None)
-    if keys and _programs_differ(gm.graph, keys):  # one graph per mode; run the one of the model's mode
-        union = gm.graph
-        graphs = {k: split(union, k) for k in keys}
-        owners = {}
-        for name in owner_names(union, keys):
+    if programs and len(programs) > 1:
+        graphs = {k: p.graph if p is gm else _adopt(gm, p) for k, p in programs.items()}
+        kept = {}
+        for name in owners:
             try:
-                owners[name] = gm.get_submodule(name).training
+                kept[name] = gm.get_submodule(name).training
             except AttributeError:  # a module the graph module does not keep: nothing to check
                 pass
-        gm.meta[K.PROGRAMS] = Programs(union, graphs, current, owners=owners)
+        gm.meta[K.PROGRAMS] = Programs(graphs, current, owners=kept)
         gm.graph = graphs[current]
     gm.recompile()
 
 
-def _programs_differ(graph: fx.Graph, keys) -> bool:
-    """Whether any node belongs to some programs only or has arguments of its own per program: where none does
-    (every mode-dependent op is a leaf module that switches by itself), the union is the one graph to run."""
-    every = frozenset(keys)
-    return any(n.meta.get(MEMBERS, every) != every or MODE_ARGS in n.meta for n in graph.nodes)
+def _stateless_twins(a, b) -> bool:
+    """Two graph modules that run the same code on no state of their own (torch.export's ``_guards_fn``)."""
+    return (isinstance(a, fx.GraphModule) and isinstance(b, fx.GraphModule) and a.code == b.code
+            and not any(True for _ in a.parameters()) and not any(True for _ in a.buffers())
+            and not any(True for _ in b.parameters()) and not any(True for _ in b.buffers()))
+
+
+def _adopt(gm: fx.GraphModule, other: fx.GraphModule) -> fx.Graph:
+    """``other``'s graph, reading ``gm``'s attributes: what ``other`` holds under a name where ``gm`` holds something
+    else (a capture's own constant, a module of its own) is given to ``gm`` under a new name."""
+    for n in other.graph.nodes:
+        if n.op not in ("get_attr", "call_module"):
+            continue
+        theirs, mine = fetch(other, n.target), fetch(gm, n.target, None)
+        if theirs is mine or (isinstance(theirs, torch.Tensor) and isinstance(mine, torch.Tensor)
+                              and theirs.shape == mine.shape and theirs.dtype == mine.dtype
+                              and theirs.device == mine.device and (mine.is_meta or torch.equal(theirs, mine))) \
+                or _stateless_twins(theirs, mine):
+            continue
+        base = str(n.target).replace(".", "_") + "_mode"
+        name, i = base, 0
+        while fetch(gm, name, None) is not None:
+            i += 1
+            name = f"{base}{i}"
+        if isinstance(theirs, nn.Module):
+            gm.add_submodule(name, theirs)
+        elif isinstance(theirs, nn.Parameter):
+            gm.register_parameter(name, theirs)
+        elif isinstance(theirs, torch.Tensor):
+            gm.register_buffer(name, theirs, persistent=False)
+        else:
+            setattr(gm, name, theirs)
+        n.target = name
+    return other.graph

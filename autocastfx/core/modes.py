@@ -1,20 +1,17 @@
-"""train() and eval() on every converted module, whatever captured it.
+"""train() and eval() on every converted module, whatever captured it: one program per mode.
 
 A captured graph bakes the mode the model was in: ``torch.export`` writes ``aten.dropout(x, p, True)`` and
-``aten.batch_norm(..., True, ...)`` with literal flags (and its ``ep.module()`` refuses ``.train()``/``.eval()``
-outright), and symbolic tracing writes ``F.dropout(x, p, training=True)`` for a ``training=self.training``
-argument. Leaf modules (nn.Dropout, nn.BatchNorm2d as ``call_module`` nodes) switch by themselves.
+``aten.batch_norm(..., True, ...)`` with literal flags, and symbolic tracing writes ``F.dropout(x, p, training=True)``
+for a ``training=self.training`` argument (leaf modules such as nn.Dropout, as ``call_module`` nodes, switch by
+themselves). So a converted module holds a program per mode (:class:`Programs`), each captured (``capture.programs``)
+and planned on its own, and ``gm.train()``/``gm.eval()`` swap them (``converted.module``).
 
-The model is captured from a copy in training mode (``capture.capture``), so every flag that comes from
-``self.training`` reads True in the graph and an attention's ``dropout_p=p if self.training else 0.0`` shows
-its ``p``. :func:`record` marks those nodes (a literal ``training=False`` is left alone; a literal
-``training=True`` cannot be told from ``self.training`` and follows the mode too), then gives each one the mode
-of the module that issued it (``nn_module_stack``), so a frozen batch norm in a training model stays frozen.
-The converted module's ``train(mode)``/``eval()`` (``converted.module.set_mode``) set the marked flags
-(:func:`set_node`), stop or restart the ``num_batches_tracked`` increment that export writes beside each batch
-norm, and recompile, then switch the leaf modules as ``nn.Module.train`` does. PyTorch's own helpers for
-exported programs (``move_exported_model_to_train/eval``, now in ``torchao.quantization.pt2e``) are the same idea
-on patterns; here it is on flags.
+Where a mode's program is not captured (only torch's own dropout and batch-norm modules read the mode, or a capture
+in that mode fails), it is derived from a capture (:func:`derived`): the nodes whose flag, dropout probability,
+batch-norm target or statistics counter came from ``self.training`` (:func:`flag_marks`; a literal
+``training=True`` cannot be told from ``self.training`` and follows the mode too) are set for that mode, each to
+its own module's mode in the program of the modes as given. PyTorch's helpers for exported programs
+(``move_exported_model_to_train/eval``, in ``torchao.quantization.pt2e``) are the same idea on patterns.
 """
 from __future__ import annotations
 
@@ -101,36 +98,12 @@ def _get(node: fx.Node, index: int, keyword: str):
     return None
 
 
-def record(gm: fx.GraphModule, model: nn.Module) -> int:
-    """Mark the mode-dependent nodes of a freshly captured graph, then give the graph the modes ``model`` has
-    (module by module); returns how many nodes were marked.
-
-    A graph captured from a training-mode copy (``capture`` does that where it can) has every flag that came
-    from ``self.training`` set to True; otherwise each flag is compared with its own module's mode."""
-    if gm.meta.get(K.PROGRAM_KEYS):  # one program per mode: nothing to mark, modules take the model's
-        _copy_module_modes(gm, model)
-        return 0
-    captured_training = gm.meta.pop(K.CAPTURED_TRAINING, None)
-    marks = _marks(gm, lambda node: True if captured_training else _owner_training(node, model))
-    for node, mark in marks.items():
-        node.meta[K.MODE] = mark
-    # the modes the model has, module by module (a frozen batch norm in a training model stays frozen)
-    for node in gm.graph.nodes:
-        if K.MODE in node.meta:
-            set_node(node, node.meta[K.MODE], _owner_training(node, model))
-    _copy_module_modes(gm, model)
-    gm.recompile()
-    return len(marks)
-
-
 def _marks(gm: fx.GraphModule, mode_at_capture) -> dict[fx.Node, ModeArg]:
     """The nodes whose training flag, dropout probability, batch-norm target or statistics counter came from the
     mode (``mode_at_capture(node)``: the mode the node's module was captured in), not yet marked."""
     marks: dict[fx.Node, ModeArg] = {}
     for node in gm.graph.nodes:
         mark = None
-        if K.MODE in node.meta:  # marked at an earlier capture (a converted module converted again)
-            continue
         if node.op == "call_function" and node.target in _FLAGS:
             index, keyword = _FLAGS[node.target]
             value = _get(node, index, keyword)
@@ -160,44 +133,6 @@ def _marks(gm: fx.GraphModule, mode_at_capture) -> dict[fx.Node, ModeArg]:
     return marks
 
 
-def flags_as_programs(gm: fx.GraphModule, model: nn.Module, keys: tuple[str, ...], owners: set[str],
-                      check: bool = False) -> int:
-    """Make a training capture whose only mode-dependent nodes are the flags the modules ``owners`` (names in
-    ``model``) issued themselves (see :func:`_marks`) the union of the programs ``keys``, as
-    ``capture.programs.merge`` would have made it from a capture per mode: each flag's value noted per program,
-    the statistics counter in the programs that update statistics only. ``GIVEN``: each node in the mode
-    ``model``'s module that issued it is in. Returns how many nodes differ; ``check``: only whether every owner
-    issued one (0 where one did not), changing nothing."""
-    marks = {n: m for n, m in _marks(gm, lambda node: True).items() if issuer_path(n) in owners}
-    if check:
-        return len(marks) if {issuer_path(n) for n in marks} == set(owners) else 0
-    every = frozenset(keys)
-    for node in gm.graph.nodes:
-        node.meta[MEMBERS] = every
-    for node, mark in marks.items():
-        off = [k for k in keys if k == EVAL or (k == GIVEN and not _owner_training(node, model))]
-        if mark.kind == "counter":
-            node.meta[MEMBERS] = every - set(off)
-            continue
-        if mark.kind == "swap":
-            diff = {"target": mark.eval_target}
-        else:
-            value = False if mark.kind == "flag" else mark.eval_value
-            where = mark.keyword if mark.keyword in node.kwargs or mark.index >= len(node.args) else mark.index
-            diff = {where: value}
-        if off:
-            node.meta[MODE_ARGS] = {k: dict(diff) for k in off}
-    gm.meta[K.PROGRAM_KEYS] = tuple(keys)
-    return len(marks)
-
-
-def _copy_module_modes(gm: fx.GraphModule, model: nn.Module) -> None:
-    originals = dict(model.named_modules())
-    for name, sub in gm.named_modules():
-        if name in originals:
-            sub.training = originals[name].training
-
-
 def set_node(node: fx.Node, mark: ModeArg, mode: bool) -> bool:
     """Write one node's mode; True if it changed."""
     if mark.kind == "swap":
@@ -225,55 +160,26 @@ def set_node(node: fx.Node, mark: ModeArg, mode: bool) -> bool:
     return True
 
 
-def mode_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    """The nodes of the running graph whose behaviour follows ``gm.training`` (for the report and tests): those
-    that belong to some programs only or whose arguments differ between them, or the marked flags of a module
-    converted from one capture."""
-    keys = gm.meta.get(K.PROGRAM_KEYS)
-    if not keys:
-        return [n for n in gm.graph.nodes if K.MODE in n.meta]
-    every = frozenset(keys)
-    return [n for n in gm.graph.nodes if n.op != "output"
-            and ((n.meta.get(MEMBERS) is not None and n.meta[MEMBERS] != every) or MODE_ARGS in n.meta)]
-
-
 # ----------------------------------------------------------------------------------------------------------
-# Modes by behaviour: one program per mode, planned together.
+# One program per mode, each planned on its own.
 #
-# The model is captured once in training mode and once in eval mode (and once more as it is, when its modules
-# are in mixed modes). Whatever differs between those captures is what depends on the mode, whatever wrote it:
-# a ``training=`` flag, a wrapped function's argument, a hand-written drop-path (``if not self.training:
-# return x``), an ``if self.training`` branch. What is the same in both (weight standardisation's
-# ``batch_norm(weight, None, None, training=True)``) is not mode-dependent, however it is spelled.
-#
-# :func:`merge` lays the programs over one another in one graph, the union: a node of the second program that
-# computes what a node of the first computes (same op, same inputs) is that node; one whose only difference is
-# a flag or a probability (a bool or float argument, a batch norm that updates its statistics or not) is that
-# node with its argument noted per mode; anything else is added, marked as belonging to its program alone.
-# Outputs that differ are joined by a ``by_mode`` node. Every pass of the conversion (padding, layout, the cast
-# plan, the weights) runs once on the union, so both programs share one plan, one set of parameters and
-# buffers. ``converted.module.install`` then cuts the union into one graph per mode, and
-# ``gm.train()``/``gm.eval()`` swap graphs.
+# The model is captured in training mode and in eval mode (and as it is, when its modules are in mixed modes):
+# whatever differs between those captures is what depends on the mode, whatever wrote it (a ``training=`` flag, a
+# hand-written drop-path, an ``if self.training`` branch). Where only torch's own dropout and batch-norm modules
+# read the mode, or where a mode cannot be captured, a program is derived from a capture instead, its marked flags
+# set for that mode (:func:`derived`). Every pass runs on each program on its own; the converted module holds their
+# graphs over the same parameters and buffers, and ``gm.train()``/``gm.eval()`` swap graphs
+# (``converted.module``).
 
 TRAIN, EVAL, GIVEN = "train", "eval", "given"
-MEMBERS = K.MEMBERS
-MODE_ARGS = K.MODE_ARGS
-BY_MODE = K.BY_MODE
-
-
-def by_mode(*values):
-    """Stands, in the union of the programs, for a value that differs between them (see :func:`merge`); the
-    per-mode graphs never contain it. As a function it gives the first program's value."""
-    return values[0]
 
 
 @dataclasses.dataclass
 class Programs:
-    """What ``gm.meta[K.PROGRAMS]`` holds: the union the passes ran on, and a graph per mode."""
-    union: fx.Graph
+    """What ``gm.meta[K.PROGRAMS]`` holds: a graph per mode, over the converted module's tensors."""
     graphs: dict[str, fx.Graph]
     current: str
-    # each program's forward as written the first time it ran (see _switch_graph), and whether a switch is
+    # each program's forward as written the first time it ran (see converted.module), and whether a switch is
     # recompiling (a recompile of anyone else drops them)
     code: dict[str, dict] = dataclasses.field(default_factory=dict, repr=False)
     switching: bool = False
@@ -282,107 +188,174 @@ class Programs:
     owners: dict[str, bool] = dataclasses.field(default_factory=dict)
 
 
-def owner_names(graph: fx.Graph, keys: tuple[str, ...]) -> set[str]:
-    """The names of the modules (not the root) that issued a node which differs between the programs ``keys``."""
-    every = frozenset(keys)
-    return {p for n in graph.nodes if n.op != "output"
-            and ((n.meta.get(MEMBERS) is not None and n.meta[MEMBERS] != every) or MODE_ARGS in n.meta)
-            for p in (issuer_path(n),) if p}
+def mode_of(key: str, node: fx.Node, model: nn.Module) -> bool:
+    """The mode ``node`` runs in within the program ``key``: the module's own (as ``model`` has it) for GIVEN."""
+    return {TRAIN: True, EVAL: False}.get(key, None) if key != GIVEN else _owner_training(node, model)
 
 
-def split(graph: fx.Graph, key: str) -> fx.Graph:
-    """The graph of one program: the union's nodes that belong to it, and the nodes passes made that it reads;
-    its arguments as that program wrote them; ``by_mode`` nodes resolved."""
-    nodes = list(graph.nodes)
-    keep: set[fx.Node] = set()
-
-    def reads(user: fx.Node, n: fx.Node) -> bool:
-        if user.target is by_mode and BY_MODE in user.meta:
-            return user.args[user.meta[BY_MODE].get(key, 0)] is n
-        return True
-
-    for n in reversed(nodes):
-        members = n.meta.get(MEMBERS)
-        if n.op == "output" or (members is not None and key in members):
-            keep.add(n)
-        elif members is None and (any(u in keep and reads(u, n) for u in n.users)
-                                  or (not n.users and n.op != "placeholder" and n.is_impure())):
-            keep.add(n)
-    g = fx.Graph(tracer_cls=graph._tracer_cls)
-    g._codegen = copy.copy(graph._codegen)  # its pytree specs are read, never written
-    env: dict[fx.Node, fx.Node] = {}
-    for n in nodes:
-        if n not in keep:
-            continue
-        if n.target is by_mode and BY_MODE in n.meta:
-            env[n] = env[n.args[n.meta[BY_MODE].get(key, 0)]]
-            continue
-        new = g.node_copy(n, lambda a: env[a])
-        for pos, value in n.meta.get(MODE_ARGS, {}).get(key, {}).items():
-            if pos == "target":
-                new.target = value
-            elif isinstance(pos, int):
-                new.args = new.args[:pos] + (value,) + new.args[pos + 1:]
-            else:
-                new.kwargs = {**new.kwargs, pos: value}
-        env[n] = new
-    g.lint()
-    return g
+def flag_marks(gm: fx.GraphModule, mode_at_capture=None, owners: set[str] | None = None) -> dict[fx.Node, ModeArg]:
+    """The flags of ``gm`` that came from the mode (see :func:`_marks`; ``mode_at_capture`` defaults to training),
+    only those issued by ``owners`` (module names) where given."""
+    marks = _marks(gm, mode_at_capture or (lambda node: True))
+    if owners is None:
+        return marks
+    return {n: m for n, m in marks.items() if issuer_path(n) in owners}
 
 
-def differences(graph: fx.Graph, keys: tuple[str, ...]) -> list[str]:
-    """Where the programs differ, one line per module and program (the nodes it wrote that only some programs
-    have), and one per node whose flag or probability differs."""
-    lines: list[str] = []
-    groups: dict[tuple[str, frozenset], list[str]] = {}
-    every = frozenset(keys)
+def derived(gm: fx.GraphModule, marks: dict[fx.Node, ModeArg], key: str, model: nn.Module,
+            copy_graph: bool = True) -> fx.GraphModule:
+    """The program ``key`` made from the capture ``gm`` by setting its marked flags for that mode: a new graph
+    module over ``gm``'s modules and tensors, or ``gm`` itself, changed in place, where not ``copy_graph``."""
+    if copy_graph:
+        graph = copy.deepcopy(gm.graph)
+        twin = dict(zip(gm.graph.nodes, graph.nodes))
+        out = fx.GraphModule.__new__(fx.GraphModule, gm, graph, type(gm).__name__)
+        object.__setattr__(out, "recompile", lambda: None)  # no code until it runs, in the converted module
+        out.__init__(gm, graph, type(gm).__name__)
+        out.__dict__.pop("recompile")
+        out.meta.update(gm.meta)
+    else:
+        out, twin = gm, {n: n for n in gm.graph.nodes}
+    for node, mark in marks.items():
+        mode = mode_of(key, node, model)
+        if mark.kind == "counter" and not mode and not twin[node].users:  # no statistics kept: no count either
+            out.graph.erase_node(twin[node])
+        else:
+            set_node(twin[node], mark, mode)
+    return out
+
+
+def _arg_list(n: fx.Node) -> list[tuple]:
+    """(position or keyword, value) of each argument of ``n``: an aten op's by its schema, defaults written out (one
+    capture writes ``sdpa(q, k, v, mask, 0.1)`` where another leaves ``dropout_p`` to its default)."""
+    schema = getattr(n.target, "_schema", None)
+    if schema is None:
+        return [*enumerate(n.args), *n.kwargs.items()]
+    out = []
+    for i, a in enumerate(schema.arguments):
+        if a.name in n.kwargs:
+            out.append((i, n.kwargs[a.name]))
+        elif i < len(n.args) and not a.kwarg_only:
+            out.append((i, n.args[i]))
+        elif a.has_default_value():
+            out.append((i, a.default_value))
+    return out
+
+
+def _flags(n: fx.Node) -> tuple:
+    """The arguments of ``n`` that may differ between modes without changing a shape: flags and probabilities."""
+    return tuple((p, a) for p, a in _arg_list(n) if isinstance(a, (bool, float)))
+
+
+def _target_name(n: fx.Node) -> str:
+    t = n.target
+    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+
+
+def _calls_by_place(graph: fx.Graph) -> tuple[dict[tuple, list[fx.Node]], dict[fx.Node, tuple]]:
+    """The graph's calls by (issuing module, target), in order, and each node's name for comparing programs: its
+    place and index there (an input or an attribute by its own name); the casts and layout changes passes made
+    left out (they follow from the plan, not from the mode)."""
+    places: dict[tuple, list[fx.Node]] = {}
+    ids: dict[fx.Node, tuple] = {}
     for n in graph.nodes:
-        if n.op == "output" or (n.target is by_mode and BY_MODE in n.meta):
+        if n.op in ("placeholder", "get_attr"):
+            ids[n] = (n.op, str(n.target))
             continue
-        members = n.meta.get(MEMBERS)
-        where = module_path(n) or "the model's own forward"
-        if members is not None and members != every:
-            groups.setdefault((where, members), []).append(n.name)
-        for key, diff in n.meta.get(MODE_ARGS, {}).items():
-            what = getattr(n.target, "__name__", str(n.target))
-            args = ", ".join(f"{'argument ' + str(p) if isinstance(p, int) else p} "
-                             f"{_arg(n, p)} in {keys[0]}, {getattr(v, '__name__', v)} in {key}"
-                             for p, v in diff.items())
-            lines.append(f"{n.name} ({what}, in {where}): {args}")
+        if n.op == "output":
+            continue
+        decision = n.meta.get("autocastfx")
+        if getattr(decision, "kind", None) == "cast" or K.LAYOUT in n.meta:
+            ids[n] = ids.get(n.args[0], ("cast",)) if n.args and isinstance(n.args[0], fx.Node) else ("cast",)
+            continue
+        place = (module_path(n) or "", _target_name(n))
+        ids[n] = (place, len(places.setdefault(place, [])))
+        places[place].append(n)
+    return places, ids
+
+
+def _signature(n: fx.Node, ids: dict[fx.Node, tuple]) -> list:
+    return [(p, fx.node.map_arg(a, lambda x: ids.get(x, ("?",))) if not isinstance(a, (bool, float)) else "flag")
+            for p, a in _arg_list(n)]
+
+
+def differing(graphs: dict[str, fx.Graph]) -> tuple[list[str], dict[str, set[fx.Node]]]:
+    """Where the programs differ: one line per module and set of programs for the calls only those programs make,
+    one per call whose flags or probabilities differ, one per call whose other arguments differ; and, per program,
+    its nodes that differ."""
+    keys = list(graphs)
+    found = {k: _calls_by_place(g) for k, g in graphs.items()}
+    nodes: dict[str, set[fx.Node]] = {k: set() for k in keys}
+    groups: dict[tuple[str, frozenset], list[str]] = {}
+    lines: list[str] = []
+    first_key = keys[0]
+    for place in dict.fromkeys(p for k in keys for p in found[k][0]):
+        lists = {k: found[k][0].get(place, []) for k in keys}
+        common = min(len(v) for v in lists.values())
+        where = place[0] or "the model's own forward"
+        for k, v in lists.items():  # the calls some programs make more of
+            if len(v) > common:
+                members = frozenset(j for j in keys if len(lists[j]) > common)
+                if k == min(members, key=keys.index):
+                    groups.setdefault((where, members), []).extend(n.name for n in v[common:])
+                nodes[k].update(v[common:])
+        for i in range(common):  # the calls all make: by their flags, then by their other arguments
+            first = lists[first_key][i]
+            base, base_sig = dict(_flags(first)), _signature(first, found[first_key][1])
+            for k in keys[1:]:
+                other = lists[k][i]
+                theirs = dict(_flags(other))
+                diff = {p: v for p, v in theirs.items()
+                        if p not in base or base[p] != v or type(base[p]) is not type(v)}
+                if diff:
+                    args = ", ".join(f"{'argument ' + str(p) if isinstance(p, int) else p} {base.get(p)} in {first_key}, "
+                                     f"{v} in {k}" for p, v in diff.items())
+                    lines.append(f"{first.name} ({_target_name(first)}, in {where}): {args}")
+                elif _signature(other, found[k][1]) != base_sig:
+                    lines.append(f"{first.name} ({_target_name(first)}, in {where}): other inputs in {k}")
+                else:
+                    continue
+                nodes[first_key].add(first)
+                nodes[k].add(other)
     for (where, members), names in groups.items():
-        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        shown = ", ".join(names[:16]) + (f" and {len(names) - 16} more" if len(names) > 16 else "")
         lines.append(f"in {where}, {' and '.join(sorted(members))} only: {shown}")
-    return lines
+    return lines, nodes
 
 
-def _arg(n: fx.Node, pos):
-    if pos == "target":
-        return getattr(n.target, "__name__", n.target)
-    return n.args[pos] if isinstance(pos, int) else n.kwargs.get(pos)
+def same_program(graphs: dict[str, fx.Graph]) -> bool:
+    """Whether every program is the same code (then one graph serves every mode)."""
+    codes = {g.python_code("self").src for g in graphs.values()}
+    return len(codes) == 1
 
 
-def restore_union(gm: fx.GraphModule) -> None:
-    """Put the union back in place of the per-mode graph (to convert a converted module again)."""
-    programs = gm.meta.pop(K.PROGRAMS, None)
-    if programs is not None:
-        gm.meta[K.CURRENT_PROGRAM] = programs.current
-        gm.graph = programs.union
+def owner_names(graphs: dict[str, fx.Graph]) -> set[str]:
+    """The modules (not the root) that issued a node which differs between the programs."""
+    _, nodes = differing(graphs)
+    return {p for ns in nodes.values() for n in ns for p in (issuer_path(n),) if p}
 
 
-def describe(gm: fx.GraphModule) -> dict:
-    """For the report: how train and eval differ in this converted module, node by node."""
-    keys = gm.meta.get(K.PROGRAM_KEYS)
-    if keys and gm.meta.get(K.MODES_READ) is False:
-        return {"how": "one program for both modes: the model's code read no training flag while it was "
-                       "captured (its dropout and batch norms are modules that switch by themselves)",
+def mode_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes of the running program that another mode's program does not have, or has with other flags (for
+    the report and tests)."""
+    programs = gm.meta.get(K.PROGRAMS)
+    if programs is None:
+        return []
+    running = next((k for k, g in programs.graphs.items() if g is gm.graph), programs.current)
+    found = differing(programs.graphs)[1][running]
+    return [n for n in gm.graph.nodes if n in found]
+
+
+def describe(graphs: dict[str, fx.Graph], how: str) -> dict:
+    """For the report: how the programs were found (``how``), and where they differ."""
+    if len(graphs) == 1:
+        return {"how": "one program for both modes: the model's code read no training flag while it was captured "
+                       "(its dropout and batch norms, if any, are modules that switch by themselves)",
                 "differences": []}
-    if keys and gm.meta.get(K.MODES_READ) == "flags":
-        return {"how": f"one program per mode ({', '.join(keys)}) from one capture: only torch's dropout and "
-                       "batch-norm modules read the mode, as their ops' flags",
-                "differences": differences(gm.graph, tuple(keys))}
-    if keys:
-        return {"how": f"one program per mode ({', '.join(keys)}), captured and planned together",
-                "differences": differences(gm.graph, tuple(keys))}
-    return {"how": "one program; these flags follow gm.train()/gm.eval()",
-            "differences": [f"{n.name} ({getattr(n.target, '__name__', n.target)}): {n.meta['autocastfx_mode'].kind}"
-                            for n in mode_nodes(gm)]}
+    keys = ", ".join(graphs)
+    text = {"flags": f"one program per mode ({keys}) from one capture: only torch's dropout and batch-norm modules "
+                     "read the mode, as their ops' flags",
+            "captures": f"one program per mode ({keys}), each captured and planned on its own"}.get(
+        how, f"one program per mode ({keys}), from one capture because {how}: the dropout and batch-norm flags "
+             "it recognises follow the mode, and other mode-dependent code keeps the form it was captured in")
+    return {"how": text, "differences": differing(graphs)[0]}

@@ -1,8 +1,7 @@
 """The passes over one captured graph, in the order they run: ``run_passes``.
 
 Each pass is a function of its own file; this one only says in which order they run and why. The graph module
-comes from capture (a model's training and eval programs merged into one graph, every value's TensorInfo
-recorded); what comes back is the plan and what the passes decided, for ``ConvertInfo``.
+comes from capture (one program of the model, in one mode, every value's TensorInfo recorded); what comes back is the plan and what the passes decided, for ``ConvertInfo``.
 """
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ from ..base import keys as K
 from ..base.meta import TensorInfo
 from ..base.options import ConvertOptions
 from . import layout as _layout
-from . import modes as _modes
 from . import padding as _padding
 from . import plan as _plan
 from . import rewrite as _rewrite
@@ -41,7 +39,6 @@ def run_passes(gm: fx.GraphModule, model: nn.Module, args: tuple, kwargs: dict, 
     holds are left for the plan to choose, and each input is cast on entry to the dtype it was planned for.
     ``meta_device``: the model is on meta (see ``propagate``)."""
     policy, dtype = options.policy, options.dtype
-    _modes.record(gm, model)  # a module of one program: flags from self.training follow gm.train()/eval()
     absorbed = _rewrite.absorb_casts(gm)  # the model's own casts, where the plan decides dtypes instead
     layout = _layout.plan_layout(gm, options.memory_format)  # before padding: its gate depends on the layout
     pad_plan = None

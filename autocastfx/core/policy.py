@@ -101,7 +101,7 @@ FOLLOW_OPS = _names("""
     as_strided expand_copy permute_copy view_copy clamp_min clamp_max nan_to_num
     ones zeros empty full arange rand randn randint scalar_tensor linspace eye tensor
     sym_size size dim numel _assert_scalar sym_constrain_range_for_size getattr stochastic_depth _patch_merging_pad
-    bernoulli uniform normal exponential geometric cauchy log_normal random by_mode
+    bernoulli uniform normal exponential geometric cauchy log_normal random
 """)
 
 # name of the dtype cast ops that the pass absorbs (float -> float casts only)

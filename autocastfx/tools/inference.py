@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils.fusion import fuse_conv_bn_weights
 
-from ..core import modes as _modes, rewrite as _rewrite
+from ..core import rewrite as _rewrite
 from ..base import keys as K
 from ..base.meta import fetch, require_info
 
@@ -66,13 +66,8 @@ def float32_eval_program(gm: fx.GraphModule) -> fx.GraphModule:
     """The converted module's eval program as a plain float32 graph module (casts out), on copies of its tensors."""
     g = copy.deepcopy(gm)
     g.eval()
-    programs = g.meta.pop(K.PROGRAMS, None)
-    g.meta.pop(K.PROGRAM_KEYS, None)
-    if programs is not None:
+    if g.meta.pop(K.PROGRAMS, None) is not None:
         g.graph = copy.deepcopy(g.graph)  # the eval program alone
-    for n in g.graph.nodes:
-        n.meta.pop(_modes.MEMBERS, None)
-        n.meta.pop(_modes.MODE_ARGS, None)
     _rewrite.undo(g)
     del g.meta["autocastfx"]
     return g
