@@ -1154,3 +1154,177 @@ def test_a_plain_attribute_the_forward_read_is_refused_on_the_converted_module(b
     assert gm.temp == 1.0 and torch.equal(gm(x), out)
     model.temp = 4.0  # on the model, converted again: followed
     torch.testing.assert_close(autocastfx.convert(model, (x,), dtype=torch.float16, blocks=blocks)(x), out / 4)
+
+
+class _MovingAverage(nn.Module):
+    """A buffer the forward keeps as a moving average of its activations, and a step counter (a VQ-VAE codebook's
+    statistics, a warm-up count): updated in place, in training mode only."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.register_buffer("avg", torch.zeros(16))
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.training:
+            self.avg.mul_(0.9).add_(h.detach().mean(0), alpha=0.1)
+            self.count.add_(1)
+        else:
+            h = h - self.avg
+        return self.head(F.relu(h))
+
+
+def test_a_buffer_the_forward_updates_in_place_is_updated_at_every_call():
+    """Symbolic tracing runs an update of the model's own tensors at once, with no node (its inputs are no traced
+    value): the converted module never made it again (count 1 after 20 calls, set by convert() itself; the
+    average a running sum, 1.28 off). Such a model is captured by torch.export, and convert() leaves the
+    buffers as they were."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    model = _MovingAverage()
+    ref = _MovingAverage()
+    ref.load_state_dict(model.state_dict())
+    gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    assert int(model.count) == 0 and not model.avg.any()  # convert() made no update
+    assert gm.meta["autocastfx"].capture == "torch.export"
+    for _ in range(20):
+        gm(x)
+        ref(x)
+    assert int(gm.count) == int(ref.count) == 20
+    torch.testing.assert_close(gm.avg, ref.avg, rtol=2e-2, atol=2e-3)
+    fresh = _MovingAverage()
+    fresh.load_state_dict(gm.state_dict())  # the counter and the average are in the checkpoint
+    gm.eval()
+    ref.eval()
+    with torch.no_grad():
+        assert torch.allclose(gm(x).float(), ref(x), rtol=5e-2, atol=5e-2)
+
+
+class _Noise(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.training:
+            h = h + torch.randn(8)  # drawn from no input
+        return self.head(h)
+
+
+class _OneDrawDropPath(_Noise):
+    def forward(self, x):
+        h = self.fc(x)
+        if self.training:
+            h = h * (torch.rand(1) > 0.5).float() / 0.5  # one draw for the whole batch
+        return self.head(x + h)
+
+
+@pytest.mark.parametrize("cls", [_Noise, _OneDrawDropPath])
+def test_a_random_draw_from_no_input_is_drawn_at_every_call(cls):
+    """Symbolic tracing ran ``torch.randn(8)`` once and kept its draw as a constant: every training step got the
+    same noise, and a drop path decided by one draw kept its first decision. Such a draw is now an op of the
+    graph, made at each call, the same numbers as the model's for the same seed."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    model = cls()
+    gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    outs, want = [], []
+    for seed in range(6):
+        torch.manual_seed(seed)
+        outs.append(gm(x).detach().float())
+        torch.manual_seed(seed)
+        want.append(model(x).detach())
+    assert len({round(o.sum().item(), 3) for o in outs}) > 1
+    for o, w in zip(outs, want):
+        assert torch.allclose(o, w, rtol=5e-2, atol=5e-2)
+
+
+class _Branch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y * 0.5 if self.training else y + 1.0
+
+
+class _TwoBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = _Branch(), _Branch(), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.b(F.relu(self.a(x))))
+
+
+def test_torch_compile_of_the_converted_module_follows_the_mode_of_a_module_its_code_reads():
+    """``torch.compile(gm)`` guarded on the root's mode alone: with ``gm.b`` frozen again after each
+    ``gm.train()`` (as docs/training.md says), it kept running the program it compiled first (6.306 where the
+    model gives -0.123, or the other way round). It now guards on the mode of every module whose mode the
+    programs hold."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    model = _TwoBranches()
+    model.b.eval()
+    gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = torch.compile(gm, backend="eager")
+    with torch.no_grad():
+        for frozen in (False, True, False, True):
+            for net in (model, gm):
+                net.train()
+                if frozen:
+                    net.b.eval()
+            want = model(x)
+            assert torch.allclose(gm(x).float(), want, rtol=2e-2, atol=2e-2)
+            assert torch.allclose(compiled(x).float(), want, rtol=2e-2, atol=2e-2), frozen
+
+
+def test_checkpoint_blocks_moves_batch_norm_statistics_once_a_step():
+    """torch's checkpoint runs a block's forward again in backward, and a batch norm there updated its running
+    statistics a second time (num_batches_tracked 10 after 5 steps, the eval output 0.125 off). The recompute
+    now gives the block's buffers back: the statistics are the plain run's."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn, self.fc = nn.BatchNorm1d(16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            return x + self.fc(F.relu(self.bn(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Block() for _ in range(2)])
+            self.head = nn.Linear(16, 3)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16) + 2.0, torch.randint(0, 3, (8,))
+    base = Net()
+
+    def run(checkpointed):
+        net = Net()
+        net.load_state_dict(base.state_dict())
+        gm = autocastfx.convert(net, (x,), dtype=torch.bfloat16)
+        if checkpointed:
+            autocastfx.checkpoint_blocks(gm)
+        opt = torch.optim.SGD(gm.parameters(), lr=0.05)
+        for _ in range(5):
+            F.cross_entropy(gm(x).float(), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return gm.state_dict()
+
+    plain, checkpointed = run(False), run(True)
+    assert int(checkpointed["layers.0.bn.num_batches_tracked"]) == 5
+    for k, v in plain.items():
+        assert torch.equal(v, checkpointed[k]), k

@@ -8,6 +8,7 @@ from typing import Any, Iterable
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core.policy import Policy
 from ..base.errors import one_line, CaptureError
@@ -83,8 +84,10 @@ def capture_graph(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, c
         return capture_export(model, args, kwargs, ctx, check=check, reads=reads)
     try:
         tracer = ModelTracer(policy)
-        with watch_training(model, reads):
+        with watch_training(model, reads), _RealOps(model) as real:
             graph = tracer.trace(model)
+        if real.why is not None:
+            raise CaptureError(real.why)
         gm = _graph_module(tracer.root, graph, model.__class__.__name__, compile_code)
         if tracer.output_type is not None:
             gm.meta[K.OUTPUT_TYPE] = tracer.output_type
@@ -98,6 +101,57 @@ def capture_graph(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, c
             raise CaptureError(f"cannot trace {type(model).__name__} in this mode: {one_line(e)}") from e
         trace_error = e
     return capture_export(model, args, kwargs, ctx, trace_error, reads=reads)
+
+
+# random ops: where symbolic tracing runs one for real (its arguments are no traced value), its draw would be a
+# constant of the graph
+_RANDOM = frozenset(getattr(torch.ops.aten, n) for n in (
+    "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli", "bernoulli_",
+    "normal", "normal_", "uniform_", "exponential_", "geometric_", "cauchy_", "log_normal_", "random_",
+    "multinomial", "native_dropout", "poisson") if hasattr(torch.ops.aten, n))
+
+
+class _RealOps(TorchDispatchMode):
+    """What the model's code computes for real while symbolic tracing runs it: an op whose inputs are no traced
+    value runs at once and leaves no node, its result a constant of the graph. Noted (``why``): a random draw
+    (``h + torch.randn(8)``, a layer drop decided by ``torch.rand(()).item()``), which would be the same draw at
+    every call, and an in-place update of the model's own tensors (a buffer kept as a moving average, a step
+    counter), which would be made once, now, and never again. The tensors so updated are given back their values
+    on leaving. Either sends the capture to torch.export, which records both as ops."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.own = {id(t) for t in itertools.chain(model.parameters(), model.buffers())}
+        self.storages = {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())
+                         if not t.is_meta and t.untyped_storage().data_ptr()}
+        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.why: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func._overloadpacket in _RANDOM and self.why is None:
+            self.why = (f"its code draws random numbers ({func._overloadpacket.__name__}) from no input, which "
+                        "symbolic tracing would fix as one draw")
+        if func._schema.is_mutable:
+            for arg, value in zip(func._schema.arguments, itertools.chain(args, kwargs.values())):
+                if arg.alias_info is not None and arg.alias_info.is_write and self._owns(value):
+                    self.saved.append((value, value.detach().clone()))
+                    if self.why is None:
+                        self.why = (f"its code updates a tensor of its own in place ({func._overloadpacket.__name__}), "
+                                    "which symbolic tracing would do once, while tracing")
+        return func(*args, **kwargs)
+
+    def _owns(self, t) -> bool:
+        if not isinstance(t, torch.Tensor):
+            return False
+        return id(t) in self.own or (not t.is_meta and t.untyped_storage().data_ptr() in self.storages)
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        with torch.no_grad():
+            for t, value in reversed(self.saved):  # the first value saved is the one before the trace
+                t.copy_(value)
+        return out
 
 
 def _graph_module(root: nn.Module, graph: fx.Graph, name: str, compile_code: bool) -> fx.GraphModule:

@@ -207,6 +207,9 @@ class _Switchable(_GuardsChildren):
         if programs is not None and programs.owners:
             if torch.compiler.is_compiling():  # run at every call, outside the compiled code: it may switch programs
                 _check_owner_modes_eagerly(self, programs)
+                for m in self.__dict__["_autocastfx_owners"][1]:  # each one's mode read where the compiler traces:
+                    if m.training:                                # it guards on them, as on the root's mode
+                        pass
             else:
                 _check_owner_modes(self, programs)
         info = self.__dict__.get("meta", {}).get("autocastfx")

@@ -9,13 +9,14 @@ to a transformer's layers:
   use_reentrant=False, preserve_rng_state=True)``. Backward keeps only each block's inputs and recomputes the
   block's activations when it reaches the block; the random number generator's state is saved at the forward
   and restored for the recompute, so a dropout draws the same mask twice and the losses and weights are those
-  of the plain run, bit for bit.
+  of the plain run, bit for bit. The block's buffers get back after the recompute the values they had before
+  it, so a batch norm's running statistics move once a step, as in the plain run.
 - :func:`compile_blocks`: ``block.compile(**kwargs)`` (``nn.Module.compile``) on each block, in place.
 
 How the checkpoint is put in: the block's class is swapped for a subclass whose ``__call__`` runs the block's
 own ``__call__`` (its hooks, its forward, its compiled code where :func:`compile_blocks` compiled it) under the
 checkpoint. The root's graph calls the block module as before, so nothing in the root changes. The subclass is
-made the way autocastfx.core.modes makes the converted module's class (a GraphModule keeps its generated
+made the way autocastfx.converted.module makes the converted module's class (a GraphModule keeps its generated
 ``forward`` on a class of its own per instance), so ``copy.deepcopy`` (GraphModule's deepcopy rebuilds the
 instance's class over the first class in its MRO that is not a ``GraphModuleImpl``: the subclass),
 ``state_dict``, ``train()``/``eval()`` (a converted block switches its own graphs) and FSDP2's ``fully_shard``
@@ -27,6 +28,7 @@ the block runs as before.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Iterable
 
@@ -49,7 +51,26 @@ class _Recomputed:
             return call(*args, **kwargs)
         if kwargs:
             call = functools.partial(call, **kwargs)
-        return _checkpoint.checkpoint(call, *args, use_reentrant=False, preserve_rng_state=True)
+        return _checkpoint.checkpoint(call, *args, use_reentrant=False, preserve_rng_state=True,
+                                      context_fn=functools.partial(_contexts, self))
+
+
+def _contexts(block: nn.Module):
+    """The checkpoint's forward as it is, and its recompute in backward with the block's buffers given back the
+    values they had before it: a batch norm's statistics (and any buffer the block's forward updates) move once a
+    step, as without the checkpoint; torch's checkpoint alone would update them again in the recompute."""
+    return contextlib.nullcontext(), _buffers_kept(block)
+
+
+@contextlib.contextmanager
+def _buffers_kept(block: nn.Module):
+    saved = [(b, b.detach().clone()) for b in block.buffers()] if block.training else []
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
 
 
 _CLASSES: dict[type, type] = {}  # original class -> its checkpointed subclass (made once per class)
