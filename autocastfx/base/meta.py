@@ -1,7 +1,5 @@
-"""The vocabulary every layer shares: what a value is (TensorInfo), what a converted module carries
-(ConvertInfo) and how to tell one, the names of the things a capture records.
-
-Nothing here imports another part of autocastfx but its siblings in ``base``.
+"""The vocabulary every layer shares: what a value is (TensorInfo), what a converted module carries (ConvertInfo)
+and how to tell one. Nothing here imports another part of autocastfx but its siblings in ``base``.
 """
 from __future__ import annotations
 
@@ -24,12 +22,8 @@ _RAISE = object()
 
 
 def fetch(module: Any, target: str, missing: Any = _RAISE) -> Any:
-    """The attribute a ``get_attr`` node's dotted ``target`` names (``"layers.0.weight"``), read from ``module``.
-
-    Returns:
-        The attribute; ``missing`` where a part of the path is absent, or, with no ``missing`` given, an
-        AttributeError naming the whole target.
-    """
+    """The attribute a ``get_attr`` node's dotted ``target`` names, read from ``module``; ``missing`` where a part
+    of the path is absent, or, with no ``missing`` given, an AttributeError naming the whole target."""
     obj = module
     for part in str(target).split("."):
         obj = getattr(obj, part, _RAISE)
@@ -41,16 +35,14 @@ def fetch(module: Any, target: str, missing: Any = _RAISE) -> Any:
 
 
 def is_plain_setting(v: Any) -> bool:
-    """A module setting's kind of value: a number, a string, a flag, None, a dtype or device, or a tuple or list of
-    them."""
+    """Whether ``v`` is a number, string, flag, None, dtype or device, or a tuple or list of them."""
     if isinstance(v, (tuple, list)):
         return all(is_plain_setting(x) for x in v)
     return v is None or isinstance(v, (bool, int, float, str, torch.dtype, torch.device))
 
 
 def original_class(module: Any) -> type:
-    """The module's own class: the one it had before a capture watched its reads (capture.watch swaps it for a
-    subclass meanwhile)."""
+    """The module's own class, also while capture.watch has swapped in a watching subclass."""
     return type(module).__dict__.get(WATCHED_CLASS, type(module))
 
 
@@ -136,23 +128,21 @@ class ConvertInfo:
     absorbed: list[str]
     options: ConvertOptions
     extra_totals: dict[str, Any] = dataclasses.field(default_factory=dict)
-    # id() of each parameter of the model convert() was given -> its names: a tied weight's other names
-    source_params: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict, repr=False)  # all names
-    # the model's class and its plain attributes (a config, sizes): the converted module answers the model's
-    # own methods and attributes through them (modes._add_model_surface)
+    # id(parameter) of the model convert() was given -> all its names (a tied weight has several)
+    source_params: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict, repr=False)
+    # the model's class and plain attributes (a config, sizes), to answer its own methods (modes._add_model_surface)
     model_class: type | None = dataclasses.field(default=None, repr=False)
     model_attrs: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
-    # the inputs of the call the graph was captured for (calls.describe): a call of another shape is refused
-    # with both named
+    # the inputs of the captured call (calls.describe): a call of another shape is refused with both named
     call_signature: tuple = ()
-    # (flat input index, dims) of the example's sizes free to vary (batch, sequence length): marked maybe-dynamic
-    # before a compiled call, so torch.compile does not recompile for a new batch size (calls.free_dims)
+    # (flat input index, dims) free to vary (batch, sequence length): marked maybe-dynamic before a compiled call,
+    # so torch.compile does not recompile for a new batch size (calls.free_dims)
     free_dims: tuple = ()
-    # the model on the meta device (no memory): a call that fails is run on it with meta copies of its inputs,
-    # so that the model's own checks (an assert on the sequence length) raise their own message (calls.py)
+    # the model on the meta device: a failing call is rerun on it with meta inputs, so the model's own checks
+    # (an assert on the sequence length) raise their own message (calls.py)
     checks: Any = dataclasses.field(default=None, repr=False)  # converted.calls.ModelChecks
-    # (converted module, args, kwargs) -> the model converted for that call, its tensors shared (api): a call of
-    # another structure (targets given where the example had none) is converted on first use (converted.calls)
+    # (converted module, args, kwargs) -> the model converted for that call, tensors shared (api): a call of another
+    # structure (targets given where the example had none) is converted on first use (converted.calls)
     convert_call: Any = dataclasses.field(default=None, repr=False)
 
 

@@ -13,17 +13,13 @@ SAVED = ("pad_multiple", "keep_io_types", "memory_format")
 
 @dataclasses.dataclass(frozen=True)
 class ConvertOptions:
-    """The options of one ``convert()`` call, as the passes read them (``info.options`` of a converted module).
+    """The options of one ``convert()`` call (``info.options`` of a converted module), built once ``convert()`` has
+    checked every value (api._check_inputs, layout.check_memory_format).
 
-    ``dtype``        the low dtype (torch.float16 or torch.bfloat16), resolved from ``"auto"``/``None``
-                     (core.devices); read by the plan, padding's cost model, the weights, the blocks' run
-    ``policy``       the frozen ``autocastfx.Policy``: op classes and overrides (core.plan, padding, capture)
-    ``pad_multiple`` 1 turns padding off (core.padding)
-    ``keep_io_types`` outputs in the model's dtypes (core.plan, rewrite)
-    ``memory_format`` "auto", "channels_last" or "preserve" (core.layout)
-    ``blocks``       "auto", a list of names, or None: converted block by block (tree)
-
-    Built by ``convert()`` after it has checked every value (api._check_inputs, layout.check_memory_format)."""
+    ``dtype``: the low dtype, resolved from ``"auto"``/``None`` (core.devices). ``policy``: the frozen
+    ``autocastfx.Policy``. ``pad_multiple``: 1 turns padding off. ``keep_io_types``: outputs in the model's dtypes.
+    ``memory_format``: "auto", "channels_last" or "preserve" (core.layout). ``blocks``: "auto", a list of names, or
+    None: converted block by block (tree)."""
     dtype: torch.dtype = torch.float16
     policy: Any = None
     pad_multiple: int = 8

@@ -22,11 +22,10 @@ _TORCH_INTERNAL_WARNINGS = (
 )
 
 
-# The filters and logger levels below are the process's, shared by every thread. warnings.catch_warnings and a
-# saved-and-restored level are not thread-safe (CPython's documentation of catch_warnings says so: two threads that
-# enter and leave in an interleaved order leave the first one's state behind for good). So the first caller in
-# installs them, the last one out removes exactly what was installed, under one lock: nothing outlives the calls,
-# whatever the threads do meanwhile; another thread's torch-internal messages are hidden while a conversion runs.
+# Warning filters and logger levels are the process's. warnings.catch_warnings and a saved-and-restored level are
+# not thread-safe (CPython's documentation: threads entering and leaving interleaved leave one's state behind).
+# So under one lock the first caller in installs them and the last one out removes exactly what was installed;
+# meanwhile another thread's torch-internal messages are hidden too.
 _LOCK = threading.Lock()
 _ACTIVE: dict[str, list] = {"warnings": [], "logs": []}   # per kind: [depth, what was installed or saved]
 _QUIET_LOGGERS = {"torch.fx.experimental.symbolic_shapes": logging.ERROR, "torch._export": logging.ERROR,
@@ -45,8 +44,7 @@ def _install_warnings() -> list:
 
 def _remove_warnings(ours: list) -> None:
     warnings.filters[:] = [f for f in warnings.filters if not any(f is o for o in ours)]
-    # the per-module caches of what was shown are stale now: what filterwarnings itself calls, else a public call
-    # that makes it run (a filter no message matches, added and taken out again)
+    # invalidate the per-module caches of what was shown: what filterwarnings calls, else a public call that does it
     mutated = getattr(warnings, "_filters_mutated", None)
     if mutated is not None:
         mutated()
@@ -106,8 +104,7 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
-    """``warnings.warn`` pointing at the first frame outside autocastfx: the user's line that called it, however
-    deep in the conversion the warning is found."""
+    """``warnings.warn`` pointing at the first frame outside autocastfx, however deep the warning is found."""
     level, frame = 2, sys._getframe(1)  # stacklevel 1 is this function, 2 its caller
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep):
         frame, level = frame.f_back, level + 1

@@ -1,19 +1,12 @@
 """The model around its converted blocks, captured by torch.export: one graph, each block a ``call_module``.
 
-A model whose forward ``symbolic_trace`` cannot follow (Hugging Face models: their Python branches on
-configuration objects, builds caches and masks) is captured by ``torch.export``, which traces through every
-module and gives one flat graph. To keep the converted blocks as modules of their own, the model is exported
-with each block's call signature preserved (``preserve_module_call_signature``) and unflattened
-(``torch.export.unflatten``): the unflattened root calls each block as a ``call_module`` with the block's own
-arguments (the hidden state positional, masks and rotary tables as keywords), and every other submodule
-(embeddings, the final norm, the head) is a nested ``InterpreterModule``. :func:`graph_around` inlines those
-into one graph, evaluates the pytree packing around each block call away (the arguments become the call's
-own arguments, the result is taken apart with ``getitem``) and calls the converted blocks in place of the
-exported ones, so that the rest of the conversion plans the root as it plans a traced one.
-
-While the model is exported each converted block stands in as itself with float32 results
-(:class:`_Float32Results`): the code around the blocks is traced as the model wrote it, in float32, and the
-plan of the root then decides where the blocks' low results are cast.
+For models ``symbolic_trace`` cannot follow (Hugging Face models branch on configuration objects, build caches
+and masks). The model is exported with each block's call signature preserved (``preserve_module_call_signature``)
+and unflattened (``torch.export.unflatten``); :func:`graph_around` inlines the other submodules into one graph,
+evaluates the pytree packing around each block call away and calls the converted blocks in place of the exported
+ones, so the root is planned as a traced one is. During the export each block stands in as
+:class:`_Float32Results`: the code around the blocks is traced in float32, and the root's plan decides where the
+blocks' low results are cast.
 """
 from __future__ import annotations
 
@@ -41,12 +34,10 @@ class AroundError(RuntimeError):
 
 
 class _Float32Results(ReadsThrough):
-    """A converted block as torch.export sees it while the model around it is exported: only its signature and
-    its result's structure, shapes and dtypes matter there (the block's code is not kept). A block whose every
-    result has its first input's shape (a residual block: a decoder layer) gives copies of that input, so the
-    export does not trace the block at all; otherwise the model's
-    float32 block it was converted from runs (its code as the model wrote it), or, where that is not known,
-    the converted block with its low results given back in float32."""
+    """A converted block as torch.export sees it: only its signature and its result's structure, shapes and dtypes
+    matter. A block whose every result has its first input's shape (a decoder layer) gives copies of that input, so
+    the export does not trace it; otherwise the float32 block it was converted from runs, or, where that is not
+    known, the converted block with its low results given back in float32."""
 
     def __init__(self, unit: nn.Module, sources: Mapping[int, tuple]):
         super().__init__()
@@ -83,10 +74,9 @@ class _Float32Results(ReadsThrough):
 
 def export_around(model: nn.Module, args: tuple, kwargs: dict, units: dict[str, nn.Module], export,
                   sources: Mapping[int, tuple]) -> fx.GraphModule:
-    """``model`` (holding the converted blocks ``units`` by qualified name) as one graph module whose graph calls
-    each block; ``export(model, args, kwargs, preserve)`` is the caller's torch.export; ``sources``: what stands
-    in for each block meanwhile (:class:`CaptureContext`). The model is left as it
-    was. Raises AroundError where torch.export cannot keep a block's signature."""
+    """``model`` (holding the converted blocks ``units`` by qualified name) as one graph module that calls each block,
+    the model left as it was. ``export(model, args, kwargs, preserve)`` is the caller's torch.export; ``sources``:
+    what stands in for each block meanwhile. Raises AroundError where torch.export cannot keep a block's signature."""
     parents = {}
     for name, unit in units.items():
         parent, _, key = name.rpartition(".")
@@ -120,10 +110,9 @@ def export_around(model: nn.Module, args: tuple, kwargs: dict, units: dict[str, 
 
 @contextlib.contextmanager
 def _meta_state(ep):
-    """Meanwhile the program's parameters, buffers and constants are meta tensors (tied ones still one tensor):
-    ``torch.export.unflatten`` clones every one it reads, which would be a second copy of the model's weights
-    per export (two per conversion, the training and the eval program). Yields name -> the real tensor, which
-    :func:`_share_model_tensors` puts back."""
+    """Make the program's parameters, buffers and constants meta tensors meanwhile (tied ones stay one):
+    ``torch.export.unflatten`` clones every one it reads, a second copy of the model's weights per export.
+    Yields name -> the real tensor, which :func:`_share_model_tensors` puts back."""
     state, constants = ep.state_dict, ep.constants
     memo: dict[int, Any] = {}
 
@@ -170,11 +159,10 @@ def _share_model_tensors(flat: nn.Module, sources: dict) -> None:
 
 
 def _release(ep) -> None:
-    """Drop what ties the exported program to its unflattened module: unflatten puts that module (the
-    model's own parameters and buffers, the blocks' stand-ins) in the program's ``graph_module.meta``, and
-    torch keeps the graph of the last export alive (``proxy_tensor._FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT``,
-    its nodes, their graph, its owning module): without this the model's float32 weights outlive ``convert()``
-    until the next export."""
+    """Drop the unflattened module (the model's tensors, the blocks' stand-ins) from the program's
+    ``graph_module.meta``: torch keeps the last export's graph alive
+    (``proxy_tensor._FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT``, its nodes, their graph, its owning module), so
+    without this the model's float32 weights outlive ``convert()`` until the next export."""
     meta = getattr(getattr(ep, "graph_module", None), "meta", None)
     if isinstance(meta, dict):
         meta.pop("unflattened_module", None)

@@ -15,14 +15,12 @@ import torch.nn as nn
 
 @dataclasses.dataclass(frozen=True)
 class CaptureContext:
-    """``meta_device``: the model is on the meta device and will run on this one (None: a real model); shapes
-    are propagated as fake tensors of this device and torch.export's ``device=meta`` constants retargeted.
-    ``dynamic_sizes``: sizes of the model's own inputs free to vary (batch, sequence length): a block exported
-    on its own leaves its inputs' sizes free where they are one of these (see :func:`free_sizes`).
-    ``sources``: id(converted block) -> (the model's block, its result template): what torch.export traces for
-    a converted block inside the model around it (capture.around). ``watch``: called as ``watch(module, name)`` on
-    every attribute read of the capture's copy of the model (capture.watch), for the tree of blocks to tell which
-    attributes a block's conversion depends on."""
+    """``meta_device``: the device a meta-device model will run on (None: a real model); shapes are propagated as
+    fake tensors of it and torch.export's ``device=meta`` constants retargeted to it. ``dynamic_sizes``: sizes of
+    the model's inputs free to vary (:func:`free_sizes`); a block exported alone leaves these sizes free.
+    ``sources``: id(converted block) -> (the model's block, its result template), what torch.export traces for a
+    block inside the model around it (capture.around). ``watch(module, name)``: called on every attribute read of
+    the capture's copy (capture.watch), so the tree of blocks can tell which attributes a conversion depends on."""
     meta_device: torch.device | None = None
     dynamic_sizes: frozenset[int] = frozenset()
     sources: Mapping[int, tuple[nn.Module, Any]] = dataclasses.field(
@@ -36,17 +34,16 @@ class CaptureContext:
 
 
 def free_axes(t: torch.Tensor) -> tuple[int, ...]:
-    """The dims of a model input whose sizes are free to vary: a tensor's first (the batch), and an integer
-    tensor of two dimensions' second (a sequence length). One rule for the capture (:func:`free_sizes`),
-    the compile marks (``converted.calls.free_dims``) and the conversion for another call (``converted.calls.widened``)."""
+    """The dims of a model input free to vary: the first (batch), and a 2-D integer tensor's second (sequence
+    length). One rule for the capture (:func:`free_sizes`), the compile marks (``converted.calls.free_dims``) and
+    the conversion for another call (``converted.calls.widened``)."""
     if not t.dim():
         return ()
     return (0, 1) if not t.is_floating_point() and not t.is_complex() and t.dim() == 2 else (0,)
 
 
 def free_sizes(args: tuple, kwargs: dict) -> frozenset[int]:
-    """The sizes free to vary in a model's own inputs: every input's first size (the batch) and a token input's
-    sequence length (an integer tensor of two dimensions). Sizes of 1 are never free (torch.export specializes
+    """The sizes along :func:`free_axes` of a model's inputs; sizes of 1 are never free (torch.export specializes
     them)."""
     sizes = {t.shape[d] for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
              for d in free_axes(t)}

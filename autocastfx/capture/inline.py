@@ -1,16 +1,10 @@
 """Open up opaque calls: functions hidden from symbolic tracing are traced with torch.export and inlined.
 
-``torch.fx.wrap`` (torchvision's ``shifted_window_attention``, a user's own helper) makes symbolic tracing record
-a function as one ``call_function`` node, usually because its body has Python control flow on shapes. Run
-whole, such a node would keep every matmul inside it out of reach of the plan. Here each such node is traced
-by ``torch.export`` on its example arguments (recorded by the first propagation), and its aten graph replaces
-the node, so its linears and matmuls get the low dtype like any other. The trace is specialised to the example
-shapes where the function's code needs concrete sizes, and export leaves sizes free where it does not.
-
-A function is left whole, with the reason in the report, when it has no tensor-core op inside (nothing to
-gain), when an argument is a value the graph computes but that is not a tensor (a size, a list built at run
-time), when it returns something other than a tensor or a tuple of tensors read by indexing, or when
-``torch.export`` cannot trace it.
+``torch.fx.wrap`` (torchvision's ``shifted_window_attention``, a user's helper) makes symbolic tracing record a
+function as one ``call_function`` node, keeping every matmul inside out of the plan's reach. Each such node is
+traced by ``torch.export`` on its example arguments, and its aten graph replaces the node; sizes stay free where the
+function's code allows. A function is left whole, with the reason in the report, when it has no tensor-core op, takes
+a computed non-tensor argument, returns other than a tensor or a tuple read by indexing, or cannot be exported.
 """
 from __future__ import annotations
 
@@ -74,9 +68,8 @@ def _example(info: TensorInfo) -> torch.Tensor:
 def inline_opaque_calls(gm: fx.GraphModule, traces: dict | None = None) -> list[InlineDecision]:
     """Inline every opaque call that holds a tensor-core op; returns a decision for each opaque call.
 
-    ``traces`` keeps each call's torch.export trace by function, constant arguments and the dtypes and shapes of
-    its tensors: the repeated blocks of a model, and the same call in its train and eval captures, are traced
-    once (pass one dict to several calls to share it between graphs)."""
+    ``traces`` caches each trace by function, constant arguments and tensor dtypes and shapes, so repeated blocks
+    and the train and eval captures trace a call once (pass one dict to several calls to share it)."""
     decisions = []
     traces = {} if traces is None else traces
     for node in list(gm.graph.nodes):

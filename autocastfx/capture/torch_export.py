@@ -15,20 +15,17 @@ from .watch import outer_units, watch_training
 from ..base.quiet import quiet_torch_logs, torch_internal_warnings_off
 
 
-# torch's fake-tensor dispatch cache makes an export with free sizes slower, not faster: a cache hit rebuilds its
-# output's symbolic sizes and strides at more cost than running the op's meta function (pytorch/pytorch#191500;
-# a fix under review, pytorch/pytorch#192047). A static export gains from it. docs/benchmarks.md
-# has both timings. torch reads the flag when a FakeTensorMode is made, so it is patched off around each export with
-# free sizes with torch's own ``config.patch``: for the calling thread alone where torch keeps its config per thread
-# (2.12 and newer). On torch 2.11 the config is the process's: conversions take turns (``api``'s lock), and an
-# export in another thread at the same time may run with the cache or without it, which changes its speed, never
-# its result.
+# torch's fake-tensor dispatch cache slows an export with free sizes: a cache hit rebuilds its output's symbolic
+# sizes and strides at more cost than the op's meta function (pytorch/pytorch#191500; fix under review in
+# pytorch/pytorch#192047). A static export gains from it. torch reads the flag when a FakeTensorMode is made, so
+# ``config.patch`` turns it off around each export with free sizes: per thread on torch 2.12 and newer; on 2.11 the
+# config is the process's, conversions take turns (``api``'s lock), and an export in another thread at the same
+# time may run with or without the cache, which changes its speed, never its result.
 
 
 def run_export(model: nn.Module, args: tuple, kwargs: dict | None = None,
                **options) -> torch.export.ExportedProgram:
-    """``torch.export.export(model, args, kwargs, **options)``; with ``dynamic_shapes``, without the fake-tensor
-    cache (above)."""
+    """``torch.export.export``; with ``dynamic_shapes``, without the fake-tensor cache (see above)."""
     if options.get("dynamic_shapes") is None:
         return torch.export.export(model, args, kwargs, **options)
     with torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
@@ -67,13 +64,10 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict, ctx: CaptureCont
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict, preserve: tuple[str, ...] = (), *, ctx: CaptureContext):
-    """torch.export with the batch size, and the sequence length of token inputs, free to vary where the model
-    allows it (``Dim.AUTO``), so that a converted model takes other batch sizes and sequence lengths than the
-    example's; a static export when the dynamic one fails (a model whose code needs concrete sizes).
-
-    Other sizes (an image's height and width, feature widths) are the example's: free spatial sizes cost a
-    windowed vision model's export nearly a minute of symbolic reasoning on its padding arithmetic
-    (docs/benchmarks.md, "Free sizes in torch.export")."""
+    """torch.export with the batch size, and the sequence length of token inputs, free (``Dim.AUTO``) where the
+    model allows it; a static export where that fails (code that needs concrete sizes). Other sizes (image height
+    and width, feature widths) stay the example's: free spatial sizes make a windowed vision model's export spend
+    long in symbolic reasoning on its padding arithmetic (docs/benchmarks.md, "Free sizes in torch.export")."""
     target = ctx.meta_device
     if target is not None:  # on the meta device: the inputs too, and the device the program will run on after
         args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
@@ -97,11 +91,9 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, preserve: tuple[str, ..
 
 def _constants_with_values(ep, model: nn.Module, args: tuple, kwargs: dict, target: torch.device,
                            preserve: tuple[str, ...]) -> None:
-    """The values of the constants a model on meta makes from Python values (``x[:, [-1]]``'s index, a
-    ``torch.tensor([...])``): exported on meta they are meta tensors, which no loading fills, and a real tensor
-    indexed by a meta one gives garbage without an error. They are exported again from a copy of the model whose
-    tensors are fake tensors of ``target`` (no memory), where such constants are real; CaptureError where a
-    constant's value cannot be found that way."""
+    """Fill the constants a model on meta makes from Python values (``x[:, [-1]]``'s index, ``torch.tensor([...])``):
+    on meta no loading fills them, and a real tensor indexed by a meta one gives garbage without an error. They
+    come from a second export of a copy whose tensors are fake tensors of ``target``; CaptureError where not."""
     lifted = set(ep.graph_signature.lifted_tensor_constants)  # not the model's non-persistent buffers (loaded)
     missing = {k for k, v in ep.constants.items() if k in lifted and isinstance(v, torch.Tensor) and v.is_meta}
     if not missing:
@@ -158,10 +150,9 @@ def _retarget_devices(gm: fx.GraphModule, old: torch.device, new: torch.device) 
 
 
 class _DataDependent(Exception):
-    """The model's code branching on a tensor's value while torch.export traces it, raised through torch.export as
-    another error than a RuntimeError: torch.export prints the graph traced so far to stderr for a RuntimeError that
-    says "data-dependent" (pytorch/pytorch#146298, for debugging an export), and convert() goes on to capture the
-    model piecewise, where that print is pages of noise. The model's own error is raised after the export."""
+    """A data-dependence error of the model's code, carried through torch.export as a non-RuntimeError: for a
+    RuntimeError saying "data-dependent" torch.export prints the graph so far to stderr (pytorch/pytorch#146298),
+    pages of noise when convert() goes on to capture piecewise. The model's own error is raised after the export."""
 
 
 @contextlib.contextmanager
@@ -200,9 +191,8 @@ def _forward_as(model: nn.Module, forward):
 @contextlib.contextmanager
 def _explicit_keywords(model: nn.Module, kwargs: dict):
     """Meanwhile ``model.forward`` names every keyword input it takes through ``**kwargs`` (a Hugging Face layer's
-    ``position_ids``): torch.export matches dynamic shapes against the inputs bound to the signature in one place
-    and against the keyword inputs laid out flat in another, and the two differ for a ``**kwargs`` forward, so
-    every dynamic export of such a block failed and fell back to a static one (its batch size fixed)."""
+    ``position_ids``): torch.export matches dynamic shapes against the bound signature in one place and the flat
+    keyword inputs in another, which differ for a ``**kwargs`` forward, so its dynamic export would fail."""
     import inspect
 
     try:

@@ -1,9 +1,8 @@
 """What the model's code reads while it is captured: modules' ``training`` flags, attributes of blocks.
 
-Only the capture's own copy of the model is watched. While it is, each of its modules has its class swapped for a
-subclass that reports attribute reads (as ``fully_shard`` swaps a module's class for an ``FSDP<class>``), and the
-original class is given back after. Neither the model's classes nor ``nn.Module`` change, and no other module, in
-this thread or another, is touched.
+Only the capture's own copy of the model is watched: each of its modules has its class swapped meanwhile for a
+subclass that reports attribute reads (as ``fully_shard`` swaps in an ``FSDP<class>``). Neither the model's classes
+nor ``nn.Module`` change, and no other module, in this thread or another, is touched.
 """
 from __future__ import annotations
 import contextlib
@@ -38,8 +37,8 @@ def _reporting(cls: type) -> type:
 
 
 def watchable(model: nn.Module) -> list[nn.Module]:
-    """The modules of ``model`` whose reads are the model's own: the converted blocks inside it, and what they
-    hold, read for themselves."""
+    """The modules of ``model`` whose reads are the model's own: not those of its converted blocks, which read for
+    themselves."""
     inside = {id(s) for m in model.modules() if m is not model and is_converted(m) for s in m.modules()}
     return [m for m in model.modules() if id(m) not in inside]
 
@@ -74,9 +73,8 @@ _CLASS_KEYS = ("nn_module_stack", "source_fn_stack")  # the node metadata that n
 
 
 def own_classes(gm: nn.Module) -> None:
-    """Give back, in the node metadata of every graph in ``gm`` (a capture's result), the modules' own classes where
-    a capture that watched them recorded the subclasses they had meanwhile (``nn_module_stack``,
-    ``source_fn_stack``): a graph keeps no class that exists only while a capture runs (it would not pickle)."""
+    """Put the modules' own classes back in place of the watching subclasses a capture recorded in the node metadata
+    of every graph in ``gm``: a class that exists only while a capture runs would not pickle."""
     for m in gm.modules():
         graph = getattr(m, "graph", None)
         if isinstance(graph, fx.Graph):
@@ -100,10 +98,9 @@ def _unwatched(v):
 
 @contextlib.contextmanager
 def watch_training(model: nn.Module, reads: list | None):
-    """Append to ``reads`` ``(module, code)`` for every read of the ``training`` attribute of a module of ``model``
-    (the capture's copy) meanwhile, ``code`` being the code object that read it (``None``: watch nothing). A
-    capture that reads none wrote no mode-dependent code (leaf modules, which switch by themselves, are not run by
-    a capture), so the model's eval capture would be the same graph."""
+    """Meanwhile append ``(module, code object)`` to ``reads`` for every read of ``training`` by a module of
+    ``model`` (the capture's copy); ``None`` watches nothing. A capture that reads none has no mode-dependent code
+    (leaf modules switch by themselves and are not run by a capture), so its eval capture would be the same graph."""
     if reads is None:
         yield
         return

@@ -1,25 +1,14 @@
-"""What cuDNN and cuBLAS do with misaligned channel and feature counts, as data with its evidence, and the
-padding gate that reads it.
+"""The padding gate: what cuDNN and cuBLAS do with misaligned channel and feature counts, as data with its
+evidence, and the rules that read it.
 
-Padding must never slow a step down. It adds FLOPs and bytes for certain; it saves time only where the
-library would otherwise run a worse kernel on the op. So each convolution and linear is judged on its own,
-by rules tried in order (``RULES``); the first that speaks for a dim decides it, with a reason that names
-the rule and its numbers:
+Padding adds FLOPs and bytes for certain and saves time only where the library would otherwise run a worse
+kernel, so each convolution and linear is judged on its own by ``RULES``, in order; the first that speaks for a
+dim decides it, with a reason naming the rule and its numbers. Arithmetic intensity is FLOPs over activation bytes:
+both grow with the batch, so it does not depend on the example's batch size, which is rarely the training batch.
 
-1. grouped and depthwise convolutions keep their groups;
-2. a convolution with fewer than 8 input channels (the RGB stem) keeps them in NCHW and takes 4 (C < 4) or 8
-   (C = 5..7) in channels_last, where cuDNN has kernels for C = 4;
-3. a memory-bound op (arithmetic intensity under half the machine balance) is left alone: its speed is set
-   by bytes, and padding only adds bytes;
-4. a compute-bound op is padded when the modeled time, FLOPs grown by the padding over the tensor-core
-   efficiency of the alignment reached (``ALIGN_EFFICIENCY``), is at least ``MARGIN`` times lower.
-
-The intensity is FLOPs over activation bytes (input and output, 2 bytes each): both grow with the batch, so
-it does not depend on the example inputs' batch size, which is rarely the training batch.
-
-``gate="trial"`` replaces rules 2-4 on a CUDA device by a timed trial of every candidate padding (forward
-and backward, like ``cudnn.benchmark``), cached per shape; the timer is a parameter, so the logic runs on the
-CPU with a stub.
+``gate="trial"`` replaces all but the grouped and growth-cap rules, on a CUDA device, by a timed trial of every
+candidate padding (forward and backward, like ``cudnn.benchmark``), cached per shape; the timer is a parameter, so
+the logic runs on the CPU with a stub.
 """
 from __future__ import annotations
 
@@ -56,7 +45,7 @@ HARDWARE: dict[tuple[int, int], Hardware] = {
     (9, 0): Hardware("H100 SXM (sm_90)", 989.4, 3350.0, "NVIDIA H100 datasheet: 989 TFLOPS dense FP16, 3.35 TB/s"),
     (10, 0): Hardware("B200 (sm_100)", 2250.0, 8000.0, "NVIDIA B200 datasheet: 2.25 PFLOPS dense FP16, 8 TB/s"),
 }
-DEFAULT_CAPABILITY = (9, 0)  # a model converted on the CPU is judged for an H100, where the evidence below was measured
+DEFAULT_CAPABILITY = (9, 0)  # a model converted on the CPU is judged for an H100, where the evidence was measured
 
 # Tensor-core efficiency of a compute-bound FP16/BF16 GEMM or convolution whose channel/feature dims are all
 # divisible by this many elements (and no higher power of two up to 8), relative to 16-byte alignment.
@@ -190,7 +179,7 @@ def pct(x: float) -> str:
 
 
 def model_gate(site: Site, multiple: int, max_growth: float, hw: Hardware) -> Verdict:
-    """The cost model's decision for one op: the rules of the module docstring, in order."""
+    """The cost model's decision for one op: ``RULES``, in order."""
     if site.kind == "conv" and site.groups != 1:
         return Verdict(site.out, site.inp, ("grouped",),
                        f"skip: grouped convolution (groups={site.groups}) keeps its group structure")
@@ -260,12 +249,10 @@ def _finish(site: Site, o: int, i: int, notes: list[tuple[str, str]], max_growth
     return Verdict(o, i, rules, f"pad ({pct(growth - 1)} FLOPs): {why}")
 
 
-# ------------------------------------------------------------------------------------------ timed trial
-
 @dataclasses.dataclass(frozen=True)
 class TrialCase:
-    """One timed configuration: an op at the example's shapes, padded to (out, inp), on one device. It is
-    the cache key too, so a shape is timed once per device and process."""
+    """One timed configuration: an op at the example's shapes, padded to (out, inp), on one device; also the
+    cache key, so a shape is timed once per device and process."""
     kind: str                   # "conv" | "linear"
     x_shape: tuple[int, ...]    # true input shape
     w_shape: tuple[int, ...]    # true weight shape
@@ -292,8 +279,8 @@ def candidates(site: Site, multiple: int, max_growth: float) -> list[tuple[int, 
 
 def trial_gate(site: Site, case_of: Callable[[int, int], TrialCase], multiple: int, max_growth: float,
                timer: Callable[[TrialCase], float], cache: dict | None = None) -> Verdict:
-    """Time the unpadded op and every candidate padding (``timer(case)`` in seconds, cached per case); pad
-    to the fastest when it is ``MARGIN`` times faster than the unpadded op."""
+    """Time the unpadded op and each candidate (``timer(case)`` seconds, cached); pad to the fastest if ``MARGIN``
+    times faster."""
     if site.kind == "conv" and site.groups != 1:
         return model_gate(site, multiple, max_growth, profile(DEFAULT_CAPABILITY))
     cache = TRIAL_CACHE if cache is None else cache
@@ -318,8 +305,7 @@ def trial_gate(site: Site, case_of: Callable[[int, int], TrialCase], multiple: i
 
 
 def time_on_device(case: TrialCase, warmup: int = 3, iters: int = 10) -> float:
-    """Median seconds of the case's forward and backward (pad, op, slice, as the padded graph runs them),
-    timed with CUDA events on the case's device."""
+    """Median seconds of the case's forward and backward (pad, op, slice), timed with CUDA events."""
     import torch.nn.functional as F
 
     dev = torch.device(case.device.split()[0])

@@ -1,12 +1,11 @@
 """Which dtype pays on which device: ``convert(dtype="auto")``.
 
-CUDA GPUs run float16 and bfloat16 on tensor cores (float16 by default, with loss scaling). On a CPU only the
-dtypes its instruction set computes natively are fast: bfloat16 with AVX512-BF16 or AMX-BF16, float16 with
-AVX512-FP16 or AMX-FP16. Elsewhere the kernels convert element by element and run many times slower than float32
-(docs/benchmarks.md has the rates measured per CPU). There ``"auto"`` computes in float32: the converted module keeps the model's
-dtypes. Where the flags cannot be read (no /proc/cpuinfo, or another architecture's), one small matmul per
-dtype, timed once per process, decides instead. ``ONEDNN_MAX_CPU_ISA`` below a dtype's native instructions makes it
-emulated whatever the flags say: oneDNN runs the low dtypes' matmuls and convolutions, and that variable caps it.
+CUDA GPUs run float16 and bfloat16 on tensor cores (float16 by default, with loss scaling). A CPU is fast only in
+the dtypes its instruction set computes natively (bfloat16: AVX512-BF16 or AMX-BF16; float16: AVX512-FP16 or
+AMX-FP16); elsewhere the kernels convert element by element, so ``"auto"`` computes in float32 and keeps the model's
+dtypes. Where the flags cannot be read, one small matmul per dtype, timed once per process, decides.
+``ONEDNN_MAX_CPU_ISA`` below a dtype's native instructions makes it emulated whatever the flags say: oneDNN runs
+the low dtypes' matmuls and convolutions, and that variable caps it.
 """
 from __future__ import annotations
 
@@ -30,7 +29,7 @@ ONEDNN_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE"
 ONEDNN_ALIASES = {"AVX512_CORE_FP16": "AVX10_1_512", "AVX512_CORE_AMX": "AVX10_1_512_AMX",
                   "AVX512_CORE_AMX_FP16": "AVX10_1_512_AMX_FP16"}
 NATIVE_ISA = {torch.bfloat16: "AVX512_CORE_BF16", torch.float16: "AVX10_1_512"}
-PROBE_SIZE = 256   # the probe's square matmul: big enough for the kernels to show, quick when emulated (~30 ms)
+PROBE_SIZE = 256   # the probe's square matmul: big enough for the kernels to show, quick when emulated
 PROBE_GAIN = 1.25  # a low dtype measured at least this much faster than float32 is chosen
 
 
@@ -84,8 +83,7 @@ def onednn_allows(isa: str) -> bool:
 
 
 def cpu_summary() -> str:
-    """One line naming this CPU: model, torch's kernel capability, which of ``SHOWN_FLAGS`` it has, and whether
-    its bfloat16/float16 matmuls are native or emulated."""
+    """One line naming this CPU: model, torch capability, ``SHOWN_FLAGS`` present, low dtypes native or emulated."""
     flags = cpu_features()
     if flags:
         have = [f for f in SHOWN_FLAGS if f in flags]
@@ -102,8 +100,7 @@ def cpu_summary() -> str:
 
 
 def native_on_cpu(dtype: torch.dtype) -> bool | None:
-    """Whether this CPU computes ``dtype`` natively (None: its flags cannot be read): it has the instructions, and
-    ``ONEDNN_MAX_CPU_ISA`` lets oneDNN use them."""
+    """Whether this CPU has ``dtype``'s native instructions and oneDNN may use them (None: flags unreadable)."""
     flags = cpu_features()
     if not flags:
         return None
@@ -112,8 +109,7 @@ def native_on_cpu(dtype: torch.dtype) -> bool | None:
 
 @functools.lru_cache(maxsize=1)
 def measured_rates() -> dict[torch.dtype, float]:
-    """GFLOP/s of one ``PROBE_SIZE`` square matmul on this CPU in float32, bfloat16 and float16 (best of three
-    runs after one warm-up), measured once per process."""
+    """GFLOP/s of a ``PROBE_SIZE`` square matmul in float32, bfloat16 and float16 (best of three), once per process."""
     n = PROBE_SIZE
     gen = torch.Generator().manual_seed(0)  # the caller's random state is left alone
     rates = {}
@@ -184,9 +180,8 @@ def slow_note(dtype: torch.dtype, device: torch.device) -> str | None:
 
 
 def resolve(dtype, device: torch.device) -> tuple[torch.dtype, str | None]:
-    """(the dtype to convert to, what the report says of the choice). ``None`` is float16, the default;
-    ``"auto"`` chooses by device, float32 compute included; an explicit dtype with no fast kernels on the device
-    is warned about."""
+    """(the dtype to convert to, what the report says of it). ``None`` is float16; ``"auto"`` chooses by device,
+    float32 included; an explicit dtype with no fast kernels on the device is warned about."""
     if isinstance(dtype, str):
         if dtype != "auto":
             raise ValueError(f"dtype must be {ACCEPTED}, got {dtype!r}")

@@ -1,20 +1,15 @@
 """What the CUDA kernels accept, as data with its evidence: the contract the cast plan obeys.
 
-The CPU kernels of PyTorch accept almost any mix of dtypes, so a plan that calls ``native_layer_norm`` with a
-float16 activation and float32 parameters runs on the CPU and fails on the first CUDA forward. Each rule below
-says, for one aten op as it is dispatched, whether CUDA accepts a low-precision activation with float32
-parameters; where it does not, which arguments must share one dtype. ``build_plan`` reads these rules to pick
-the form each norm runs in, and ``tests/test_contract.py`` checks every aten call of every test model against
-them on the CPU, forward and backward, so a change that would break CUDA fails in CI without a GPU.
+PyTorch's CPU kernels accept almost any mix of dtypes, so a plan that calls ``native_layer_norm`` with a float16
+activation and float32 parameters runs on the CPU and fails on the first CUDA forward. Each rule says, for one aten
+op as dispatched, whether CUDA accepts a low activation with float32 parameters, and if not, which arguments must
+share a dtype. ``build_plan`` reads the rules to pick each norm's form; ``tests/test_contract.py`` checks every aten
+call of the test models against them on the CPU, so a change that would break CUDA fails in CI without a GPU.
+Evidence is a measurement or the reason a rule holds without one;
+``tests/test_gpu.py::test_cuda_norm_kernels_match_contract`` re-checks the rules on a GPU.
 
-Evidence is either a measurement (device, torch version, date, what happened) or the reason a rule holds
-without one. Re-measure when a GPU is at hand (``tests/test_gpu.py::test_cuda_norm_kernels_match_contract``
-checks every rule against the device it runs on).
-
-The CPU has the opposite gap: a few aten ops have no float16/bfloat16 CPU kernel at all (``avg_pool3d`` raises
-"avg_pool3d_out_frame" not implemented for 'BFloat16'). ``CPU_GAPS`` lists them; the plan runs those ops in
-float32 where the model's tensors are on the CPU, and ``tests/test_cpu_contract.py`` probes the installed torch
-so that a kernel a new torch adds, or one it drops, shows up.
+The CPU has the opposite gap: a few aten ops have no float16/bfloat16 CPU kernel (``CPU_GAPS``). The plan runs them in
+float32 on the CPU, and ``tests/test_cpu_contract.py`` probes the installed torch for kernels added or dropped.
 """
 from __future__ import annotations
 
@@ -161,7 +156,6 @@ def violations(op: str, args: tuple, dtype_of) -> list[str]:
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------
 # The CPU: aten ops without a low-precision kernel.
 
 _CPU = "torch 2.13.0+cpu, 2026-11-25 (every float argument in the low dtype, forward)"
@@ -170,9 +164,8 @@ _LOW = (torch.bfloat16, torch.float16)
 
 @dataclasses.dataclass(frozen=True)
 class CpuGap:
-    """An aten op the CPU runs in float32 only: in each of ``dtypes`` it raises NotImplementedError ``message``
-    'BFloat16' (or 'Half'). ``graph_ops`` / ``modules``: the graph-level op names and leaf module types that reach
-    it, so the plan can keep it float32 before anything runs."""
+    """An aten op the CPU runs in float32 only (NotImplementedError ``message`` in each of ``dtypes``).
+    ``graph_ops`` / ``modules``: the op names and leaf module types that reach it, for the plan to check early."""
     op: str
     dtypes: tuple[torch.dtype, ...]
     message: str

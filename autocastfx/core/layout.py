@@ -1,33 +1,18 @@
 """Memory layout: a convolutional model runs channels_last (NHWC) end to end.
 
-cuDNN's tensor-core convolutions work in NHWC. Fed NCHW tensors, every convolution transposes its input,
-weight and output, forward and backward (docs/layout.md has what an H100
-showed). ``memory_format``:
+cuDNN's tensor-core convolutions work in NHWC; fed NCHW tensors, every convolution transposes its input, weight
+and output, forward and backward. ``memory_format``: ``"auto"`` (default) means channels_last for a model with 2-D
+convolutions on a CUDA device, else nothing changes (a model converted on the CPU computes exactly as before);
+``"channels_last"`` applies on any device (the CPU tests use it); ``"preserve"`` leaves layouts as they are.
 
-- ``"auto"`` (default): channels_last when the model has 2-D convolutions (4-D activations) and runs on a
-  CUDA device (the example inputs or parameters are there); otherwise nothing changes, so a model converted
-  on the CPU computes exactly as before;
-- ``"channels_last"``: channels_last wherever there are 2-D convolutions, on any device (the CPU tests use it);
-- ``"preserve"``: layouts are left as they are.
-
-In channels_last the pass converts each graph input that reaches a convolution once, at the start, has every
-2-D convolution read its weight channels_last through the graph (``weights_channels_last``: the weight's cast to
-the low dtype writes NHWC, ``w.to(dtype, memory_format=torch.channels_last)``, one copy as before; a weight read
-in float32 gets a ``contiguous`` node), so the float32 parameter, the model's own, keeps its layout and its
-gradient comes back in it, and then lets the layout flow: elementwise ops, batch norm, pooling, ``F.pad``, ``cat``
-and casts (``.to(dtype)`` keeps the memory format) all keep channels_last. A conversion back to NCHW is
-inserted only where it is needed, found by running the graph once on the example inputs:
-
-- an op that fails on channels_last strides (``view`` of a channels_last tensor: a channel shuffle) or whose
-  result depends on strides (``as_strided``, ``stride()``) reads a contiguous copy;
-- a 4-D graph output is returned contiguous, as the model returned it;
-- a convolution that would still read an NCHW tensor (after such a view) gets it converted to channels_last.
-
-A reader that has the NCHW original at hand reads it instead of a copy (a ``view`` of the graph input
-reads the input), so no value goes NHWC -> NCHW -> NHWC when the original would do. ``reshape`` and
-``flatten`` copy to NCHW order themselves when they must (the flatten before a classifier head); the
-report lists them. Inserted nodes are ``x.contiguous(memory_format=...)`` calls named ``channels_last_<v>`` /
-``contiguous_<v>``, tagged in ``node.meta[K.LAYOUT]`` with their reason.
+In channels_last each graph input that reaches a convolution is converted once, at the start, and convolutions read
+their weights channels_last through the graph (``weights_channels_last``), so the float32 parameter keeps its layout
+and its gradient comes back in it. The layout then flows through elementwise ops, norms, pooling, ``cat`` and casts.
+One run on the example inputs finds where NCHW is needed: an op that fails on channels_last strides (a ``view``:
+a channel shuffle) or reads strides gets a contiguous copy, or the NCHW original where one is at hand; 4-D graph
+outputs are returned contiguous; a convolution still reading NCHW gets a channels_last copy. ``reshape`` and
+``flatten`` copy to NCHW order themselves where they must (the report lists them). Inserted nodes are tagged in
+``node.meta[K.LAYOUT]`` with their reason.
 """
 from __future__ import annotations
 
@@ -129,7 +114,7 @@ def plan_layout(gm: fx.GraphModule, memory_format: str) -> LayoutPlan:
 
 
 def apply_layout(gm: fx.GraphModule, plan: LayoutPlan, args: tuple, kwargs: dict) -> None:
-    """Carry out a channels_last plan (see the module docstring); a "preserve" plan changes nothing."""
+    """Carry out a channels_last plan; a "preserve" plan changes nothing."""
     if plan.memory_format != "channels_last":
         return
     plan.params = _conv_weights(gm)
@@ -165,8 +150,6 @@ def undo(gm: fx.GraphModule) -> None:
         gm.recompile()
 
 
-# ------------------------------------------------------------------------------------------------ helpers
-
 def _order(t: torch.Tensor) -> str:
     """"nhwc" when channels are innermost (dense or not: a narrowed channels_last tensor counts), "nchw" when
     laid out as NCHW, "any" when both read the same (1x1 spatial, one channel)."""
@@ -190,9 +173,8 @@ def _is_nhwc(v: Any) -> bool:
 
 
 def weights_channels_last(gm: fx.GraphModule, plan: LayoutPlan) -> None:
-    """Every 2-D convolution reads its weight channels_last (module docstring): its cast to the low dtype writes
-    NHWC, or a weight read in float32 goes through a ``contiguous(memory_format=torch.channels_last)`` node. Called
-    after the cast plan's casts are in the graph; the parameters themselves are not changed."""
+    """Every 2-D convolution reads its weight channels_last: its low-dtype cast writes NHWC, or a float32 weight
+    gets a ``contiguous`` node. Called after the casts are in the graph; parameters are not changed."""
     if plan.memory_format != "channels_last":
         return
     for node in list(gm.graph.nodes):
@@ -294,8 +276,8 @@ def _to_contiguous(gm: fx.GraphModule, value: fx.Node, readers: dict[fx.Node, st
 
 
 class _LayoutRun(fx.Interpreter):
-    """Runs the graph, noting which values must change layout for which readers (module docstring); it feeds
-    each reader what it would get after the fix, so one run sees the whole graph."""
+    """Runs the graph, noting which values must change layout for which readers; each reader is fed what it would
+    get after the fix, so one run sees the whole graph."""
 
     def __init__(self, gm: fx.GraphModule):
         super().__init__(gm)

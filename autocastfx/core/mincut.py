@@ -55,10 +55,8 @@ def cast_cost(p: Problem, labels: dict[str, bool]) -> tuple[int, int]:
 def solve_min_cut(p: Problem) -> dict[str, bool]:
     """Labels for the free nodes that minimise cast_cost, fixed nodes kept.
 
-    networkx's minimum cut (Boykov-Kolmogorov max-flow) of the cast network (source side = LOW), as its partition:
-    FP32 for every node that reaches the sink in the final residual network, LOW for the rest (so a tie goes
-    LOW). That set is the same whatever maximum flow was found, so the answer is exact and does not depend on the
-    solver.
+    FP32 for every node that reaches the sink in the final residual network (source side = LOW), LOW for the rest,
+    so a tie goes LOW. That set is the same for every maximum flow, so the answer does not depend on the solver.
     """
     labels = dict(p.fixed)
     if not p.free:

@@ -190,7 +190,7 @@ class Programs:
 
 def mode_of(key: str, node: fx.Node, model: nn.Module) -> bool:
     """The mode ``node`` runs in within the program ``key``: the module's own (as ``model`` has it) for GIVEN."""
-    return {TRAIN: True, EVAL: False}.get(key, None) if key != GIVEN else _owner_training(node, model)
+    return _owner_training(node, model) if key == GIVEN else key == TRAIN
 
 
 def flag_marks(gm: fx.GraphModule, mode_at_capture=None, owners: set[str] | None = None) -> dict[fx.Node, ModeArg]:

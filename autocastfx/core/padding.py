@@ -1,23 +1,15 @@
 """Tensor-core padding: channel and feature dims of convolutions and linears grown to a multiple of 8.
 
-Tensor cores run FP16/BF16 GEMMs and convolutions at full rate only when M, N and K are multiples of 8.
-For every convolution and linear whose weight is a parameter, the plan pads the weight's output and input
-dims with zeros *inside the graph* (``F.pad`` of the true-shaped parameter), pads the activation it reads
-when needed, and slices the result back to the true size. Zero rows and columns add nothing, so the result is
-exactly the unpadded one, forward and backward.
-
-Padding persists across a chain of zero-preserving ops (ReLU, GELU, SiLU, dropout, max pooling, ...): when a
-padded layer feeds another through such a chain, the padded channels (all zeros) flow on and neither the slice
-nor the next pad is emitted. Parameters keep their true shapes, so ``state_dict()`` and every optimizer see only
-true values: padded slices cannot drift away from zero.
+Tensor cores run FP16/BF16 GEMMs and convolutions at full rate only when M, N and K are multiples of 8. A weight
+parameter is zero-padded *inside the graph* (``F.pad`` of the true-shaped parameter), the activation too where
+needed, and the result sliced back, so the result is exact, forward and backward. Through a chain of
+zero-preserving ops (ReLU, dropout, max pooling, ...) the zero channels flow on to the next padded layer with no
+slice and re-pad. Parameters keep their true shapes, so ``state_dict()`` and optimizers see only true values and
+padded slices cannot drift from zero.
 
 Padding must never slow a step down, so a gate decides op by op (``autocastfx.core.cost``): the cost model
-(default) leaves the RGB stem's 3 input channels alone in NCHW and pads them to 4 in channels_last, leaves
-memory-bound ops (a 10-class head) alone and pads compute-bound ones whose alignment costs tensor-core
-throughput (a 50257-word vocabulary); ``gate="trial"`` times the candidates on the CUDA device instead;
-``gate="always"`` pads every misaligned dim. No gate grows an op's FLOPs past ``max_growth`` (4x), and
-grouped and depthwise convolutions keep their groups. Every decision, padded or skipped, is in the report
-with the rule and numbers that made it.
+(default), a timed trial on the CUDA device, or ``"always"``. None grows an op's FLOPs past ``max_growth``, and
+grouped convolutions keep their groups. Every decision, padded or skipped, is in the report with its reason.
 """
 from __future__ import annotations
 
@@ -109,12 +101,13 @@ def plan_padding(gm: fx.GraphModule, multiple: int, max_growth: float = DEFAULT_
                  gate: str | None = None, layout: str = "contiguous", dtype: torch.dtype = torch.float16,
                  hardware: cost.Hardware | None = None,
                  timer: Callable[[cost.TrialCase], float] | None = None, cache: dict | None = None) -> PadPlan:
-    """Decide, op by op, which dims pad (see the module docstring and ``autocastfx.core.cost``).
+    """Decide, op by op, which dims pad.
 
-    ``gate``: ``"model"`` (the cost model, the default), ``"trial"`` (time every candidate on the CUDA device
-    the model is on, or with ``timer``; the cost model where there is neither) or ``"always"`` (every
-    misaligned dim within ``max_growth``). ``layout`` is the memory format the convolutions will run in;
-    ``hardware`` overrides the target the model judges for (default: the model's CUDA device, else an H100).
+    Args:
+        gate: ``"model"`` (the cost model, default), ``"trial"`` (time the candidates on the model's CUDA device or
+            with ``timer``; the cost model where there is neither) or ``"always"`` (within ``max_growth``).
+        layout: the memory format the convolutions will run in.
+        hardware: the target the cost model judges for (default: the model's CUDA device, else an H100).
     """
     gate = DEFAULT_GATE if gate is None else gate
     if gate not in PAD_GATES:
@@ -265,7 +258,7 @@ def _pad_bn_module(gm: fx.GraphModule, target: str, padded_to: int) -> None:
 
 
 def apply_padding(gm: fx.GraphModule, plan: PadPlan) -> None:
-    """Rewrite the graph as the plan says (see the module docstring). Shapes are re-learnt by the caller."""
+    """Rewrite the graph as the plan says; the caller propagates the new shapes."""
     graph = gm.graph
     pads = {d.node: d for d in plan.decisions if d.action == "pad"}
     # node -> (kind, true, padded, the slice back to the true size) for each layer whose output is padded
@@ -274,8 +267,7 @@ def apply_padding(gm: fx.GraphModule, plan: PadPlan) -> None:
         d = pads.get(node.name)
         if d is None:
             continue
-        # the weight, bias and input padded before the layer, its output sliced back after it; a later layer may
-        # read the padded output through a chain of zero-preserving ops instead of its slice
+        # a later layer may read the padded output through zero-preserving ops instead of its slice
         _pad_operands(gm, node, d, padded_out, plan)
         c_out, p_out = d.out
         if p_out != c_out:
@@ -289,8 +281,7 @@ def apply_padding(gm: fx.GraphModule, plan: PadPlan) -> None:
 
 def _pad_operands(gm: fx.GraphModule, node: fx.Node, d: PadDecision,
                   padded_out: dict[fx.Node, tuple[str, int, int, fx.Node]], plan: PadPlan) -> None:
-    """Pad the weight (both dims), the bias (output dim) and the input (channel dim) of one layer, in the graph
-    just before it, and point the layer at the padded values."""
+    """Pad one layer's weight, bias and input in the graph just before it, and point the layer at them."""
     graph = gm.graph
     w_node, winfo = _weight_param(gm, node)
     b = _arg(node, 2, "bias")
@@ -315,9 +306,8 @@ def _pad_operands(gm: fx.GraphModule, node: fx.Node, d: PadDecision,
 
 def _padded_input(gm: fx.GraphModule, node: fx.Node, d: PadDecision,
                   padded_out: dict[fx.Node, tuple[str, int, int, fx.Node]], plan: PadPlan) -> fx.Node:
-    """The value the layer reads as its input, padded to ``d.inp[1]`` channels: an earlier layer's padded output
-    where a chain of zero-preserving ops leads back to one of that size (the padding persists), else an F.pad
-    of the input, inserted where the caller inserts (just before the layer)."""
+    """The layer's input padded to ``d.inp[1]`` channels: an earlier padded output of that size reached through
+    zero-preserving ops, else an F.pad of the input inserted where the caller inserts."""
     x = node.args[0]
     c_in, p_in = d.inp
     src, path = _chain_source(gm, padded_out, x, d.kind) if isinstance(x, fx.Node) else (None, [])

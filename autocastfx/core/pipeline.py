@@ -1,7 +1,7 @@
 """The passes over one captured graph, in the order they run: ``run_passes``.
 
-Each pass is a function of its own file; this one only says in which order they run and why. The graph module
-comes from capture (one program of the model, in one mode, every value's TensorInfo recorded); what comes back is the plan and what the passes decided, for ``ConvertInfo``.
+Each pass is a function of its own file; this one says in which order they run and why. The graph module comes
+from capture (one program, in one mode, TensorInfo recorded); what comes back is what the passes decided.
 """
 from __future__ import annotations
 
@@ -67,8 +67,7 @@ def _free_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict, low: torch.dtype
     out = set()
     for p, v in placeholder_values(gm, args, kwargs):
         info = p.meta.get(K.INFO)
-        # on the meta device the values are unknown: such an input stays float32 (a mask of float32's lowest
-        # value would overflow the low dtype)
+        # on the meta device the values are unknown: such an input stays float32
         if isinstance(v, torch.Tensor) and v.dtype == torch.float32 and isinstance(info, TensorInfo) \
                 and info.dtype == torch.float32 and not v.is_meta and bool(torch.isfinite(v.to(low)).all()):
             out.add(p.name)

@@ -1,9 +1,8 @@
 """Plan: which dtype every value has and where the casts go.
 
-Each call node gets a *label*, LOW or FP32. LOW and FP32 ops are fixed; FOLLOW, PROMOTE and NORM ops are free,
-and the plan chooses their labels to move the fewest bytes through casts. A cast lives on an edge and is
-shared: value ``u`` costs ``numel(u)`` once for each dtype some consumer needs that ``u`` is not in. With two
-labels that objective is an s-t minimum cut (networkx), exact, in one max-flow.
+Each call node gets a *label*, LOW or FP32. LOW and FP32 ops are fixed; FOLLOW, PROMOTE and NORM ops are labelled
+to move the fewest bytes through casts. A cast is shared: value ``u`` costs ``numel(u)`` once per dtype some
+consumer needs that ``u`` is not in. With two labels that is an exact s-t minimum cut.
 """
 from __future__ import annotations
 
@@ -23,10 +22,6 @@ from ..base import keys as K
 from .mincut import cast_cost, FP32, LOW, naive_labels, Problem, Req, solve_min_cut
 from ..base.quiet import warn_user
 
-
-
-# ----------------------------------------------------------------------------------------------------------
-# From a graph to a Problem, and the plan that comes back.
 
 @dataclasses.dataclass
 class NodePlan:
@@ -142,9 +137,8 @@ def _target_name(node: fx.Node) -> str:
 
 
 def _out_of_range_constant(node: fx.Node, low: torch.dtype) -> float | None:
-    """A finite float constant among the node's arguments beyond what ``low`` can hold (Hugging Face attention
-    fills masks with ``torch.finfo(torch.float32).min``, which torch.export writes down as a number): in the low
-    dtype the op fails ("value cannot be converted to type c10::Half without overflow")."""
+    """A finite float constant argument beyond ``low``'s range, on which the op fails in ``low`` ("value cannot be
+    converted to type c10::Half without overflow"): torch.export writes HF masks' float32-min fill as a number."""
     limit = torch.finfo(low).max
     for a in itertools.chain(node.args, node.kwargs.values()):
         if isinstance(a, float) and math.isfinite(a) and abs(a) > limit:
@@ -186,8 +180,7 @@ def _builds_structure(node: fx.Node) -> bool:
 
 _ROUTE_CHOICES = frozenset({"topk", "argmax", "argmin", "argsort", "sort"})  # a choice by rank: near-ties flip it
 _GATES = frozenset({"linear", "matmul", "mm", "addmm", "einsum"})
-# comparisons give booleans: computed in a rounded dtype they can answer differently (x < y for a float32 x just
-# below a low y), so two float tensors are compared in float32
+# two float tensors are compared in float32: rounded, x < y can flip (a float32 x just below a low y)
 _COMPARISONS = frozenset("eq ne lt le gt ge equal isclose __eq__ __ne__ __lt__ __le__ __gt__ __ge__".split())
 
 _ROUTE_THROUGH = (OpClass.FOLLOW, OpClass.PROMOTE, OpClass.FP32, OpClass.FP32_OUT)
@@ -195,13 +188,13 @@ _ROUTE_DEPTH = 8  # ops between a gate and its choice (a router is a few: softma
 
 
 def find_routers(gm: fx.GraphModule, policy: Policy) -> tuple[dict[str, str], set[str]]:
-    """The gating networks of ``gm``, by behaviour: a linear or matmul whose result reaches a topk, argmax or
-    sort through at most ``_ROUTE_DEPTH`` elementwise, shape and softmax ops. ({node: reason} for each gate, the
-    ops between it and its choice and the choice itself; the gates.) A mixture-of-experts router is one: in the
-    low dtype a near-tie of its scores sends a token to another expert than float32 does, a jump no later
-    precision recovers, which is why Switch Transformer, Megatron and DeepSeek-V3 keep the router in float32.
-    A gate is narrower than its input (scores for a few experts); a wider one (an LM head before a sampler's
-    top-k, a similarity over many keys) stays as it is, where float32 would cost most."""
+    """The gating networks of ``gm``: a low linear or matmul, narrower than its input, whose result reaches a topk,
+    argmax or sort through at most ``_ROUTE_DEPTH`` elementwise, shape and softmax ops.
+
+    Returns ({node: reason} for each gate, the ops up to its choice and the choice; the set of gates). In the low
+    dtype a near-tie of a router's scores sends a token to another expert, which no later precision recovers
+    (Switch Transformer, Megatron and DeepSeek-V3 keep routers in float32). A wider matmul (an LM head before a
+    sampler's top-k) is left as it is, where float32 would cost most."""
     if not policy.fp32_routers:
         return {}, set()
     out: dict[str, str] = {}
@@ -254,8 +247,7 @@ def _narrows(node: fx.Node) -> bool:
 
 @dataclasses.dataclass
 class _Planning:
-    """The working state of ``build_plan``. The first fields are its arguments, read only; the rest is what the
-    walk over the graph learns, in the graph's order (the min-cut and the plan's lists keep that order)."""
+    """The working state of ``build_plan``: its arguments (read only), then what the walk learns, in graph order."""
     gm: fx.GraphModule
     policy: Policy
     low: torch.dtype
@@ -263,7 +255,7 @@ class _Planning:
     free_inputs: frozenset[str]
     params: dict[str, nn.Parameter]                 # the graph module's parameters, tied names included
     routers: dict[str, str]                         # node -> reason, for the gates, their paths and choices
-    gates: set[str]                                 # the routers' gating matmuls
+    gates: set[str]
     nodes: dict[str, NodePlan] = dataclasses.field(default_factory=dict)
     fixed: dict[str, bool] = dataclasses.field(default_factory=dict)       # node -> its label, where fixed
     free: list[str] = dataclasses.field(default_factory=list)              # nodes whose label the min-cut picks
@@ -277,7 +269,7 @@ class _Planning:
     # values an epsilon keeps from zero that the low dtype would round to zero
     guarded: set[str] = dataclasses.field(default_factory=set)
     io_label: bool = FP32            # the first float input's label: the outputs keep it with keep_io_types
-    seen_float_input: bool = False   # whether io_label is set yet
+    seen_float_input: bool = False
 
     def req(self, u: fx.Node, r: Req) -> None:
         self.reqs.setdefault(u.name, []).append(r)
@@ -285,28 +277,24 @@ class _Planning:
 
 def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, keep_io_types: bool, free_inputs: frozenset[str] = frozenset()) -> CastPlan:
     """The cast plan of ``gm``: a label (low or float32) for every float value, by a min-cut over the casts.
-    ``free_inputs``: placeholders whose dtype the plan chooses too (a block's inputs, which the model around it
-    delivers in the dtype chosen, cast once there for every block that reads it)."""
+    ``free_inputs``: placeholders whose dtype the plan chooses too (a block's inputs, cast once by the caller)."""
     routers, gates = find_routers(gm, policy)
     st = _Planning(gm, policy, low, keep_io_types, free_inputs,
                    dict(gm.named_parameters(remove_duplicate=False)), routers, gates)
-    # 1. every node, in the graph's order: its fixed label or its op class, and what it needs of its inputs
     for node in gm.graph.nodes:
         _plan_node(st, node)
     for value, reader in st.widen:  # a parameter a widening op reads: say why it gets no cast there
         if value in st.nodes and st.nodes[value].reason == "parameter, kept float32":
             st.nodes[value].reason = (f"parameter read by {reader}, which does not round a float32 value "
                                       "(Policy.widest, as autocast): kept float32")
-    # 2. the free labels by a min-cut, and the cost of the naive rule to compare with
+    # the naive rule's cost, for the report to compare with
     problem = Problem(st.fixed, st.free, st.weight, st.reqs, st.multi, widen=st.widen)
     order = [n.name for n in gm.graph.nodes]
     before = cast_cost(problem, naive_labels(problem, order, st.inputs, st.promote))
     labels = solve_min_cut(problem)
     after = cast_cost(problem, labels)
-    # 3. the labels onto the nodes, and the casts the labels leave
     _label_nodes(st, labels)
     casts = _casts(st, labels)
-    # 4. ops on no policy list, which ran in float32, told to the user
     _warn_unclassified(st.unclassified)
     return CastPlan(low, st.nodes, st.reqs, casts, st.unclassified, before, after, st.weight)
 
@@ -353,8 +341,7 @@ def _plan_input(st: _Planning, node: fx.Node, info: Any, is_value: bool) -> None
 
 
 def _plan_attr(st: _Planning, node: fx.Node) -> None:
-    """A float get_attr: a parameter, a buffer or a constant stays float32 (the graph casts it where a low op
-    reads it)."""
+    """A float get_attr (parameter, buffer, constant) stays float32; the graph casts it where a low op reads it."""
     p = st.params.get(str(node.target))
     st.fixed[node.name] = FP32
     what = "parameter" if p is not None else "buffer or constant"
@@ -362,8 +349,7 @@ def _plan_attr(st: _Planning, node: fx.Node) -> None:
 
 
 def _plan_call(st: _Planning, node: fx.Node, info: Any, is_value: bool) -> None:
-    """A call: a converted block, a source of floats (no float inputs), or an op, whose class the policy gives
-    and the exceptions below narrow; then what the op needs of its float inputs."""
+    """A call: a converted block, a source of floats (no float inputs), or an op classified by the rules below."""
     fins = _float_inputs(node)
     st.inputs[node.name] = [a.name for a in fins]
     module = st.gm.get_submodule(str(node.target)) if node.op == "call_module" else None
@@ -394,8 +380,8 @@ def _plan_call(st: _Planning, node: fx.Node, info: Any, is_value: bool) -> None:
 
 def _policy_class(st: _Planning, node: fx.Node, module: nn.Module | None, fins: list[fx.Node],
                   cls: OpClass | None, reason: str) -> tuple[OpClass, str]:
-    """The policy's class for an op with float inputs, completed: a structure built follows, an op on no list is
-    float32 (and remembered for the warning), and routers and comparisons of two float tensors are float32."""
+    """The policy's class, completed: a structure built follows; an op on no list (remembered for the warning),
+    a router and a comparison of two float tensors are float32."""
     if cls is None and _builds_structure(node):
         cls, reason = OpClass.FOLLOW, f"builds the output structure ({_target_name(node)}): not an op"
     if cls is None:
@@ -435,9 +421,9 @@ def _numeric_class(st: _Planning, node: fx.Node, fins: list[fx.Node], cls: OpCla
 
 def _kernel_class(node: fx.Node, module: nn.Module | None, fins: list[fx.Node], low: torch.dtype,
                   cls: OpClass, reason: str) -> tuple[OpClass, str]:
-    """The class as the kernels can run it: a global average pooling as mean(dtype=float32), an FP32_OUT op
-    with no dtype= argument cast instead, float32 where the CPU has no low kernel, a norm in its mixed or float32
-    form, and a leaf module asked for low whose float32 parameters its kernel would not mix with a low input."""
+    """The class as the kernels can run it: global average pooling as mean(dtype=float32), an FP32_OUT op without
+    dtype= as a cast, float32 where the CPU has no low kernel, a norm in its mixed or float32 form, and float32 for
+    a low leaf module whose kernel would not mix its float32 parameters with a low input."""
     if cls is OpClass.FP32 and global_pool_dims(node, module) is not None:
         cls, reason = OpClass.FP32_OUT, reason + ": global average pooling, as mean(dtype=float32)"
     if cls is OpClass.FP32_OUT and not _accepts_dtype_kwarg(node) and global_pool_dims(node, module) is None:

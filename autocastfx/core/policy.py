@@ -2,7 +2,7 @@
 
 Every op is named by a bare *op name* that is the same whether it appears as ``torch.nn.functional.conv2d``,
 ``torch.conv2d``, ``x.conv2d(...)`` or ``aten.conv2d.default``: the tables are written once for all three
-capture forms.  Leaf modules are classified by type.
+capture forms. Leaf modules are classified by type.
 
 Precedence, lowest to highest: op name table < module type < qualified-name glob < node name.
 """
@@ -46,9 +46,8 @@ LOW_OPS = _names("""
     scaled_dot_product_attention _scaled_dot_product_flash_attention
     _scaled_dot_product_efficient_attention _scaled_dot_product_cudnn_attention _native_multi_head_attention
 """)
-# (an RNN cell runs whole in the low dtype, its state too, as CUDA autocast casts it; so does a whole recurrent
-# layer, aten.lstm/gru/rnn_*: input, initial state and every weight and bias in one dtype, kernels.py's
-# _cudnn_rnn rule)
+# (an RNN cell or a whole recurrent layer runs in the low dtype, state, weights and biases included, as CUDA
+# autocast casts it: kernels.py's _cudnn_rnn rule)
 
 NORM_OPS = _names("""
     batch_norm layer_norm group_norm instance_norm rms_norm native_batch_norm native_layer_norm
@@ -179,17 +178,13 @@ def op_name(node: torch.fx.Node) -> str:
 class Policy:
     """Which precision each op runs in. Frozen data; build variants with :meth:`override`.
 
-    ``op_table``: op name -> class.  ``module_types``: leaf module type -> class.
-    ``module_names``: (glob over qualified module names, class), later entries win.
-    ``node_names``: node name -> class.  ``leaf_modules``: extra module types to keep whole when tracing.
-    ``fp32_routers``: a gating network (a linear or matmul whose result reaches a topk, argmax or sort) runs in
-    float32 with the ops between it and its routing decision (plan.py finds it); a class given by module name
-    or node name still wins.
-    ``widest``: no op but a low one rounds a float32 value: an op that follows or promotes its inputs runs in
-    float32 where one of them is float32, and a parameter such an op reads stays float32 (autocast's widest-type
-    rule). The residual stream of a transformer (float32 embeddings, float32 adds) then stays float32 as it does
-    under torch.autocast; False lets the min-cut put any value where the fewest bytes are cast (docs/policy.md
-    has what each costs and gives).
+    ``op_table``: op name -> class. ``module_types``: leaf module type -> class. ``module_names``: (glob over
+    qualified module names, class), later entries win. ``node_names``: node name -> class. ``leaf_modules``: extra
+    module types kept whole when tracing. ``fp32_routers``: gating networks and the ops up to their routing choice
+    run in float32 (``plan.find_routers``); a class given by module or node name still wins. ``widest``:
+    autocast's widest-type rule: a FOLLOW or PROMOTE op with a float32 input runs in float32 and its parameters
+    stay float32, so a transformer's residual stream stays float32 as under torch.autocast; False lets the min-cut
+    put any value where the fewest bytes are cast (docs/policy.md).
     """
 
     op_table: Mapping[str, OpClass] = dataclasses.field(default_factory=lambda: dict(DEFAULT_OP_TABLE))

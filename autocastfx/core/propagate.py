@@ -1,8 +1,6 @@
-"""Propagation: the dtype, shape and device of every value of a graph (``TensorInfo`` in ``node.meta``), found
-on fake tensors (no op runs), or on the real example values where a fake run cannot work.
-
-Like torch.fx's ``passes/shape_prop.py``, with the model's tensors virtualized (a model propagates in the memory
-of its activations' shapes) and module calls cached by structure (a repeated block is run once).
+"""Propagation: the dtype, shape and device of every graph value (``TensorInfo`` in ``node.meta``), found on fake
+tensors, or on the real example values where a fake run cannot work. Like torch.fx's ``passes/shape_prop.py``, with
+the model's tensors virtualized and module calls memoized by structure (a repeated block runs once).
 """
 from __future__ import annotations
 import collections
@@ -32,25 +30,19 @@ class _Recorder(fx.Interpreter):
 _log = logging.getLogger("autocastfx.propagate")
 
 
-# How many propagations ran on fake tensors, how many on the real values, and how many of those because
-# the fake run could not work (an op whose output shape depends on values, an op without a fake kernel).
+# Propagations on fake tensors ("fake"), on real values ("real"), and real runs after a failed fake one ("fallback").
 propagate_counts: collections.Counter = collections.Counter()
 
 
 def propagate(gm: fx.GraphModule, args: tuple, kwargs: dict, *, mode: str = "fake",
               meta_device: torch.device | None = None) -> Any:
-    """Record the dtype, shape and device of every value of the graph on the example inputs, as a
-    ``TensorInfo`` (or a tuple of them) in ``node.meta[K.INFO]``; returns the output's.
+    """Store a ``TensorInfo`` (or a tuple of them) for every value in ``node.meta[K.INFO]``; return the output's.
 
-    ``mode="fake"`` runs the graph on fake tensors: no real op runs, no memory holds activations, and the
-    model's parameters, buffers and random-number state are never touched. Where the fake run cannot work
-    (an op whose output shape depends on values, such as ``nonzero``, or one without a fake kernel), the
-    graph runs once for real instead; that is counted in ``propagate_counts["fallback"]``, logged on the
-    ``autocastfx.propagate`` logger and written in ``gm.meta[K.PROPAGATED]``. ``mode="real"``
-    always runs for real (the reference the fake run is tested against).
-
-    ``meta_device``: the graph's tensors are on the meta device and stand for tensors of this device (a model
-    built on meta); shapes alone are known, and a graph whose shapes need values is refused."""
+    ``mode="fake"`` never touches the model's parameters, buffers or RNG state. Where it cannot work (a
+    value-dependent shape such as ``nonzero``, an op without a fake kernel) the graph runs once for real, counted in
+    ``propagate_counts["fallback"]``, logged, and noted in ``gm.meta[K.PROPAGATED]``. ``mode="real"`` always runs
+    for real (the reference the fake run is tested against). ``meta_device``: the graph's meta tensors stand for
+    tensors of this device; a graph whose shapes need values is refused."""
     if mode not in ("fake", "real"):
         raise ValueError(f"propagate mode must be 'fake' or 'real', got {mode!r}")
     token = _META_DEVICE.set(meta_device)  # read deep in the fake run (_meta): set for this call only
@@ -86,8 +78,7 @@ def _propagate(gm: fx.GraphModule, args: tuple, kwargs: dict, mode: str) -> Any:
 
 
 def _propagate_real(gm: fx.GraphModule, flat_args: list) -> Any:
-    """Run the graph once, in float32 and without gradients, on the example values. Buffers (batch-norm
-    statistics) and the random-number state are restored after, so the run leaves no trace."""
+    """Run the graph once on the example values, without gradients; buffers and RNG state are restored after."""
     saved = {k: v.detach().clone() for k, v in gm.state_dict(keep_vars=True).items()}
     devices = sorted({a.device.index or 0 for a in flat_args if isinstance(a, torch.Tensor) and a.is_cuda})
     try:
@@ -108,7 +99,7 @@ def _output_info(gm: fx.GraphModule) -> Any:
 
 def check_example_values(flat_args: list, meta_device: torch.device | None) -> None:
     if meta_device is not None:
-        return  # converting on the meta device: shapes alone
+        return
     for i, a in enumerate(torch.utils._pytree.tree_leaves(flat_args)):
         if isinstance(a, torch.Tensor) and a.is_meta:
             raise ValueError(f"example input {i} is on the meta device and has no values: pass a real tensor of "
@@ -145,14 +136,12 @@ def _meta(t: torch.Tensor) -> _Meta:
     return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, device, t.requires_grad)
 
 
-# The device a model converted on the meta device is planned for (its example inputs' device, else the CPU): its
-# meta tensors are propagated as fake tensors of that device. Set by ``convert()`` for the conversion only.
-# the meta_device of the propagate() call running: set by propagate() for its own duration only
+# The device meta tensors stand for (propagate()'s meta_device); set for one propagate() call only.
 _META_DEVICE: contextvars.ContextVar = contextvars.ContextVar("autocastfx_propagate_device", default=None)
 
 
 class _FakeRun:
-    """One propagation of ``gm`` on fake tensors; see the comment above."""
+    """One propagation of ``gm`` on fake tensors, results memoized by the metadata of their inputs."""
 
     def __init__(self, gm: fx.GraphModule):
         self.gm = gm
@@ -182,7 +171,6 @@ class _FakeRun:
                 node.meta[K.INFO] = self.info(value)
         return _output_info(self.gm)
 
-    # ---------------------------------------------------------------------------------------- one node
     def call(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
         key = self.key(node, args, kwargs)
         if key is not None:
@@ -217,7 +205,6 @@ class _FakeRun:
                 return module(*args, **kwargs)
             return torch.func.functional_call(module, state, args, kwargs, tie_weights=False, strict=True)
 
-    # ------------------------------------------------------------------------------------ memo keys
     def key(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
         """What the result's metadata is a function of, or None where that cannot be keyed."""
         op, target = node.op, node.target
@@ -244,7 +231,6 @@ class _FakeRun:
             self.module_keys[target] = ("autocastfx block", family, m.training) if family else _module_key(m)
         return self.module_keys[target]
 
-    # ------------------------------------------------------------------------------------ fake values
     def fake_mode(self):
         if self.mode is None:
             # a real tensor reaching an op is an error, and so is an op without a fake kernel (by default
@@ -253,8 +239,8 @@ class _FakeRun:
         return self.mode
 
     def fake_of(self, v: Any) -> torch.Tensor:
-        """The fake tensor for a value: made once per _Virtual and once per real tensor (tied parameters
-        stay one), from metadata alone: the real tensor's storage is never read."""
+        """The fake tensor for a value, made from metadata alone, once per _Virtual or real tensor (tied
+        parameters stay one)."""
         if isinstance(v, _Virtual):
             fake = self.fakes.get(id(v))
             if fake is None:
@@ -332,7 +318,7 @@ def _load(a: Any, env: dict) -> Any:
         return [_load(x, env) for x in a]
     if t is slice:
         return slice(_load(a.start, env), _load(a.stop, env), _load(a.step, env))
-    if isinstance(a, tuple) and hasattr(a, "_fields"):  # a namedtuple
+    if isinstance(a, tuple) and hasattr(a, "_fields"):
         return t(*(_load(x, env) for x in a))
     return a
 
@@ -357,8 +343,8 @@ def _key(v: Any) -> Any:
 
 
 def _template(out: Any) -> Any:
-    """What a memo keeps of a result: tensors as their metadata, constants as they are; None when the
-    result holds something else (a mutable object, a fake tensor that knows its values)."""
+    """What a memo keeps of a result: tensors as metadata, constants as they are; None for anything else
+    (a mutable object, a fake tensor that knows its values)."""
     if isinstance(out, torch.Tensor):
         return None if getattr(out, "constant", None) is not None else ("t", _meta(out))
     t = type(out)
@@ -402,8 +388,8 @@ _PURE: dict[Any, bool] = {}
 
 
 def _pure_function(fn: Any) -> bool:
-    """Whether a call_function target's result metadata depends only on its arguments' metadata: torch's own
-    ops and Python's operators and getattr, not in place. Other functions run every time."""
+    """Whether a call_function target's result metadata depends only on its arguments' metadata (torch ops,
+    Python operators and getattr, not in place)."""
     pure = _PURE.get(fn)
     if pure is None:
         if isinstance(fn, torch._ops.OpOverload):

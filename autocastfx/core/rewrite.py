@@ -50,10 +50,9 @@ def undo(gm: fx.GraphModule) -> None:
 
 
 def absorb_casts(gm: fx.GraphModule) -> list[str]:
-    """Remove the model's own float<->float casts (``.float()``, ``.half()``, ``.to(dtype)``, ``type_as``);
-    the plan decides those dtypes now. Returns the names removed. Integer/bool conversions are kept. A cast
-    that also changes the memory format (``.to(torch.float32, memory_format=torch.channels_last)``) keeps its
-    layout change: it becomes ``x.contiguous(memory_format=...)``, which follows whatever dtype arrives."""
+    """Remove the model's own float<->float casts (``.float()``, ``.to(dtype)``, ``type_as``), whose dtypes the plan
+    decides now; returns their names. Integer/bool conversions stay. A cast that also changes the memory format
+    becomes ``x.contiguous(memory_format=...)``, which follows whatever dtype arrives."""
     removed = []
     for node in list(gm.graph.nodes):
         if node.op not in ("call_method", "call_function") or op_name(node) not in CAST_OPS:
@@ -86,8 +85,7 @@ def _changes_layout(node: fx.Node) -> bool:
 
 
 def _same_device(a: object, device: str) -> bool:
-    """Whether ``a`` is a device (a device's name, or a traced ``t.device`` of a tensor) of the type ``device``
-    the tensor is on already."""
+    """Whether ``a`` (a device, its name, or a traced ``t.device``) is of the type ``device`` the tensor is on."""
     if isinstance(a, fx.Node):  # ``x.to(device=y.device)`` as symbolic_trace records it
         if a.op == "call_function" and a.target is getattr and len(a.args) == 2 and a.args[1] == "device" \
                 and isinstance(a.args[0], fx.Node):

@@ -1,10 +1,8 @@
-"""Weights: the converted module's parameters are the float32 model's, and the graph casts them.
+"""Weights: a converted module holds the float32 model's own parameters and buffers, and the graph casts them.
 
-A converted module holds the model's own float32 parameters and buffers (the same tensors: an optimizer built
-over ``model.parameters()`` trains it, and ``gm.state_dict()`` is the trained float32 model). Each weight a
-low-precision op reads is cast to the low dtype once per forward by a node of the graph, shared by every use, so
-gradients arrive in float32 on the parameters themselves. This file answers questions about those parameters
-over a converted module and the converted blocks inside it, and makes a module converted on meta real.
+The tensors are the model's, so an optimizer over ``model.parameters()`` trains it and ``gm.state_dict()`` is the
+float32 model. Each weight a low op reads is cast once per forward by one graph node shared by every use, so
+gradients arrive in float32 on the parameters. Also here: tied-weight names, and making a meta conversion real.
 """
 from __future__ import annotations
 
@@ -41,9 +39,8 @@ def retie(gm: nn.Module, groups: list[list[str]]) -> None:
 
 
 def cast_low_parameters(gm: nn.Module) -> list[nn.Parameter]:
-    """The parameters of ``gm`` and of its converted units that the graphs read only through a cast to the low
-    dtype (the weights of linears, convolutions and matmuls), each once, in a stable order: the float32 tensors
-    mixed precision keeps for them: its master weights."""
+    """The float32 master weights: parameters of ``gm`` and its converted units that the graphs read only through
+    a cast to the low dtype (linear, convolution and matmul weights), each once, in a stable order."""
     _require(gm)
     out, seen = [], set()
     for _, unit in converted_units(gm):
@@ -105,21 +102,18 @@ def _graphs_of(unit: nn.Module) -> list:
 
 
 def converted_units(gm: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name prefix, module) for the converted units inside ``gm`` (submodules with ``meta["autocastfx"]`` of
-    their own, each planned apart), innermost first, then ``("", gm)`` where ``gm`` is
-    converted itself."""
+    """(name prefix, module) for the converted units inside ``gm`` (each planned apart), innermost first, then
+    ``("", gm)`` where ``gm`` is converted itself."""
     out = [(name + ".", m) for name, m in gm.named_modules() if name and is_converted(m)]
     out.reverse()  # named_modules() is pre-order: reversed, a block comes before any block that holds it
     return out + ([("", gm)] if is_converted(gm) else [])
 
 
-# ------------------------------------------------------------------------------- the model's names for tied weights
-# A traced graph reads a tied weight under one name; the converted module class's ``state_dict`` and
-# ``_load_from_state_dict`` (converted.module._Switchable) run the two hooks below so that its state dict has the model's keys.
+# A traced graph reads a tied weight under one name; the converted module's ``state_dict`` and
+# ``_load_from_state_dict`` (converted.module._Switchable) run these two hooks so its state dict has the model's keys.
 
 def model_names_into_state_dict(unit: nn.Module, out: dict, prefix: str) -> None:
-    """Every name the model had for a tied weight, where the converted module keeps fewer (a traced graph reads
-    a tied weight under one name): the state dict has the model's own keys."""
+    """Add to ``out`` every name the model had for a tied weight that the converted module keeps fewer names for."""
     info = info_of(unit)
     if info is None:
         return
@@ -133,9 +127,8 @@ def model_names_into_state_dict(unit: nn.Module, out: dict, prefix: str) -> None
 
 
 def model_names_from_state_dict(unit: nn.Module, state_dict: dict, prefix: str) -> None:
-    """The other side of :func:`model_names_into_state_dict`: a tied weight's names the converted module does not
-    have are dropped (their value taken where the name it keeps is missing, as in a checkpoint that stores a tied
-    weight once)."""
+    """Drop the tied-weight names the converted module does not have, taking their value where the name it keeps
+    is missing (a checkpoint that stores a tied weight once)."""
     info = info_of(unit)
     if info is None:
         return
@@ -163,15 +156,12 @@ def _require(gm: nn.Module):
 
 def materialize(gm: nn.Module, device, state_dict: dict | None = None, *, buffers=None, strict: bool = True
                 ) -> nn.Module:
-    """A module converted on the meta device, made real on ``device`` (in place; returns ``gm``).
+    """Make a module converted on the meta device real on ``device``, in place; returns ``gm``.
 
-    ``gm.to_empty(device=device)`` (parameters and buffers allocated, uninitialised), keeping the values
-    of buffers that were real already (``init_empty_weights(include_buffers=False)`` builds such models); then
-    ``buffers`` (a module or a dict: name -> tensor, e.g. a model's rotary tables, which no checkpoint holds)
-    fills the buffers it names; then ``gm.load_state_dict(state_dict, strict=strict)`` fills the parameters (float32
-    or low-precision values, upcast). Raises ValueError naming every buffer left without
-    a value (a non-persistent buffer that neither was real nor is in ``buffers``): running with it would compute
-    garbage. Without ``state_dict``, initialise ``gm.named_parameters()`` afterwards."""
+    ``gm.to_empty`` allocates, keeping buffers that were real already (``init_empty_weights(include_buffers=False)``);
+    ``buffers`` (a module or name -> tensor: rotary tables, which no checkpoint holds) fills those it names;
+    ``state_dict`` fills the parameters (float32 or low values, upcast); without it, initialise them afterwards.
+    Raises ValueError naming every buffer left without a value: running with it would compute garbage."""
     _require(gm)
     kept = {n: b.detach().clone() for n, b in gm.named_buffers(remove_duplicate=False) if not b.is_meta}
     gm.to_empty(device=device)
@@ -205,9 +195,8 @@ def _is_persistent(gm: nn.Module, name: str) -> bool:
     return attr not in gm.get_submodule(owner)._non_persistent_buffers_set
 
 
-# ------------------------------------------------------------- one set of tensors for two conversions of a model
-# A converted module converted again for a call of another structure (converted.calls.other_call) runs on the first's
-# tensors: the same Parameter objects (so training either trains both) and buffers.
+# A module converted again for a call of another structure (converted.calls.other_call) runs on the first
+# conversion's tensors: the same Parameter objects (training either trains both) and buffers.
 
 def tensor_holders(other: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) for every module of ``other`` that holds parameters or buffers."""
@@ -216,9 +205,9 @@ def tensor_holders(other: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def pair_modules(main: nn.Module, other: nn.Module, mains: dict[str, nn.Module] | None = None,
                  holders: list[tuple[str, nn.Module]] | None = None) -> list[tuple[nn.Module, nn.Module]]:
-    """What :func:`share_tensors` re-points: (module of ``other``, module of ``main`` at the same name) for every
-    module of ``other`` that holds tensors (``holders``, found where not given) in ``main``'s modules by name now
-    (``mains``, found where not given); ValueError naming the first that ``main`` lacks."""
+    """(module of ``other``, module of ``main`` at the same name) for each tensor-holding module of ``other``, for
+    :func:`share_tensors`; ``holders`` and ``mains`` are found where not given. ValueError names the first ``main``
+    lacks."""
     mains = dict(main.named_modules(remove_duplicate=False)) if mains is None else mains
     pairs = []
     for name, m in tensor_holders(other) if holders is None else holders:

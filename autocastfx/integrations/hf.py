@@ -6,21 +6,17 @@ in place of ``transformers.Trainer``.
     trainer.train()                                   # or train(resume_from_checkpoint=True)
 
 How it hooks in (transformers 5.x):
-- ``train()`` converts the model first (``autocastfx.convert``; example inputs: the collated first examples of
-  the training set, read without the sampler, so the data order is the one a float32 run sees), so that the
-  checkpoint to resume from loads into the converted module;
-- ``create_optimizer()`` builds the optimizer as usual and autocastfx's step over it
-  (``loss_fn=lambda out: out.loss``: the model's own ``labels=`` loss; ``accum_steps`` from
-  ``gradient_accumulation_steps``; ``clip_grad_norm`` from ``max_grad_norm``, which the Trainer's own clipping
-  then leaves alone); the Trainer keeps a stand-in optimizer whose ``step()`` and ``zero_grad()`` do nothing,
-  because autocastfx's step has already updated the float32 parameters, skipped an overflowing update and
-  freed the gradients; the learning-rate scheduler drives the real optimizer;
-- ``training_step()`` runs autocastfx's step on the batch (forward, scaled backward, and on the last
-  micro-batch the update);
-- checkpoints hold the step's state (loss scale and its history) in ``autocastfx_step.pt`` beside the
-  optimizer's, and resuming loads it;
-- ``log()`` adds ``loss_scale``, ``skipped_steps`` and ``grad_norm`` to each training log: the step keeps them
-  on the device and they are read only when the Trainer logs.
+- ``train()`` converts the model first, so a checkpoint to resume from loads into the converted module; the
+  example inputs are the collated first examples of the training set, read without the sampler so the data order
+  is the one a float32 run sees;
+- ``create_optimizer()`` builds the optimizer as usual and the step over it (``loss_fn=lambda out: out.loss``;
+  ``accum_steps`` from ``gradient_accumulation_steps``; ``clip_grad_norm`` from ``max_grad_norm``, taken from the
+  Trainer's own clipping); the Trainer holds a stand-in optimizer whose ``step()`` and ``zero_grad()`` do nothing,
+  since the step has already updated; the learning-rate scheduler drives the real optimizer;
+- ``training_step()`` runs the step on the batch;
+- checkpoints hold the step's state in ``autocastfx_step.pt`` beside the optimizer's, and resuming loads it;
+- ``log()`` adds ``loss_scale``, ``skipped_steps`` and ``grad_norm`` to each training log, read from the device only
+  when the Trainer logs.
 """
 from __future__ import annotations
 
@@ -76,10 +72,9 @@ class _Applied(torch.optim.Optimizer):
 class Trainer(transformers.Trainer):
     """``transformers.Trainer`` whose training runs through autocastfx's step.
 
-    ``dtype`` (float16 or bfloat16), ``convert_kwargs`` (more ``autocastfx.convert`` options) and ``step_kwargs``
-    (more ``autocastfx.train_step`` options, e.g. ``init_scale``) are this class's own keywords; everything else
-    is ``transformers.Trainer``'s. Leave ``TrainingArguments(fp16=...)`` off: the converted module already is the
-    mixed-precision program."""
+    Own keywords: ``dtype`` (float16 or bfloat16), ``convert_kwargs`` / ``step_kwargs`` (more
+    ``autocastfx.convert`` / ``autocastfx.train_step`` options); the rest go to ``transformers.Trainer``. Leave
+    ``TrainingArguments(fp16=...)`` off: the converted module already is the mixed-precision program."""
 
     def __init__(self, *args, dtype: torch.dtype = torch.float16, convert_kwargs: dict | None = None,
                  step_kwargs: dict | None = None, **kwargs):
@@ -156,8 +151,7 @@ class Trainer(transformers.Trainer):
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         if state_dict is None and "autocastfx" in getattr(self.model, "meta", {}):
-            # the converted module's state dict; safetensors refuses tied tensors (GPT-2's embedding and head), so
-            # each name gets its own copy, and loading it back into the tied module writes one tensor twice
+            # safetensors refuses tied tensors (GPT-2's embedding and head): each name gets its own copy
             state_dict = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         super()._save(output_dir, state_dict=state_dict)
 

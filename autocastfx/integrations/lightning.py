@@ -4,34 +4,25 @@
     trainer = lightning.Trainer(plugins=[MixedPrecision()], accumulate_grad_batches=2, gradient_clip_val=1.0)
     trainer.fit(lit_module)                      # or fit(lit_module, ckpt_path=...); validate(), test() as usual
 
-The LightningModule is written as for float32: it holds its network at an attribute (the one child module with
-parameters, or the one ``MixedPrecision(attribute=...)`` names), its ``training_step`` calls that network and
-returns the loss, ``configure_optimizers`` returns one optimizer over ``self.parameters()`` and, if it likes, a
-scheduler.
+The LightningModule is written as for float32: it holds its network at an attribute, its ``training_step`` calls
+that network and returns the loss, ``configure_optimizers`` returns one optimizer over ``self.parameters()`` and
+optionally a scheduler.
 
 How it hooks in (Lightning 2.x):
-- ``connect()`` (the strategy's setup) refuses what the step cannot honour (manual optimization, several
-  optimizers, clipping by value, more than one device), and arranges the conversion: the network is converted
-  (``autocastfx.convert``) the first time it is called, with the inputs it is called with, and the converted
-  module takes its place at the attribute (``example_input=`` converts at setup instead); the conversion leaves
-  the random number generators as it found them;
-- with the converted module autocastfx's step is built over the real optimizer (``train_step``: the optimizer holds the
-  converted module's float32 parameters, so the scheduler Lightning steps reaches the updates), with ``accum_steps``
-  from ``accumulate_grad_batches`` and ``clip_grad_norm`` from ``gradient_clip_val``: clipped after unscaling,
-  inside the step, so ``clip_gradients()`` has nothing left to do;
-- ``backward()`` hands the loss of the converted forward to ``step.after_forward``: scaled backward, and after
-  the last micro-batch of an update the whole update (unscale, overflow check, clip, optimizer step or skip,
-  scale update); when Lightning ends an update early
-  (an epoch's last, shorter window), so does the step;
-- ``optimizer_step()`` runs the closure (training_step, zero_grad, backward) and Lightning's hooks, and leaves
-  the optimizer alone: the step has updated it already;
-- ``state_dict()`` is the step's (loss scale and its history, micro-batch count, random state), which
-  Lightning keeps in each checkpoint; the checkpoint's own ``state_dict`` holds the network's weights as the
-  model has them (float32, tied weights under each name), so it loads into the unconverted LightningModule,
-  and into the converted one; resuming loads
-  the weights, converts, and restores the step, the random state at the point the checkpoint was written;
-- ``loss_scale``, ``skipped_steps`` and ``grad_norm`` are logged (``LightningModule.log``: every logger) at the
-  Trainer's logging interval only: the step keeps them on the device, and only then are they read.
+- ``connect()`` refuses what the step cannot honour (manual optimization, several optimizers, clipping by value,
+  more than one device); the network is converted on its first call, with that call's inputs, and takes its place
+  at the attribute (``example_input=`` converts at setup instead); the random number generators are left as found;
+- the step is built over the real optimizer, which holds the converted module's float32 parameters, so Lightning's
+  scheduler reaches the updates; ``accum_steps`` comes from ``accumulate_grad_batches``, ``clip_grad_norm`` from
+  ``gradient_clip_val`` (clipped after unscaling inside the step, so ``clip_gradients()`` has nothing to do);
+- ``backward()`` hands the loss to ``step.after_forward``, which runs the whole update after an update's last
+  micro-batch; when Lightning ends an update early (an epoch's last, shorter window), so does the step;
+- ``optimizer_step()`` runs the closure and Lightning's hooks, and leaves the optimizer alone;
+- ``state_dict()`` is the step's (loss scale, micro-batch count, random state); the checkpoint's own ``state_dict``
+  holds the float32 weights as the model has them, so it loads into the unconverted LightningModule too; resuming
+  loads the weights, converts, and restores the step and the random state of the checkpoint;
+- ``loss_scale``, ``skipped_steps`` and ``grad_norm`` are logged at the Trainer's logging interval only: they are
+  device tensors, read only then.
 """
 from __future__ import annotations
 
@@ -65,20 +56,19 @@ class MixedPrecision(Precision):
     """Lightning precision plugin that converts the LightningModule's network and trains it through autocastfx's
     step.
 
-    ``dtype``: float16 or bfloat16. ``attribute``: the LightningModule's attribute that holds the network (default:
-    its one child module with parameters). ``convert_kwargs``: more ``autocastfx.convert`` options;
-    ``step_kwargs``: more ``autocastfx.train_step`` options (e.g. ``init_scale``). ``example_input``: inputs of the
-    network (a tensor, a tuple, a dict of keyword inputs, or a callable taking the LightningModule and returning
-    one) to convert at setup; by default the network is converted on its first call. After ``fit`` the
-    LightningModule holds the converted module; ``self.step`` is autocastfx's step (``step.stats``: loss scale,
-    skipped steps, gradient norm as device tensors)."""
+    ``dtype``: float16 or bfloat16. ``attribute``: the attribute that holds the network (default: the one child
+    module with parameters). ``convert_kwargs`` / ``step_kwargs``: more ``autocastfx.convert`` /
+    ``autocastfx.train_step`` options. ``example_input``: the network's inputs (a tensor, a tuple, a dict of keyword
+    inputs, or a callable taking the LightningModule and returning one) to convert at setup instead of on the first
+    call. After ``fit`` the LightningModule holds the converted module; ``self.step`` is the step (``step.stats``:
+    loss scale, skipped steps, gradient norm as device tensors)."""
 
     def __init__(self, dtype: torch.dtype = torch.float16, attribute: str | None = None,
                  convert_kwargs: dict | None = None, step_kwargs: dict | None = None, example_input: Any = None):
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
         self.dtype = dtype
-        self.precision = "16-mixed" if dtype == torch.float16 else "bf16-mixed"  # float32 parameters, low compute: mixed
+        self.precision = "16-mixed" if dtype == torch.float16 else "bf16-mixed"
         self.attribute = attribute
         self.convert_kwargs = dict(convert_kwargs or {})
         self.step_kwargs = dict(step_kwargs or {})
@@ -150,8 +140,8 @@ class MixedPrecision(Precision):
         return names[0]
 
     def _convert(self, net: nn.Module, args: tuple, kwargs: dict) -> nn.Module:
-        # the first call may come from the validation sanity check (inference mode): the converted module and the
-        # step's tensors must be ordinary ones. The conversion runs the model: the random state is left as it was
+        # the first call may come from the validation sanity check (inference mode), but the converted module and
+        # the step's tensors must be ordinary ones; the conversion runs the model, so the random state is isolated
         with torch.inference_mode(False), torch.enable_grad(), isolate_rng():
             args, kwargs = tree_map(lambda t: t.clone() if torch.is_tensor(t) and t.is_inference() else t,
                                     (tuple(args), kwargs))

@@ -1,12 +1,9 @@
 """Export and save.
 
-``export(gm, path, example_inputs)``: a plain ``torch.export`` archive (.pt2) that loads with
-``torch.export.load(path).module()`` where autocastfx is not installed.
-
-``save(gm, path)`` / ``load(path)``: the converted module for resuming work: its program (a torch.export
-archive, which holds the float32 parameters), and its policy, options and report as JSON. Nothing in the file is
-unpickled as an arbitrary object: everything but the program is JSON checked
-against the expected schema, and the program is torch.export's own serialized graph of aten operators.
+``export(gm, path, example_inputs)``: a plain ``torch.export`` archive (.pt2) or ONNX model that loads without
+autocastfx. ``save(gm, path)`` / ``load(path)``: the converted module for resuming work, as its program (a
+torch.export archive holding the float32 parameters) and its policy, options and report as JSON. Nothing is
+unpickled as an arbitrary object: the JSON is checked against a schema, the program is torch.export's aten graph.
 """
 from __future__ import annotations
 
@@ -84,12 +81,12 @@ def export(gm: fx.GraphModule, path: str | os.PathLike, example_inputs: tuple | 
            check: bool = True) -> Any:
     """Write the converted module to ``path``, in the format its extension names.
 
-    ``.pt2``: a ``torch.export`` archive of the module as it is (its current mode), which needs only torch to load
-    and run; returns the ExportedProgram. ``.onnx``: an ONNX model of :func:`autocastfx.for_inference`'s
-    deployment copy (eval program, batch norms folded, every weight low; ``inference=False`` exports the eval
-    program as converted), written by ``torch.onnx.export(dynamo=True)``; then, with ``check=True``, loaded in
-    onnxruntime where it is installed and run on the example inputs against the exported module (raises
-    :class:`ExportCheckError` if it does not load or does not match); returns the ONNXProgram."""
+    ``.pt2``: a ``torch.export`` archive of the module in its current mode, which needs only torch to load and run;
+    returns the ExportedProgram. ``.onnx``: an ONNX model of :func:`autocastfx.for_inference`'s deployment copy
+    (eval program, batch norms folded, every weight low; ``inference=False`` exports the eval program as
+    converted), written by ``torch.onnx.export(dynamo=True)``; returns the ONNXProgram. With ``check=True`` it is
+    run in onnxruntime, where installed, against the module on the example inputs: :class:`ExportCheckError` if it
+    does not load or does not match."""
     fmt = os.path.splitext(os.fspath(path))[1].lower()
     if fmt not in FORMATS:
         raise ValueError(f"cannot tell which format to write from {os.fspath(path)!r}: export() writes "
@@ -109,8 +106,8 @@ def export(gm: fx.GraphModule, path: str | os.PathLike, example_inputs: tuple | 
 def export_onnx(gm: fx.GraphModule, path: str | os.PathLike, example_inputs: tuple | None = None, *,
                 example_kwargs: dict | None = None, dynamic_shapes: Any = None, inference: bool = True,
                 check: bool = True, rtol: float = 2e-2) -> Any:
-    """See :func:`export`. The exporter's own graph optimizer is used (it makes the smaller file); should the
-    runtime refuse that file, it is written again without it and checked again."""
+    """See :func:`export`. Uses the exporter's graph optimizer (smaller file); if the runtime refuses that file,
+    it is written and checked again without it."""
     import logging
 
     for need in ("onnx", "onnxscript"):
@@ -148,10 +145,9 @@ def export_onnx(gm: fx.GraphModule, path: str | os.PathLike, example_inputs: tup
 
 
 def _store_folded_casts_low(path: str) -> int:
-    """The exporter's optimizer folds constants: a weight stored float16 and cast up where it is read becomes a
-    float32 initializer (small ones: norms' weights, a class token broadcast to the batch), twice the bytes. Every
-    float32 initializer whose values are all float16 values (so it is a cast-up, or as good as one) is stored
-    float16 again with a Cast beside it: the same numbers, half the bytes. Returns how many were."""
+    """Store float16 again, with a Cast beside it, every float32 initializer whose values are all float16 values;
+    returns how many. The exporter's constant folding turns a float16 weight cast up where read into a float32
+    initializer (norms' weights, a class token broadcast to the batch)."""
     import numpy as np
     import onnx
     from onnx import helper, numpy_helper

@@ -1,22 +1,18 @@
 """A deployment copy of a converted module: eval program, batch norms folded, every weight stored low.
 
-Training keeps float32 parameters (cast to the low dtype in the graph), batch-norm statistics and float32 norm
-parameters, and runs batch norms whole in float32. None of that is needed to serve the model, and a runtime given the training graph pays for it in file
-size and in casts. :func:`for_inference` makes the module to ship:
+Serving needs none of training's float32 parameters, batch-norm statistics or float32 batch norms, which cost
+file size and casts. :func:`for_inference` makes the module to ship:
 
-1. the eval program of the converted module, back in float32 (its casts taken out), on copies of its tensors;
-2. each eval batch norm that directly follows a convolution folded into it, in float32 (``w * g / sqrt(v + eps)``,
-   ``(b - m) * g / sqrt(v + eps) + beta``), so no float32 batch norm sits between low convolutions and an
-   exporter has nothing to fold in a mixed form (torch.onnx's optimizer folds a float32 batch norm into a
-   float16 convolution and writes float32 weights beside float16 activations, a file onnxruntime refuses);
-3. converted again with the same dtype and policy (no padding pass: the graph keeps the padding it has), then
-   every floating parameter stored low: a weight the graph casts to the low dtype is stored in it and its cast
-   removed; one read in float32 too (norm weights, embeddings the plan keeps float32 beside a float32
-   LayerNorm) is cast up where it is read: numerically each weight is rounded once, as a float16 deployment
-   rounds it anyway; no float32 copy is kept.
+1. the converted module's eval program back in float32 (casts taken out), on copies of its tensors;
+2. each eval batch norm directly after a convolution folded into it, in float32, so no exporter folds it in a mixed
+   form (torch.onnx's optimizer folds a float32 batch norm into a float16 convolution as float32 weights beside
+   float16 activations, a file onnxruntime refuses);
+3. converted again with the same dtype and policy (no padding pass), then every floating parameter stored low: a
+   weight the graph casts low is stored low and its cast removed; one also read in float32 (norm weights) is cast
+   up where read. Each weight is rounded once, as a float16 deployment rounds it anyway; no float32 copy is kept.
 
-The result is an ordinary converted module in eval mode: ``report()`` works on it, and it exports to ``.pt2`` or
-``.onnx`` (``autocastfx.export``) at about half the float32 model's bytes.
+The result is an ordinary converted module in eval mode: ``report()`` works on it, and ``autocastfx.export`` writes
+it to ``.pt2`` or ``.onnx``.
 """
 from __future__ import annotations
 
@@ -164,8 +160,8 @@ def fold_batch_norms(gm: fx.GraphModule) -> list[str]:
 
 
 def _drop_unread(gm: fx.GraphModule) -> None:
-    """Take out the parameters and buffers no node reads any more (a folded convolution's old weights) and the
-    modules no node calls (its batch norm), so that the file holds only what runs."""
+    """Remove parameters and buffers no node reads (a folded convolution's old weights) and modules no node calls
+    (its batch norm), so the file holds only what runs."""
     read = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
     called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
     inside = lambda name: any(name == c or name.startswith(c + ".") for c in called)  # noqa: E731

@@ -1,10 +1,7 @@
 """Checkpoints of a training step with ``torch.distributed.checkpoint`` (DCP): every rank writes its own shards.
 
 The module's parameters are the float32 model, so the model and optimizer parts are torch's own
-``get_state_dict``/``set_state_dict`` (keys by parameter name, sharded DTensors under FSDP2); the step adds its
-loss-scale state and micro-batch count. A fresh optimizer has no per-parameter state, and a checkpoint saved then
-holds none: torch's set-up of that state (a step with zero gradients, which Adam counts) is undone after a save,
-and made on a load only where the checkpoint holds state to load into it.
+``get_state_dict``/``set_state_dict``; the step adds its loss-scale state and micro-batch count.
 """
 from __future__ import annotations
 
@@ -22,10 +19,9 @@ def _state(step: TrainStep, optimizer_state: bool | None = None) -> dict[str, An
     Args:
         step: the training step.
         optimizer_state: whether the optimizer's per-parameter state is part of it. None (saving): where the
-            optimizer has any. A fresh optimizer has none, and torch's set-up of it (a step with zero gradients and
-            a zero learning rate) would count a step for Adam and change every update after: it is undone. True
-            (loading a checkpoint that holds it): set up where missing, for DCP to load into. False (loading one
-            saved before the first update): left out, and a set-up undone.
+            optimizer has any; torch's set-up of a fresh optimizer's state (a step with zero gradients) would count
+            a step for Adam, so it is undone. True (loading a checkpoint that holds it): set up where missing, for
+            DCP to load into. False (loading one saved before the first update): left out, a set-up undone.
     """
     from torch.distributed.checkpoint.state_dict import get_state_dict
     opt = step.optimizer
@@ -64,9 +60,8 @@ def save_checkpoint(step, path: str | os.PathLike) -> None:
 
     Args:
         step: a step made by :func:`autocastfx.train_step` (or a :class:`CudaGraphStep`), at the end of an
-            accumulation cycle: its unfinished cycle's gradients are each rank's own and would be lost, so a save
-            in the middle of one is a ValueError, before anything is written (``step.state_dict()`` keeps them,
-            for the same number of processes).
+            accumulation cycle: a save mid-cycle would lose that cycle's gradients, so it is a ValueError before
+            anything is written (``step.state_dict()`` keeps them, for the same number of processes).
         path: the checkpoint directory.
     """
     import torch.distributed.checkpoint as dcp

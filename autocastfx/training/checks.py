@@ -1,12 +1,9 @@
-"""Checks of what the training step is given: its inputs against the example the module was converted with,
-and the loss. They read host metadata only (shape, dtype, device, requires_grad), never values, so they never
-wait on the device.
+"""Checks of the training step's inputs (against the example the module was converted with) and loss. They read
+host metadata only, never values, so they never wait on the device.
 
-A step's inputs are checked once per *signature* (the shapes, dtypes and devices of every tensor, the values
-of small Python arguments): the first call with a new signature runs guarded, with the module's buffers
-(batch-norm statistics) and the random-number state saved, so that a failure inside the forward is restored
-and reported in terms of the inputs the user wrote, not the padded shapes deep inside the converted graph.
-Later calls with a known signature cost one dictionary lookup.
+Inputs are checked once per *signature*: the first call with a new one runs guarded, with buffers and RNG state
+saved, so a failure inside the forward is undone and reported in terms of the inputs the user wrote, not the padded
+shapes inside the converted graph.
 """
 from __future__ import annotations
 
@@ -80,7 +77,7 @@ class InputChecker:
 
     def __init__(self, gm: fx.GraphModule, device: torch.device):
         self.gm, self.device = gm, device
-        self.forwards = 0  # forwards the step ran through (counted by TrainStep.call_model)
+        self.forwards = 0  # counted by TrainStep.call_model
         self.forward_sig = _forward_signature(gm)
         self.example = _example_infos(gm, self.forward_sig)
         self.seen: set = set()
@@ -138,8 +135,8 @@ class InputChecker:
         buffers = [(b, b.detach().clone()) for b in unique_by_id(self.gm.buffers())]
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        # whether the forward ran through is counted by the step's own call of the module (TrainStep.call_model),
-        # not by a forward hook: a hook added for one call is a change torch.compile guards on (a recompile)
+        # forwards are counted by TrainStep.call_model, not a forward hook: adding a hook for one call would make
+        # torch.compile recompile
         forwards = self.forwards
         try:
             yield
@@ -194,8 +191,7 @@ def _forward_signature(gm) -> inspect.Signature | None:
 
 
 def _example_infos(gm: fx.GraphModule, sig: inspect.Signature | None) -> dict[str, Any]:
-    """Forward parameter name -> the TensorInfo convert() recorded for it (shapes as the user wrote them, before
-    any padding: padding happens inside the graph)."""
+    """Forward parameter name -> the TensorInfo convert() recorded for it (shapes before any padding)."""
     if not hasattr(gm, "graph"):  # converted piecewise: its parts check their own inputs
         return {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -1,17 +1,8 @@
 """The training step as CUDA graphs: one launch per step instead of hundreds.
 
-A small model's step is bound by kernel launches, not by the GPU (docs/benchmarks.md has the H100's figures).
-autocastfx's step never reads the device from the host (the optimizer
-skips overflowing updates itself, the scale moves on the device), so the whole of it can be captured once and
-replayed:
-
-    forward (the graph casts the float32 parameters), backward, unscale and overflow check, clipping, the
-    optimizer step (skipped on the device on overflow), the scale updated
-
-``CudaGraphStep(step)`` runs the first calls eagerly on a side stream (real steps: they warm up cuBLAS, cuDNN
-and the optimizer's state), captures the step after the last of them, and from then on copies each batch into
-static input buffers and replays. What a graph cannot do is refused before anything is changed, with the reason
-and the way out. ``docs/cuda_graphs.md`` has the rules.
+autocastfx's step never reads the device from the host (the optimizer skips overflowing updates itself, the scale
+moves on the device), so the whole step can be captured once and replayed. What a graph cannot do is refused before
+anything is changed, with the reason and the way out. ``docs/cuda_graphs.md`` has the rules.
 """
 from __future__ import annotations
 
@@ -36,12 +27,10 @@ _REPLAY_RULE = ("a CUDA graph replays fixed shapes, dtypes and devices: make a C
 def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
     """Make ``optimizer`` replayable inside a CUDA graph, in place (idempotent).
 
-    - ``capturable=True`` where the optimizer has the option (Adam, AdamW, ...): their ``step()`` refuses to be
-      captured without it.
-    - the learning rate becomes a float32 tensor on ``device`` (fused kernels read it through a float pointer),
-      so an LR scheduler's new value reaches the replayed kernels: schedulers ``fill_`` a tensor lr in place.
-      An lr that float32 cannot hold exactly (1e-3) is rounded to float32, a relative change below 6e-8.
-    - state tensors that live on another device than their parameter (a CPU ``step`` count) move to it.
+    - ``capturable=True`` where the optimizer has the option: ``step()`` refuses to be captured without it.
+    - the lr becomes a float32 tensor on ``device`` (fused kernels read it through a float pointer), which
+      schedulers ``fill_`` in place, so a new lr reaches the replays. It is rounded to float32.
+    - state tensors on another device than their parameter (a CPU ``step`` count) move to it.
     """
     device = torch.device(device)
     if "capturable" in optimizer.defaults:
@@ -82,9 +71,8 @@ def baked_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
 
 def follow_optimizer_settings(optimizer: torch.optim.Optimizer, lrs: list[torch.Tensor],
                               baked: list[dict[str, Any]]) -> None:
-    """Before a replay: a graph reads the lr tensors it captured and has every other setting baked in. A replaced
-    lr's value goes into the captured tensor (which goes back in its place); a changed setting is refused rather
-    than silently ignored."""
+    """Before a replay: copy a replaced lr into the captured lr tensor the graph reads, and refuse a changed
+    setting, which the graph has baked in."""
     groups = optimizer.param_groups
     if len(groups) != len(lrs):
         raise RuntimeError(f"the optimizer has {len(groups)} parameter groups, the graph was captured with "
@@ -102,8 +90,7 @@ def follow_optimizer_settings(optimizer: torch.optim.Optimizer, lrs: list[torch.
 
 
 def check_modes(modules: list[torch.nn.Module], captured: list[bool]) -> None:
-    """Before a replay: train()/eval() rewrites the converted module's code (dropout and batch-norm flags), and a
-    graph replays the mode it captured. A changed mode is refused rather than silently replayed."""
+    """Before a replay: refuse a train()/eval() switch since capture (the graph replays the captured mode)."""
     for module, was in zip(modules, captured):
         if module.training != was:
             now, then = ("train", "eval") if module.training else ("eval", "train")
@@ -132,8 +119,8 @@ class Signature:
 
 
 def signature(inputs: Any, targets: tuple) -> tuple[Signature, list[Any]]:
-    """The call's signature and its flat leaves. Tensors may sit in tuples, lists and dicts; anything else that is
-    not a plain constant is refused, since the graph could not see it change."""
+    """The call's signature and flat leaves. Leaves that are neither tensors nor plain constants are refused:
+    the graph could not see them change."""
     flat, spec = tree_flatten_with_path((inputs, tuple(targets)))
     leaves, values = [], []
     for path, value in flat:
@@ -184,8 +171,7 @@ def check_devices(sig: Signature, device: torch.device) -> None:
 def positions(accum_steps: int) -> list[tuple[str, int]]:
     """The graphs to capture, in capture (and replay) order, with the micro-batch position each stands for.
 
-    ``first`` writes fresh gradients, ``middle`` adds to them, ``update`` adds the last micro-batch and steps the
-    optimizer; without accumulation the one graph is ``update``."""
+    ``first`` writes fresh gradients, ``middle`` adds to them, ``update`` adds the last and steps the optimizer."""
     if accum_steps == 1:
         return [("update", 0)]
     return [("first", 0)] + ([("middle", 1)] if accum_steps > 2 else []) + [("update", accum_steps - 1)]
@@ -214,17 +200,12 @@ def _eager_capturable():
 # ------------------------------------------------------------------------------------------ capture
 def _record_graphs(step, device: torch.device, static_inputs: Any,
                    static_targets: tuple) -> tuple[dict[str, torch.cuda.CUDAGraph], dict[str, torch.Tensor]]:
-    """Record ``step`` called on the static buffers, one graph per kind of micro-batch (:func:`positions`), in one
-    memory pool; returns the graphs and their loss tensors, by kind.
+    """Record ``step`` on the static buffers, one graph per kind of micro-batch (:func:`positions`), in one memory
+    pool; returns the graphs and their loss tensors by kind. Nothing runs: the step's host state is put back.
 
-    Nothing runs: the step's host state (micro-batch counter, gradients) is put back as the eager
-    call left it. Gradients are None at the start of a cycle, so the first graph's backward allocates them
-    from the graph's pool and the update graph frees them there: every replay reuses the same memory.
-
-    The graphs share the pool and replay in capture order, so a later graph's tensors may lie in memory an
-    earlier one uses as scratch (PyTorch, "Sharing memory across captures"). The clipping norm is not one of
-    them: the step writes it into its own tensor, made with the step, outside the pool, which
-    ``stats.grad_norm`` reads whether the last update was replayed or eager."""
+    Gradients are None at a cycle's start, so the first graph allocates them from the pool and the update graph
+    frees them there. A later graph's tensors may lie in an earlier one's scratch memory (PyTorch, "Sharing memory
+    across captures"), so the clipping norm that ``stats.grad_norm`` reads lives in a tensor outside the pool."""
     micro = step.micro
     for p in step.all_params:
         p.grad = None
@@ -236,15 +217,14 @@ def _record_graphs(step, device: torch.device, static_inputs: Any,
             for kind, position in positions(step.accum_steps):
                 step.micro = micro + position
                 graph = torch.cuda.CUDAGraph()
-                # thread_local (as torch.compile's CUDA graphs): another thread's unrelated CUDA calls (a
-                # DataLoader's pin-memory thread) do not break the capture; a sync on the capturing stream
-                # (.item() in forward or backward) fails from any thread
+                # thread_local (as torch.compile's): a DataLoader pin-memory thread's CUDA calls do not break
+                # the capture; a sync on the capturing stream (.item()) still fails
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     outputs[kind] = step._fn(static_inputs, *static_targets)
                 graphs[kind] = graph
     except Exception as e:
-        # torch.cuda.graph.__exit__ ends the capture before it restores the stream: when ending raises (it does
-        # after any error inside the capture), this thread would stay on the graph's capture stream
+        # torch.cuda.graph.__exit__ ends the capture before restoring the stream; when ending raises (after any
+        # error inside the capture), this thread would stay on the capture stream
         torch.cuda.set_stream(current)
         first = e.__context__ if e.__context__ is not None else e   # what broke the capture, before capture_end
         cause = f"{type(first).__name__}: {first}" + (
@@ -263,8 +243,8 @@ def _record_graphs(step, device: torch.device, static_inputs: Any,
 
 # ------------------------------------------------------------------------------- state dicts
 def portable_state_dict(step) -> dict[str, Any]:
-    """``step.state_dict()`` as a snapshot: optimizer state cloned, tensor hyperparameters (the device lr) as
-    floats, so it loads into an eager step as well as into a graph step."""
+    """``step.state_dict()`` with optimizer state cloned and tensor hyperparameters as floats, so it loads into an
+    eager step as well as a graph step."""
     sd = step.state_dict()
     opt = dict(sd["optimizer"])
     opt["state"] = {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()}
@@ -276,17 +256,15 @@ def portable_state_dict(step) -> dict[str, Any]:
 
 
 def load_keeping_tensors(step, sd: dict[str, Any]) -> bool:
-    """``step.load_state_dict(sd)``, then the loaded optimizer values copied into the tensors that were there before
-    (state and lr), which go back in their place: a captured graph holds their addresses.
-
-    Returns False when the loaded state does not fit those tensors (a key, a shape or a parameter's state
-    missing on one side): the graphs must then be captured again."""
+    """``step.load_state_dict(sd)``, copying the loaded optimizer state and lr into the previous tensors, which a
+    captured graph holds the addresses of. False when the loaded state does not fit them (a key, shape or
+    parameter's state missing on one side): the graphs must then be captured again."""
     opt = step.optimizer
     before = {p: dict(s) for p, s in opt.state.items()}
     lrs = [g["lr"] for g in opt.param_groups]
     if isinstance(sd.get("optimizer"), dict) and "state" in sd["optimizer"]:
-        # Optimizer.load_state_dict keeps the given tensors where no cast is needed: the state would then train in
-        # the caller's dict. Load copies.
+        # Optimizer.load_state_dict keeps the given tensors where no cast is needed, so the state would train in
+        # the caller's dict: load copies.
         sd = dict(sd, optimizer=dict(sd["optimizer"], state={
             k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()}
             for k, s in sd["optimizer"]["state"].items()}))
@@ -316,21 +294,18 @@ def load_keeping_tensors(step, sd: dict[str, Any]) -> bool:
 class CudaGraphStep:
     """``gstep(inputs, *targets) -> loss``: a :class:`TrainStep` replayed as CUDA graphs.
 
-    The first ``warmup`` calls (at least ``accum_steps``, up to the end of an accumulation cycle) are the eager
-    step, run on a side stream: real steps, with the step's own input checks, that create the optimizer's state
-    and warm up cuBLAS and cuDNN. The last of them also captures the whole step for its arguments' shapes (a
-    capture records kernels without running them, so it costs no step). From then on each call copies its
-    tensors into :attr:`static_inputs` / :attr:`static_targets` and replays.
+    The first ``warmup`` calls (at least ``accum_steps``, up to the end of an accumulation cycle) run the eager step
+    on a side stream: real steps that create the optimizer's state and warm up cuBLAS and cuDNN. The last of them
+    also captures the step for its arguments' shapes (capture runs nothing, so it costs no step). After that each
+    call copies its tensors into :attr:`static_inputs` / :attr:`static_targets` and replays.
 
-    A replay returns the graph's own loss tensor: the next replay overwrites it, ``loss.clone()`` to keep it.
-    Shapes, dtypes, devices and Python constants in the arguments are fixed by the capture; a call that differs
-    raises (``recapture()`` captures again, at the next call's shapes). Every optimizer setting but the lr is
-    baked in too, and so is the model's train()/eval() mode; changing one raises, a new lr (a scheduler's) is read
-    by the replays. With ``init_scale="auto"`` the capture waits for the first update, which picks the scale.
+    A replay returns the graph's own loss tensor, which the next replay overwrites: ``loss.clone()`` to keep it.
+    The capture fixes the arguments' shapes, dtypes, devices and Python constants, every optimizer setting but the
+    lr, and the model's train()/eval() mode: a change raises (``recapture()`` captures again). A new lr (a
+    scheduler's) is read by the replays. With ``init_scale="auto"`` capture waits for the first update.
 
-    Refused up front, before anything is changed: a model not on a CUDA device, ``on_overflow="retry"`` (a host
-    read per attempt), an optimizer that cannot skip an overflowing update on the device (no fused kernel: the
-    eager step reads ``found_inf`` on the host), DistributedDataParallel.
+    Refused up front: a model not on one CUDA device, ``on_overflow="retry"`` (a host read per attempt), a
+    non-fused optimizer (it reads ``found_inf`` on the host to skip an update), DDP and FSDP2.
     """
 
     def __init__(self, step, *, warmup: int = 3):
@@ -345,8 +320,8 @@ class CudaGraphStep:
         self.device = step.state.scale.device
         make_capturable(step.optimizer, self.device)
         self._side = torch.cuda.Stream(device=self.device)
-        self.replays = 0       # graph replays so far
-        self.captures = 0      # captures so far
+        self.replays = 0
+        self.captures = 0
         self._calls = 0        # eager calls since the warm-up last (re)started
         self._drop()
 
@@ -384,24 +359,21 @@ class CudaGraphStep:
         self._drop()
 
     def state_dict(self) -> dict[str, Any]:
-        """The step's state dict as a snapshot (optimizer state cloned, the lr a float): it loads into this step, a
-        new CudaGraphStep or an eager step, and resumes bit for bit."""
+        """A snapshot of the step's state that loads into this step, a new CudaGraphStep or an eager step, and
+        resumes bit for bit."""
         return portable_state_dict(self.step)
 
     def reloaded(self) -> None:
-        """After ``autocastfx.load_checkpoint`` replaced the eager step's state: the graphs may read tensors that
-        are no longer the optimizer's, so they are dropped, and captured again after the warm-up, from the start
-        of an accumulation cycle."""
+        """After ``autocastfx.load_checkpoint`` replaced the step's state: drop the graphs (they may read tensors
+        the optimizer no longer holds) to capture again after the warm-up, from a cycle's start."""
         self._drop()
         self._calls = 0
         self._eager_to_cycle_start = self.step.micro % self.step.accum_steps != 0
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Load into the tensors the graphs read (their addresses must not change), then carry on replaying.
-
-        A state that does not fit them (an optimizer that had not stepped yet) means warming up and capturing
-        again; a changed optimizer setting means capturing again; a position inside an accumulation cycle means
-        eager calls up to its end (the gradients of the cycle's first part were not saved)."""
+        """Load into the tensors the graphs read (their addresses must not change), then carry on replaying. A
+        state that does not fit them, or a changed optimizer setting, means capturing again; a position inside an
+        accumulation cycle means eager calls up to its end (the cycle's earlier gradients were not saved)."""
         fits = load_keeping_tensors(self.step, sd)
         make_capturable(self.step.optimizer, self.device)
         if not fits:
@@ -427,8 +399,8 @@ class CudaGraphStep:
             follow_optimizer_settings(self.step.optimizer, self._lrs, self._baked)
             return self._replay(leaves, position)
         loss = self._eager(inputs, targets)
-        # init_scale="auto": the first update picks the scale on a branch of the host (S.auto_pending); a capture
-        # waits until that update has run, or every replay would jump the scale again
+        # init_scale="auto" picks the scale on a host branch at the first update: capture after it, or every
+        # replay would jump the scale again
         if (self._graphs is None and not self.step.state.auto_pending
                 and ready_to_capture(self._calls, self.step.micro, self.warmup, n)):
             self._capture(sig, leaves)
@@ -449,7 +421,7 @@ class CudaGraphStep:
         self._eager_to_cycle_start = False
 
     def _eager(self, inputs, targets):
-        """One real step, the eager one, on the side stream (PyTorch's warm-up recipe for capture)."""
+        """One eager step on the side stream (PyTorch's warm-up recipe for capture)."""
         current = torch.cuda.current_stream(self.device)
         self._side.wait_stream(current)
         with torch.cuda.device(self.device), torch.cuda.stream(self._side), _eager_capturable():
@@ -459,8 +431,7 @@ class CudaGraphStep:
         return loss
 
     def _capture(self, sig: Signature, leaves: list[Any]) -> None:
-        """Record the step for these arguments' shapes (:func:`_record_graphs`), into static input buffers made
-        for them, and note what the graphs bake in (optimizer settings, lr tensors, train()/eval() modes)."""
+        """Capture for these arguments' shapes into new static buffers, and note what the graphs bake in."""
         step = self.step
         with torch.no_grad():
             statics = [x.detach().clone() if torch.is_tensor(x) else x for x in leaves]
@@ -478,13 +449,13 @@ class CudaGraphStep:
     def _replay(self, leaves: list[Any], position: int) -> torch.Tensor:
         kind = kind_at(position, self.step.accum_steps)
         pairs = [(s, x) for s, x in zip(self._statics, (v for v in leaves if torch.is_tensor(v))) if s is not x]
-        with torch.cuda.device(self.device):   # the copies and the replay on the model's device's current stream
+        with torch.cuda.device(self.device):
             if pairs:
                 with torch.no_grad():
                     torch._foreach_copy_([s for s, _ in pairs], [x for _, x in pairs], non_blocking=True)
             self._graphs[kind].replay()
             if self.step.accum_steps > 1:
-                self.step.micro += 1   # the host counter autocastfx's step keeps, as the eager call would
+                self.step.micro += 1   # as the eager call would
             self.replays += 1
             self.step.optimizer._opt_called = True   # it did step, inside the graph: LR schedulers check this flag
             self.step.state.poll()     # the stuck-scale flag the graph copied to the host: raises within two calls
@@ -492,8 +463,7 @@ class CudaGraphStep:
 
 
 def refuse_before_building(model, optimizer, on_overflow: str) -> None:
-    """The refusals of :func:`_refuse_what_cannot_be_captured`, for ``train_step(..., cuda_graph=True)`` before the
-    step is built."""
+    """:func:`_refuse_what_cannot_be_captured` for ``train_step(..., cuda_graph=True)``, before the step is built."""
     import types
 
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)

@@ -1,26 +1,19 @@
 """``autocastfx.keep_cpu_memory()``: glibc told to keep freed memory for the next step, an explicit, process-wide
-deployment setting that nothing in autocastfx makes by itself.
+setting that nothing in autocastfx makes by itself.
 
-A training step on the CPU allocates and frees the same few hundred megabytes every step (activations, the
-gradients of both precisions). glibc's malloc gives a free block at the top of its heap back to the system once it
-exceeds its trim threshold, and serves every allocation above its mmap threshold (32 MiB at most) with fresh pages:
-the next step faults each of those pages in again, zeroed by the kernel: thousands of page faults a step, for
-torch.autocast and autocastfx alike (docs/benchmarks.md has the measurements). The CUDA caching allocator keeps freed blocks for this reason, and PyTorch's CPU
-launcher (``python -m torch.backends.xeon.run_cpu``) preloads jemalloc or tcmalloc for it.
+A CPU training step allocates and frees the same large buffers every step. glibc's malloc gives the free top of its
+heap back to the system past its trim threshold and maps allocations above its mmap threshold afresh, so the next
+step faults those pages in again (docs/benchmarks.md). The CUDA caching allocator keeps freed blocks for this reason,
+and PyTorch's CPU launcher (``torch.backends.xeon.run_cpu``) preloads jemalloc or tcmalloc for it.
 
-:func:`keep_freed_memory` does the same in-process: ``mallopt(M_TRIM_THRESHOLD)`` and ``mallopt(M_MMAP_THRESHOLD)``
-raised, so freed memory stays in the heap and the next step reuses it without a fault. It is process-wide (glibc has
-one setting), so it is done once, and only where it means something: glibc is the allocator (no jemalloc, tcmalloc
-or mimalloc preloaded) and the user set none of ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``,
-``MALLOC_TOP_PAD_`` or a ``glibc.malloc.*`` tunable in ``GLIBC_TUNABLES`` (their choice stands). glibc before
-2.33 or so takes an mmap threshold of 32 MiB at most: that is used there. The same effect without any code:
-``MALLOC_TRIM_THRESHOLD_=2147483647 MALLOC_MMAP_THRESHOLD_=1073741824 python train.py`` (or preload jemalloc or
-tcmalloc, as ``torch.backends.xeon.run_cpu`` does).
+:func:`keep_freed_memory` raises both thresholds with ``mallopt``, once, and only where glibc is the allocator (no
+jemalloc, tcmalloc or mimalloc preloaded) and the user set none of ``MALLOC_TRIM_THRESHOLD_``,
+``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TOP_PAD_`` or a ``glibc.malloc.*`` tunable in ``GLIBC_TUNABLES`` (their choice
+stands). The same without code: ``MALLOC_TRIM_THRESHOLD_=2147483647 MALLOC_MMAP_THRESHOLD_=1073741824 python ...``.
 
-What it costs: the process's resident memory stays at its peak instead of shrinking between steps (nothing is
-allocated that was not already used; a later step reuses it), in processes forked after it too (DataLoader
-workers), and it cannot be undone. Threads other than the main one allocate from arenas of at most 64 MiB, whose
-larger blocks are still mapped afresh. The training step's docstring says which state the process is in.
+Cost: resident memory stays at its peak instead of shrinking between steps (nothing new is allocated), in processes
+forked after it too (DataLoader workers), and it cannot be undone. Threads other than the main one allocate from
+arenas of at most 64 MiB, whose larger blocks are still mapped afresh.
 """
 from __future__ import annotations
 

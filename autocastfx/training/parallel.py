@@ -11,8 +11,8 @@ from .step import Local, compiled_module
 
 
 def loaded_class(module: str, name: str):
-    """Class ``name`` of torch module ``module`` where that module has been imported, else None: no object can be
-    an instance of a class never loaded, and importing FSDP2 and DTensor costs a second at ``import autocastfx``."""
+    """Class ``name`` of torch module ``module`` if that module is imported, else None: no object can be an
+    instance of a class never loaded, and importing FSDP2 and DTensor would slow ``import autocastfx``."""
     return getattr(sys.modules.get(module), name, None)
 
 
@@ -28,8 +28,7 @@ def is_dtensor(t) -> bool:
 
 def parallel_for(model: nn.Module) -> Local:
     """The answers for ``model``: DDP around a converted module, an FSDP2-sharded one, or one process; any of
-    them compiled (``torch.compile(gm)``: the step calls the compiled module, and finds the parameters in the
-    module it compiled)."""
+    them may be ``torch.compile``d (the step calls the compiled module, the parameters are the inner one's)."""
     inner = compiled_module(model)
     if inner is not model:
         parallel = parallel_for(inner)
@@ -65,10 +64,8 @@ class DDP(Local):
 
 
 class FSDP(Local):
-    """A converted module sharded with FSDP2's ``fully_shard`` (by hand, or by :func:`shard`): each float32
-    parameter's shard is what the optimizer steps. The step's fused kernels work on the shards' local tensors
-    (``_local_tensor``: no copy); the optimizer's state is sharded DTensors that ``torch.distributed.checkpoint``
-    writes and reshards."""
+    """A converted module sharded with FSDP2's ``fully_shard`` (by hand, or by :func:`shard`): the optimizer steps
+    float32 shards; the fused kernels work on their local tensors (no copy)."""
     kind = "fsdp"
     distributed = True
 
@@ -132,8 +129,8 @@ class FSDP(Local):
 
 
 def _param_groups(state) -> list:
-    """An FSDP2 state's parameter groups: a list of them in newer torch, one (or none) in torch 2.11. Anything else is
-    an FSDP2 this code does not know, where unsynced gradients could not be dropped: an error, not a silent skip."""
+    """An FSDP2 state's parameter groups: a list in newer torch, one (or none) in torch 2.11. Anything else is an
+    FSDP2 this code does not know, where unsynced gradients could not be dropped: an error, not a silent skip."""
     if hasattr(state, "_fsdp_param_groups"):
         return list(state._fsdp_param_groups)
     if hasattr(state, "_fsdp_param_group"):

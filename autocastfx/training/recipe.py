@@ -1,18 +1,9 @@
 """The training step's recipe, as plain Python over the step's frozen options.
 
-:func:`train_step` is what ``TrainStep`` (autocastfx.training.step) runs on every call; ``print(step.code)`` shows
-this module's functions as written, under a line that says the options they run with. The parts:
-
-1. forward (the graph casts the float32 parameters), the loss in float32, backward of ``loss * scale``
-   (divided by the micro-batches of an update);
-2. the float32 gradients unscaled and checked for inf/NaN in one fused pass, one decision across processes;
-3. with ``on_overflow="retry"``, the batch redone at a lowered scale (the one host read it needs);
-4. clipping by global norm, after unscaling, with no host read;
-5. the optimizer step, skipped on overflow: on the device by a fused optimizer, else after one host read;
-6. the scale update on the device (``init_scale="auto"``: the first update picks the scale).
-
-``step`` is the ``TrainStep``: its ``options`` (:class:`StepOptions`), its scale state ``state``, the ``parallel``
-object that answers for DistributedDataParallel and FSDP2, and the parameters and optimizer it trains.
+:func:`train_step` is what ``TrainStep`` runs on every call; ``print(step.code)`` shows these functions as written,
+under a line giving the options. ``step`` is the ``TrainStep``: its ``options`` (:class:`StepOptions`), scale
+``state``, ``parallel`` object (DistributedDataParallel, FSDP2), and the parameters and optimizer it trains. Nothing
+reads the device from the host but ``on_overflow="retry"`` and a non-fused optimizer's skip, one read each.
 """
 from __future__ import annotations
 
@@ -31,9 +22,8 @@ _PARALLEL_NOTE = {"ddp": ", DistributedDataParallel", "fsdp": ", FSDP2"}
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
     """The options the step was built with, and what it found: ``kind`` and ``distributed`` are the ``parallel``
-    object's (``"local"``, ``"ddp"`` or ``"fsdp"``); ``fused`` whether the optimizer skips an overflowing update
-    on the device (else the step reads ``found_inf`` on the host); ``heap`` what the step did with the CPU
-    allocator (autocastfx.training.heap), None off the CPU."""
+    object's; ``fused`` whether the optimizer skips an overflowing update on the device; ``heap`` what the step
+    did with the CPU allocator (training.heap), None off the CPU."""
     scaler: ScalerConfig
     accum_steps: int
     clip: float | None

@@ -1,14 +1,10 @@
 """Loss-scale state on the device: static or dynamic scaling, growth, back-off, hysteresis, history.
 
-Every update is a tensor operation; nothing reads a value back to the host. The "stuck at min_scale" flag is
-kept on the device too; ``poll()`` reads a host copy of it after each step without waiting for that step (on
-the CPU the flag is host memory already; on CUDA each step starts a non-blocking copy into pinned memory and
-the next call reads it), so ``LossScaleError`` comes within two steps and costs no device sync.
-``check()`` reads the flag itself, on demand.
+Nothing reads a value back to the host. ``poll()`` reads a host copy of the device's "stuck at min_scale" flag one
+step late, so ``LossScaleError`` comes within two steps without a device sync; ``check()`` reads the flag on demand.
 
-``init_scale="auto"``: the first update runs at a low probe scale; its unscaled gradients' largest magnitude
-gives the largest power of two that keeps them under the low dtype's maximum with a safety margin, computed on
-the device, and the scale jumps there. That update is applied (it is finite), so none is wasted on overflows.
+``init_scale="auto"`` runs the first update at a low probe scale, then jumps, on the device, to the largest power of
+two that keeps its unscaled gradients under the low dtype's maximum with a margin. That update is applied.
 """
 from __future__ import annotations
 
@@ -18,10 +14,9 @@ import math
 import torch
 
 HISTORY = 1024  # steps of overflow and scale history kept on the device (a ring buffer)
-# init_scale="auto": the chosen scale keeps the first update's largest gradient AUTO_MARGIN times under the low
-# dtype's maximum (activation gradients and later steps' gradients can be larger: docs/training.md has the
-# measurements behind 8). It is at most AUTO_MAX_SCALE, the usual fixed start: above it, dynamic scaling grows
-# by itself after growth_interval clean steps, so "auto" never starts higher than 2^16 would.
+# init_scale="auto" keeps the first update's largest gradient AUTO_MARGIN times under the low dtype's maximum
+# (later gradients can be larger: docs/training.md), and starts no higher than AUTO_MAX_SCALE, the usual fixed
+# start; dynamic scaling grows above it by itself.
 AUTO_MARGIN = 2.0**3
 AUTO_MAX_SCALE = 2.0**16
 
@@ -97,8 +92,8 @@ class ScaleState:
         self.overflow_history = torch.zeros(HISTORY, dtype=torch.bool, device=device)
         self.scale_history = torch.zeros(HISTORY, **f32)
         self.auto_pending = cfg.auto and cfg.mode == "dynamic"  # host flag: the first update sets the scale
-        # the host's view of `stuck`: the flag itself on the CPU; elsewhere a (pinned) host copy, refreshed by
-        # every update without waiting, and read one step later
+        # the host's view of `stuck`: the flag itself on the CPU; else a pinned copy refreshed without waiting by
+        # every update, read one step later
         self.stuck_host = None if device.type == "cpu" else torch.zeros(
             (), dtype=torch.bool, pin_memory=device.type == "cuda")
         self._stuck_view = (self.stuck if self.stuck_host is None else self.stuck_host).numpy()
@@ -106,7 +101,7 @@ class ScaleState:
         self._recorded = [False, False]
         self._turn = 0
 
-    # --- the update, all on the device (a handful of tiny kernels: this runs every step)
+    # --- the update, all on the device (runs every step)
     def record(self) -> None:
         """Count the step and write it to the history (after found_inf is final, before the scale moves)."""
         flag = self.found_inf > 0
@@ -140,9 +135,9 @@ class ScaleState:
         torch.reciprocal(self.scale, out=self.inv_scale)  # exact: scales are powers of two
 
     def update_auto(self, grads: list[torch.Tensor]) -> None:
-        """The first update of init_scale="auto": after the usual update (an overflow backs off as always), jump to
-        the largest power of two that keeps ``grads`` (unscaled) AUTO_MARGIN times under the low dtype's maximum,
-        between min_scale and AUTO_MAX_SCALE. On the device: no host read."""
+        """The first update of init_scale="auto": the usual update (an overflow backs off), then a jump, on the
+        device, to the largest power of two keeping the unscaled ``grads`` AUTO_MARGIN times under the low dtype's
+        maximum, between min_scale and AUTO_MAX_SCALE."""
         self.update_dynamic()
         cfg = self.cfg
         if grads:
@@ -160,9 +155,8 @@ class ScaleState:
 
     # --- host reads
     def poll(self) -> None:
-        """Raise LossScaleError if a finished step found the scale stuck. On the CPU this reads the flag's memory
-        (no kernel, no sync); on CUDA the copy that the previous step started, after waiting for that step only,
-        while this one stays queued: the error comes within two steps and no step waits on its own work."""
+        """Raise LossScaleError if a finished step found the scale stuck. On CUDA this reads the copy the previous
+        step started, waiting for that step only, so no step waits on its own work."""
         if self.cfg.mode != "dynamic":
             return
         if self._events is not None:

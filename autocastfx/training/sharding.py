@@ -19,23 +19,20 @@ def _local_view(full: torch.Tensor, like) -> torch.Tensor:
 
 
 def shard(gm: nn.Module, mesh=None, reshard_after_forward: bool = True) -> nn.Module:
-    """Shard a converted module with FSDP2 (in place; returns ``gm``): each rank holds 1/N of the float32
+    """Shard a converted module with FSDP2, in place (returns ``gm``): each rank holds 1/N of the float32
     parameters, which its optimizer steps.
 
-    Each converted block (a submodule with ``meta["autocastfx"]`` of its own), then the root, gets two FSDP2
-    groups: the weights its graph reads only through a cast to the low dtype, gathered as
-    ``MixedPrecisionPolicy(param_dtype=low, reduce_dtype=float32)`` (half the bytes of a float32 all-gather; the
-    graph's cast of a gathered low weight is then a no-op), and the parameters the cast plan reads in float32
-    (norms, biases read by float32 ops), gathered in float32 and kept gathered through backward (they are
-    small), so the kernels see float32 weights as the plan says. Gradients are reduced in float32 into float32
+    Each converted block, then the root, gets two FSDP2 groups: the weights its graph reads only through a cast to
+    the low dtype, gathered low (``MixedPrecisionPolicy(param_dtype=low, reduce_dtype=float32)``: half the bytes, and
+    the graph's cast becomes a no-op), and the parameters the plan reads in float32 (norms, biases), gathered in
+    float32 and kept gathered through backward (they are small). Gradients are reduced in float32 into float32
     shards. Plain ``fully_shard(gm)`` works too, gathering float32. Build the optimizer over ``gm.parameters()``
     after this call.
 
-    A module converted on the meta device shards on meta (nothing allocated; the mesh is the accelerator's where
-    the process group is NCCL's, the CPU's under gloo, or pass ``mesh``); then
-    ``autocastfx.materialize(gm, device, state_dict, buffers=...)`` allocates each rank's shards and copies into
-    them its slice of each full tensor of ``state_dict`` (the float32 model's, or low-precision values, upcast):
-    ``gm.load_state_dict`` of a sharded module takes full tensors, and with a state dict read by
+    A module converted on the meta device shards on meta (nothing allocated; the mesh is the accelerator's under
+    NCCL, the CPU's under gloo, or pass ``mesh``); ``autocastfx.materialize(gm, device, state_dict, buffers=...)``
+    then allocates each rank's shards and copies in its slice of each full tensor of ``state_dict`` (float32, or
+    low values upcast). ``gm.load_state_dict`` of a sharded module takes full tensors; with a state dict from
     ``torch.load(path, mmap=True)`` a rank reads its slices alone, never a whole weight.
     """
     try:
@@ -72,7 +69,6 @@ def _shard_unit(unit: nn.Module, owners: "_Owners", mesh, reshard_after_forward)
     low = info.dtype
     fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
     low_mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
-    # float32 groups are kept gathered through backward (they are small)
     read = _groups(unit, owners.float32, mesh, False, fp32)
     if owners.own_float32:
         # FSDP2 gathers a group in one dtype: the unit's own parameters are float32, so the low weights' owners
@@ -92,12 +88,9 @@ def _shard_unit(unit: nn.Module, owners: "_Owners", mesh, reshard_after_forward)
 
 
 def _groups(unit: nn.Module, modules: list[nn.Module], mesh, reshard: bool, mp) -> list:
-    """FSDP2 groups over ``modules`` (submodules of ``unit``): those the unit's graph calls, and those whose
-    weights it only reads; returns the read group, whose forward never runs (to be gathered by hand).
-
-    FSDP2 runs a group's hooks when its modules run; a group whose modules are partly called and partly read
-    through get_attr takes FSDP2's partial-forward path and loses the read weights' gradients, so the two kinds
-    are two groups."""
+    """FSDP2 groups over ``modules``: one for those the unit's graph calls, one for those whose weights it only
+    reads, which is returned (its forward never runs: it is gathered by hand). A mixed group would take FSDP2's
+    partial-forward path and lose the read weights' gradients."""
     if not modules:
         return []
     from torch.distributed.fsdp import fully_shard
@@ -128,10 +121,9 @@ def _mesh_device(gm: nn.Module) -> str:
 
 
 def _full_tensors_to_shards(unit, state_dict, prefix, *_):
-    """A load-state-dict pre-hook of a sharded unit: each full tensor meant for a sharded parameter becomes a
-    DTensor over this rank's slice of it (a view: nothing is copied until the parameter's own ``copy_``), so that
-    ``load_state_dict`` (and :func:`autocastfx.materialize`) takes the float32 model's state dict on every rank.
-    DTensors (``torch.distributed.checkpoint``, ``set_model_state_dict``) and mismatched shapes pass as they are."""
+    """Load-state-dict pre-hook of a sharded unit: each full tensor for a sharded parameter becomes a DTensor over
+    a view of this rank's slice, so ``load_state_dict`` takes the float32 model's state dict on every rank.
+    DTensors and mismatched shapes pass as they are."""
     from torch.distributed.tensor import DTensor  # a sharded unit's parameters are DTensors: loaded already
     for name, p in unit.named_parameters(remove_duplicate=False):
         value = state_dict.get(prefix + name)

@@ -1,12 +1,10 @@
-"""The training step: the object that runs the mixed-precision recipe (autocastfx.training.recipe) on a converted
-module, its loss function and the user's optimizer.
+"""The training step: runs the mixed-precision recipe (training.recipe) on a converted module, its loss function
+and the user's optimizer.
 
-The recipe is plain Python over the step's frozen options; ``print(step.code)`` shows it as written. Around it,
-``TrainStep.__call__`` does the host-side work: the first call with a new input signature is checked and guarded
-(training.checks), and after every call a host copy of the "stuck at min_scale" flag is read.
-
-What depends on how the model is spread over processes, the step asks of a ``parallel`` object: :class:`Local`
-here (one process); training.parallel answers for DistributedDataParallel and FSDP2.
+``TrainStep.__call__`` does the host-side work around the recipe: a new input signature is checked and guarded
+(training.checks), and after every call the host copy of the "stuck at min_scale" flag is read. What depends on how
+the model is spread over processes is asked of a ``parallel`` object: :class:`Local` here, training.parallel for
+DistributedDataParallel and FSDP2.
 """
 from __future__ import annotations
 
@@ -58,8 +56,8 @@ class StepStats:
 
 
 class Forwarded:
-    """The output of a forward its caller already ran (a trainer that calls the model in its own training code):
-    the step takes it as the model's output instead of calling the model."""
+    """The output of a forward the caller already ran (a trainer's own training code): the step takes it instead of
+    calling the model."""
     __slots__ = ("output",)
 
     def __init__(self, output: Any):
@@ -69,11 +67,10 @@ class Forwarded:
 class Local:
     """What the step asks of the data-parallel wrapper, answered for one process.
 
-    ``local``/``locals``: the tensor(s) the step's fused kernels work on (a sharded parameter's local shard; here
-    the tensor itself). ``all_reduce_max``: one overflow decision for every process (emitted into the step only where
-    ``distributed``). ``sync(last)``: the context a micro-batch's forward and backward run in (gradient sync on
-    the last only). Clipping uses torch's ``clip_grad_norm_`` here and under DDP (whole gradients); a sharded
-    wrapper adds ``grad_norm``, the norm over every shard."""
+    ``local``/``locals``: the tensors the fused kernels work on (a sharded parameter's local shard).
+    ``all_reduce_max``: one overflow decision for every process (emitted only where ``distributed``).
+    ``sync(last)``: the context a micro-batch runs in (gradient sync on the last only). A sharded wrapper adds
+    ``grad_norm``, the norm over every shard; otherwise clipping uses torch's ``clip_grad_norm_``."""
     kind = "local"
     distributed = False
 
@@ -175,12 +172,11 @@ def _checked_options(info, loss_fn, optimizer, loss_scale, init_scale, on_overfl
 class TrainStep:
     """``step(inputs, *targets) -> loss``; see :func:`train_step`.
 
-    The step owns the backward, the division by ``accum_steps``, unscaling, clipping (``clip_grad_norm``), the
-    optimizer step on the float32 parameters, and frees every gradient after an update: a loop
-    calls it once per micro-batch and writes no ``loss.backward()``, ``clip_grad_norm_`` (it would see no
-    gradients), ``optimizer.step()`` or ``zero_grad()``. The learning rate (``group["lr"]`` or an LR scheduler on
-    the same optimizer), ``eval()``/``train()`` and checkpoints (``gm.state_dict()``, the float32 model, or
-    :meth:`state_dict`, everything) stay the loop's. docs/training.md shows the loop before and after."""
+    The step owns the backward, the division by ``accum_steps``, unscaling, clipping, the optimizer step on the
+    float32 parameters, and frees every gradient after an update: a loop calls it once per micro-batch and writes
+    no ``loss.backward()``, ``clip_grad_norm_`` (it would see no gradients), ``optimizer.step()`` or ``zero_grad()``.
+    The learning rate (or an LR scheduler), ``eval()``/``train()`` and checkpoints (``gm.state_dict()`` for the
+    float32 model, :meth:`state_dict` for everything) stay the loop's. docs/training.md shows the loop."""
 
     def __init__(self, model, loss_fn, optimizer, *, loss_scale=DYNAMIC, init_scale="auto", growth_factor=2.0,
                  backoff_factor=0.5, growth_interval=2000, min_scale=1.0, hysteresis=1, on_overflow="skip",
@@ -207,11 +203,11 @@ class TrainStep:
         self.fused = _use_fused_skip(self.optimizer, P)
         self.grad_norm = torch.zeros((), device=device) if clip_grad_norm is not None else None
         self.micro = 0
-        self.checker = InputChecker(self.gm, device)  # host-side checks of each new input signature
+        self.checker = InputChecker(self.gm, device)
         inner = compiled_module(self.model)  # torch.compile(gm): the sizes to mark before each call
         self._compiled_free = inner.meta["autocastfx"].free_dims if inner is not self.model \
             and "autocastfx" in getattr(inner, "meta", {}) else ()
-        self.heap = _heap.status() if torch.device(device).type == "cpu" else None  # said in the step's docstring
+        self.heap = _heap.status() if torch.device(device).type == "cpu" else None
         self.options = StepOptions(
             scaler=self.cfg, accum_steps=self.accum_steps, clip=self.clip, on_overflow=self.on_overflow,
             max_retries=self.max_retries, kind=P.kind, distributed=P.distributed, fused=self.fused, heap=self.heap)
@@ -223,8 +219,8 @@ class TrainStep:
         return recipe.code(self.options)
 
     def call_model(self, model: nn.Module, inputs: Any) -> Any:
-        """The module's forward, as the step calls it, counted for the input checks; over
-        ``torch.compile(gm)``, its inputs' free sizes marked first (before the compiler runs)."""
+        """The module's forward, counted for the input checks; over ``torch.compile(gm)``, the inputs' free sizes
+        are marked first (before the compiler runs)."""
         if self._compiled_free and not isinstance(inputs, Forwarded):
             args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs) \
                 if isinstance(inputs, dict) else ((inputs,), {})
@@ -245,7 +241,7 @@ class TrainStep:
         key = signature(inputs, targets)
         if key in self.checker.seen:
             loss = self._fn(inputs, *targets)
-        else:  # a new signature: checked, and its first run guarded
+        else:
             bound = self.checker.check(inputs, targets)
             with self.checker.guard(inputs, bound):
                 loss = self._fn(inputs, *targets)
@@ -254,10 +250,8 @@ class TrainStep:
         return loss
 
     def after_forward(self, output: Any, *targets) -> torch.Tensor:
-        """The step for a forward the caller ran itself: ``loss_fn(output, *targets)``, then backward, and on the
-        last micro-batch of an update the whole update, exactly as ``step(inputs, *targets)`` does after its
-        forward. For trainers whose own code calls the model (Lightning's ``training_step``); the output must come
-        from the converted module's forward in this grad-enabled region."""
+        """``step(inputs, *targets)`` after its forward, for a forward the caller ran itself (Lightning's
+        ``training_step``): the output must come from the converted module's forward in this grad-enabled region."""
         check_grad_mode()
         loss = self._fn(Forwarded(output), *targets)
         self.state.poll()
@@ -269,14 +263,13 @@ class TrainStep:
         return StepStats(S.scale, S.steps, S.skipped, S.overflow_history, S.scale_history, self.grad_norm)
 
     def check(self) -> None:
-        """Raise LossScaleError now if the scale is stuck at min_scale with gradients still overflowing (one host
-        read; every call already raises it within two steps without one)."""
+        """Raise LossScaleError now if the scale is stuck at min_scale with gradients still overflowing (a host
+        read; every call raises it within two steps anyway)."""
         self.state.check()
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything to resume bit for bit: scale state, the module, the optimizer, the RNG. This
-        process's view (under FSDP2, its shards): ``autocastfx.save_checkpoint`` writes one checkpoint for all
-        ranks that loads on any number of them."""
+        """Everything to resume bit for bit: scale state, module, optimizer, RNG. This process's view (under FSDP2,
+        its shards); ``autocastfx.save_checkpoint`` writes one checkpoint that loads on any number of ranks."""
         return {
             "scaler": self.state.state_dict(),
             "model": {k: v.clone() for k, v in self.gm.state_dict().items()},
@@ -288,9 +281,8 @@ class TrainStep:
         }
 
     def pending_grads(self) -> dict[str, torch.Tensor]:
-        """The gradients of an unfinished accumulation cycle (``micro`` not a multiple of ``accum_steps``), by
-        parameter name: a resumed step adds the rest of the cycle to them. Empty at a cycle's end. ValueError where
-        they are not the parameters' own ``.grad`` (FSDP2 keeps them unsharded inside its state)."""
+        """An unfinished accumulation cycle's gradients by parameter name (empty at a cycle's end), which a resumed
+        step continues. ValueError where they are not the parameters' ``.grad`` (FSDP2 keeps them in its state)."""
         if self.micro % self.accum_steps == 0:
             return {}
         if not self.parallel.grads_in_params:
@@ -322,8 +314,8 @@ class TrainStep:
 
 # ------------------------------------------------------------------------------------------- the optimizer
 def _check_optimizer(optimizer: torch.optim.Optimizer, gm: nn.Module, info) -> None:
-    """StepError for an optimizer entry that is not a parameter of the converted module (a module converted on
-    meta or from a low-precision checkpoint has parameters of its own, not the model's), before anything runs."""
+    """StepError for an optimizer entry that is not a parameter of the converted module (one converted on meta or
+    from a low-precision checkpoint has its own parameters, not the model's)."""
     own = {id(p) for p in gm.parameters()}
     names = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
     for g, group in enumerate(optimizer.param_groups):
@@ -342,15 +334,13 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, gm: nn.Module, info) -> N
 
 
 def _use_fused_skip(opt: torch.optim.Optimizer, parallel: Local) -> bool:
-    """Whether the optimizer skips an overflowed update on the device: a fused kernel built by its owner
-    (``fused=True``) takes ``found_inf``. The optimizer's options are the caller's: one without a fused kernel
-    skips by one host read of ``found_inf`` per update, as under ``GradScaler``."""
+    """Whether the optimizer skips an overflowed update on the device (a ``fused=True`` kernel takes
+    ``found_inf``); otherwise the step reads ``found_inf`` on the host once per update, as ``GradScaler`` does."""
     if not getattr(opt, "_step_supports_amp_scaling", False) or not parallel.allows_fused(opt):
         return False
     if isinstance(opt, torch.optim.SGD):
-        # a fused SGD whose first update is skipped would keep uninitialised momentum buffers (its kernel allocates
-        # them empty and fills them on a first step that did not run): start them at zero, PyTorch's own first-step
-        # buffer when dampening == 0
+        # a fused SGD whose first update is skipped would keep its empty, uninitialised momentum buffers: start them
+        # at zero, PyTorch's own first-step buffer when dampening == 0
         for group in opt.param_groups:
             if group["momentum"] and not group["dampening"]:
                 for p in group["params"]:
@@ -361,17 +351,16 @@ def _use_fused_skip(opt: torch.optim.Optimizer, parallel: Local) -> bool:
 def _load_optimizer(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
     """Load a checkpoint's optimizer state into the step's optimizer, keeping its own kernel options.
 
-    The optimizer keeps the checkpoint's tensors where no cast is needed: they are copied, so that training on does
-    not write into the caller's checkpoint. Its ``fused``/``foreach``/``capturable`` stay its own (a checkpoint from a
-    plain loop carries ``fused=False`` in its groups, which would leave a fused optimizer's ``found_inf`` unread)."""
+    The tensors are copied: the optimizer would keep the checkpoint's own where no cast is needed, and training on
+    would write into it. ``fused``/``foreach``/``capturable`` stay this optimizer's (a plain loop's checkpoint
+    carries ``fused=False``, which would leave a fused optimizer's ``found_inf`` unread)."""
     opt_sd = dict(sd)
     opt_sd["state"] = {k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in st.items()}
                        for k, st in sd["state"].items()}
     own = [{k: g[k] for k in ("capturable", "fused", "foreach") if k in g} for g in optimizer.param_groups]
     optimizer.load_state_dict(opt_sd)
-    for group, keep in zip(optimizer.param_groups, own):  # the kernels are this optimizer's own choice: a
-        group.update(keep)                                # checkpoint of another kind (a plain loop's, a CUDA
-        # graph's capturable one) does not switch them
+    for group, keep in zip(optimizer.param_groups, own):
+        group.update(keep)
         if not (group.get("capturable") or group.get("fused")):
             for p in group["params"]:  # where torch keeps `step` for a plain loop: on the CPU
                 st = optimizer.state.get(p, {})

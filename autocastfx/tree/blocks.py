@@ -1,30 +1,12 @@
 """Blocks: a model converted block by block, its blocks kept as modules; piecewise conversion of a model that
 does not capture as a whole.
 
-``convert(model, x, blocks="auto")`` (the default) converts each block of the model (the repeated children of
-its ``nn.ModuleList``s: a transformer's decoder layers, a network's stages) as a converted module of its own,
-at the same qualified name, inside the same container, then the model around them with each block a
-``call_module`` node of its graph:
-
-- **One run decides every boundary.** The model runs once on the example inputs (eval mode, no gradients, the
-  random number generator untouched) with each block replaced by a stand-in that converts it, on first call,
-  with the inputs it receives there: the blocks before it are converted already, so those inputs have the
-  dtypes the converted model will give it. A block takes its inputs and gives its outputs in the dtypes its
-  plan prefers (``keep_io_types=False``): an activation that leaves one block low enters the next low, without
-  a round trip through float32.
-- **Blocks alike are planned once.** A block of the same class, attributes, parameter shapes and input
-  shapes as one converted before it is a copy of that one with its own weights: converting a deep stack
-  costs about one block.
-- **The model around the blocks** is captured with the blocks as leaves (``symbolic_trace``) and planned
-  like any model, a block's call taking its inputs in the dtypes that block was converted for.
-- **Piecewise.** Where the model around the blocks does not trace (its Python is not a graph: Hugging Face
-  models, a loss with a data-dependent branch), it runs as the model's own Python; its children that hold
-  matmuls and convolutions are converted each on its own (float32 at their boundaries, so the dtypes the blocks
-  were converted for stay the ones they get), recursing into those that do not capture; the report and one
-  warning say what stayed eager and why.
-
-Each converted unit (a block, the root) keeps its own plan and report section; the training step,
-``shard()`` (FSDP2: each block a unit of its own) and checkpoints work over the tree.
+``convert(model, x, blocks="auto")`` converts each block (a repeated child of an ``nn.ModuleList``) as a module of
+its own at the same qualified name, then the model around them with each block a ``call_module`` node. One run of
+the model converts each block on its first call, with the inputs it gets there, so they have the dtypes the converted
+model will give it; blocks alike are planned once. Where the model around the blocks does not trace, it runs as its
+own Python and its children with matmuls and convolutions are converted each on its own. ``docs/blocks.md`` has
+the design.
 """
 from __future__ import annotations
 
@@ -135,10 +117,9 @@ class _Stand(ReadsThrough):
 
 
 def _residual_template(unit: nn.Module, args: tuple, out: Any) -> Any:
-    """Where every tensor the block gives has the shape of its first input, in the unit's own graph too (the
-    same symbolic sizes, for a unit torch.export captured): the structure of its result, each tensor marked
-    ``FIRST`` and other leaves as they were. torch.export then need not trace the block to export the model
-    around it (see ``around._Float32Results``). None otherwise."""
+    """The block's result structure with each tensor marked ``FIRST``, where every tensor has its first input's
+    shape (the same symbolic sizes in the unit's graph); None otherwise. torch.export then need not trace the
+    block to export the model around it (``around._Float32Results``)."""
     if not args or not isinstance(args[0], torch.Tensor):
         return None
     leaves, spec = torch.utils._pytree.tree_flatten(out)
@@ -164,8 +145,8 @@ def _residual_template(unit: nn.Module, args: tuple, out: Any) -> Any:
 
 @contextlib.contextmanager
 def _buffers_kept(block: nn.Module):
-    """Put ``block``'s buffers back as they were, the same tensors with the same values, after a run that may update
-    them (a batch norm in training mode updates the model's own running statistics)."""
+    """Put ``block``'s buffers back, the same tensors with the same values, after a run that may update them
+    (batch-norm running statistics)."""
     kept = [(m, name, t, t.clone()) for m in block.modules() for name, t in m._buffers.items() if t is not None]
     try:
         yield
@@ -178,16 +159,15 @@ def _buffers_kept(block: nn.Module):
 
 def _as_unit_gives(unit: nn.Module, block: nn.Module, args: tuple, kwargs: dict) -> Any:
     """What the converted block gives, for the rest of the one run: the model's block run in float32 (low kernels
-    are slow where they are emulated, as on most CPUs, and only the dtypes and shapes matter here), its float
-    results in the dtypes the converted block returns them. The converted block itself where that cannot be
-    matched up."""
+    are slow where emulated, and only dtypes and shapes matter here), cast to the converted block's output dtypes;
+    the converted block's own result where the two do not match up."""
     graph = unit.graph
     out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
     want = [getattr(a.meta.get(K.INFO), "dtype", None) if isinstance(a, fx.Node) else None
             for a in torch.utils._pytree.tree_leaves(out_node.args[0])]
     up = to_float32((args, kwargs))
     try:
-        with _buffers_kept(block):  # the model's block runs in the model's modes: its statistics stay as they were
+        with _buffers_kept(block):  # the block runs in the model's modes
             out = block(*up[0], **up[1])
     except Exception:  # noqa: BLE001 - the converted block then
         return unit(*args, **kwargs)
@@ -205,10 +185,9 @@ class _CalledTwice(Exception):
 
 @contextlib.contextmanager
 def _fake_on(device: torch.device | None):
-    """The one run of a model on the meta device (``device`` None: an ordinary run): a FakeTensorMode in which
-    the model's meta tensors are fake tensors of the device the model is planned for, and its real inputs fake
-    tensors of theirs, so that the model's code runs as on that device without values (a Hugging Face model's
-    checks on values are skipped for fake tensors, as under torch.export)."""
+    """For the one run of a model on the meta device (``device`` None: an ordinary run): a FakeTensorMode that
+    makes meta tensors fake tensors of ``device``, so the model's code runs as there, without values (Hugging Face
+    models skip their value checks for fake tensors, as under torch.export)."""
     if device is None:
         yield
         return
@@ -247,12 +226,10 @@ def _as_meta(tree: Any) -> Any:
 
 def convert_tree(model: nn.Module, names: list[str], args: tuple, kwargs: dict, conv: Conversions,
                  options: ConvertOptions, ctx: CaptureContext, explicit: bool) -> nn.Module:
-    """Convert ``model`` with the blocks ``names`` as modules of their own, each by ``conv.block``, the model
-    around them by ``conv.whole`` (the caller's per-graph conversions). Where the model around the blocks does not trace, ``blocks="auto"``
-    (``explicit=False``) converts the model as one graph as before, and only a model that does not capture
-    as one graph either is converted piecewise; blocks the caller named are kept as modules piecewise."""
-    # the model around the blocks as one graph: traced (symbolic_trace), or else exported (torch.export, the
-    # blocks' call signatures preserved: Hugging Face models)
+    """Convert ``model`` with the blocks ``names`` as modules of their own (``conv.block``), the model around them
+    by ``conv.whole``. Where the model around the blocks does not trace, ``blocks="auto"`` (``explicit=False``)
+    converts the model as one graph, and goes piecewise only if that fails; named blocks are kept piecewise."""
+    # the model around the blocks: traced (symbolic_trace), else exported (torch.export: Hugging Face models)
     traced = _traces_around(model, names, options.policy)
     try:
         return _tree(model, names, args, kwargs, conv, options, ctx, piecewise=False)
@@ -275,8 +252,6 @@ def _tree(model, names, args, kwargs, conv, options, ctx, *, piecewise: bool, wh
     modes = {id(m): m.training for m in model.modules()}
     tree, keep = _tree_copy(model, names)
     make = _Maker(model, conv, options, ctx, args, kwargs, piecewise=piecewise, modes=modes)
-    # the one run: each block a stand that converts it on its first call, then its converted unit (or the model's
-    # module, copied where the model holds it elsewhere too) in its place
     stands = {}
     for name in names:
         stands[name] = _Stand(name, tree.get_submodule(name), make)
@@ -307,9 +282,8 @@ def _tree(model, names, args, kwargs, conv, options, ctx, *, piecewise: bool, wh
 
 def _tree_copy(model: nn.Module, names: list[str]) -> tuple[nn.Module, dict[int, nn.Module]]:
     """The model's structure (its tensors until the end), and the blocks it holds at one name only, by id."""
-    # the blocks themselves are not copied: each is replaced by its stand and then by its converted unit, or by a
-    # copy where it stays the model's module (a block the model also holds under another name is copied: that
-    # other place would keep the model's own module)
+    # blocks are not copied but replaced; one the model also holds under another name is copied where it stays
+    # the model's module, since that other place keeps the model's own
     seen = collections.Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
     keep = {id(m): m for m in (model.get_submodule(n) for n in names) if seen[id(m)] == 1}
     tree = copy_model(model, share_tensors=True, keep=keep.values())
@@ -317,18 +291,16 @@ def _tree_copy(model: nn.Module, names: list[str]) -> tuple[nn.Module, dict[int,
 
 
 def _put_back(tree: nn.Module, stands: dict[str, _Stand], keep: dict[int, nn.Module]) -> None:
-    """Each stand replaced by its converted unit, or by the model's block where it has none (a copy of it where
-    that block is the model's own module, see :func:`_tree_copy`)."""
+    """Replace each stand by its converted unit, or else by the model's block (copied per :func:`_tree_copy`)."""
     for name, st in stands.items():
         m = st.unit if st.unit is not None else st.block
         put_module(tree, name, copy_model(m, share_tensors=True) if id(m) in keep else m)
 
 
 class _Maker:
-    """What a :class:`_Stand` calls to convert its block, with the inputs of its first call: in the modes the
-    model's modules have, its first input low where the blocks before it give it so (see :func:`_hidden_low`),
-    by a copy of the plan of a block alike converted before it where there is one. A block that does not
-    capture on its own stays the model's module (and ``failed`` says why)."""
+    """Converts a :class:`_Stand`'s block with its first call's inputs, in the model's modes, the first input low
+    per :func:`_hidden_low`, reusing the plan of a block alike where there is one. A block that does not capture
+    on its own stays the model's module (``failed`` says why)."""
 
     def __init__(self, model: nn.Module, conv: Conversions, options: ConvertOptions, ctx: CaptureContext,
                  args: tuple, kwargs: dict, *, piecewise: bool, modes: dict[int, bool]):
@@ -371,7 +343,7 @@ class _Maker:
         return unit
 
     def _in_model_modes(self, name: str, block: nn.Module) -> None:
-        """The block's modules in the modes the model's modules at their names have (it is converted in those)."""
+        """Put the block's modules in the modes of the model's modules at their names."""
         originals = dict(self.model.get_submodule(name).named_modules())
         for rel, m in block.named_modules():
             o = originals.get(rel)
@@ -398,24 +370,22 @@ class _Maker:
 
 
 def _hidden_low(args: tuple, low: torch.dtype) -> tuple:
-    """A block's first input (the hidden state a stack passes from block to block) taken low, as the blocks
-    before it give it, where its values fit: the model around the blocks is planned to deliver it so (an
-    embedding stored low, no cast up before the first block), and every block of a stack is converted for the
-    same input. Other inputs (masks, rotary tables) keep the dtype the model gives them."""
+    """A block's first input (the hidden state of a stack) taken low where its values fit, as the blocks before
+    give it: the model around is planned to deliver it so, and every block of a stack is converted for the same
+    input. Other inputs (masks, rotary tables) keep their dtype."""
     if not args or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point() \
             or args[0].dtype == low:
         return args
     x = args[0]
-    # on the meta device there are no values to look at: a hidden state is taken to fit, as it does in any model
-    # that trains
+    # on the meta device there are no values: a hidden state is taken to fit, as in any model that trains
     if x.numel() and not x.is_meta and not bool(torch.isfinite(x.to(low)).all()):
         return args
     return (x.to(low),) + tuple(args[1:])
 
 
 def _planned_inputs(unit: nn.Module, args: tuple, kwargs: dict) -> list:
-    """The dtype a converted block takes each float input in (``float_dtypes``'s order): the example's, or the
-    one its plan chose for an input it was free to choose (see ``api._free_inputs``)."""
+    """The dtype a converted block takes each float input in (``float_dtypes``'s order): the example's, or the one
+    its plan chose for a free input (``api._free_inputs``)."""
     given = float_dtypes((args, kwargs))
     chosen = {}
     for p, v in placeholder_values(unit, args, kwargs):
@@ -433,12 +403,10 @@ _PLAIN = (int, float, str, bool, type(None), torch.dtype, torch.device, torch.Si
 
 
 def _signature(block: nn.Module, args: tuple, kwargs: dict) -> Any:
-    """What a block's conversion depends on, but for the values of its own classes' plain attributes:
-    classes, attribute names, torch.nn modules' attributes (a traced graph calls them as they are),
-    parameter and buffer metadata, modes, input metadata. None where something of another kind is met (then
-    the block is converted on its own). Which of its own attributes the conversion read, and their values, are
-    compared apart (:func:`_same_reads`): a decoder layer's ``layer_idx`` that no code reads does not keep two
-    layers from one plan."""
+    """What a block's conversion depends on, but for its own classes' plain attribute values: classes, attribute
+    names, torch.nn modules' attributes (a traced graph calls them as they are), parameter, buffer and input
+    metadata, modes; None for anything else (the block is then converted on its own). The attributes the
+    conversion read are compared apart (:func:`_same_reads`), so an unread ``layer_idx`` does not split a plan."""
     parts: list = []
     for name, m in block.named_modules():
         items = [name, type(m), m.training]
@@ -473,11 +441,9 @@ def _is_torch_class(cls: type) -> bool:
 
 @contextlib.contextmanager
 def _watch_attributes(block: nn.Module):
-    """Yields (a dict, the callback for the capture's ``CaptureContext.watch``): once the block is converted, the
-    dict holds (module name, attribute) -> value for every plain attribute of the block's own classes that the
-    capture read of any instance of that class (the capture reads its copy of the block: what a class read is
-    taken as read in every module of that class, which only makes the comparison stricter); None where a value
-    read cannot be compared."""
+    """Yields (a dict, the ``CaptureContext.watch`` callback); after conversion the dict maps (module name,
+    attribute) to each plain attribute of the block's own classes the capture read. The capture reads a copy, so a
+    read counts for every module of that class (only stricter). ``{None: None}`` where a value cannot be compared."""
     classes = {type(m) for m in block.modules() if not _is_torch_class(type(m))}
     names: set[tuple[type, str]] = set()
 
@@ -528,9 +494,8 @@ def _plain(v: Any) -> Any:
 
 
 def _fresh_containers(module: nn.Module, memo: dict) -> None:
-    """Enter in a ``copy.deepcopy`` memo a new, empty container for every empty hook dictionary and name set of
-    ``module``'s modules: what the copy would make of them, without the generic path ``deepcopy`` takes for an
-    ``OrderedDict`` (a dozen per module; most of the cost of copying a small block)."""
+    """Enter in a ``copy.deepcopy`` memo a new empty container for each empty hook dict and name set of
+    ``module``'s modules, skipping ``deepcopy``'s slow generic path for ``OrderedDict``."""
     for m in module.modules():
         for v in vars(m).values():
             if type(v) is collections.OrderedDict and not v and not vars(v):
@@ -543,8 +508,7 @@ def _reuse(ref: nn.Module, block: nn.Module, codes: dict) -> nn.Module | None:
     """A copy of the converted block ``ref`` that runs on ``block``'s own parameters and buffers (the same
     tensors, not copies); None where the two do not correspond name for name, shape and dtype."""
     info = ref.meta["autocastfx"]
-    # what a conversion decided is read, never written, after it: the copies share it (the plan, the policy,
-    # the totals); graphs and modules are copied, and the tensors are ``block``'s
+    # a conversion's decisions are read-only after it: the copies share them; the tensors are ``block``'s
     memo = {id(x): x for x in (info.plan, info.policy, info.extra_totals, info.source_params, info.absorbed,
                                info.options)}
     for mine, theirs in ((ref.named_parameters(remove_duplicate=False), block.named_parameters(remove_duplicate=False)),
@@ -557,8 +521,7 @@ def _reuse(ref: nn.Module, block: nn.Module, codes: dict) -> nn.Module | None:
                 return None
             memo[id(t)] = theirs[n]
     _fresh_containers(ref, memo)
-    # the copy's graph is the same graph: its code is the one already written for ``ref`` (writing the Python of
-    # a graph is most of the cost of a GraphModule copy). The copy's own graph writes its code from then on.
+    # reuse the code already written for ``ref``'s graph: writing a graph's Python dominates a GraphModule copy
     code = codes.get(id(ref))  # ``codes``: one conversion's id(block) -> (its graph, that graph's code)
     if code is None or code[0] is not ref._graph:
         code = codes[id(ref)] = (ref._graph, ref._graph.python_code(root_module="self"))

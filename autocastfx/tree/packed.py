@@ -1,19 +1,14 @@
 """Packed sequences: a recurrent layer the model calls with a ``PackedSequence``, converted as a part that runs low.
 
-Neither packing (``pack_padded_sequence`` reads the lengths' values) nor the layer's call on a packed sequence
-(``aten.lstm.data``'s decomposition reads ``batch_sizes``) is captured by torch.export, so such a model is
-converted piecewise. The layer's call is one op on the packed sequence's fields, though:
-``torch.lstm(data, batch_sizes, [h0, c0], weights, has_biases, num_layers, dropout, train, bidirectional)``
-(``torch.gru``, ``torch.rnn_tanh``, ``torch.rnn_relu`` alike), which symbolic tracing records as it is. So the
-layer is converted, by the per-graph conversion every part goes through, as a stand-in
-(:class:`_PackedLSTM`, :class:`_PackedRNN`): a module that holds the layer's parameters under their own names and
-whose forward is that one call on ``(data, batch_sizes, h0[, c0])``. The policy classifies the op ``low`` as it
-classifies ``aten.lstm.input``: the plan casts the data and the state to the low dtype and stores every weight and
-bias low (each cast from its float32 parameter), one dtype for the whole call (kernels.py's ``_cudnn_rnn`` rule), and ``self.training``
-gives the call's ``train`` flag per mode. The converted part then takes the model's own call through
-:class:`PackedCall`: it unpacks the sequence, makes the zero initial state where none is given (or orders the
-given one by the sequence's sorting, as the layer does), calls the graph, and packs its output as the layer
-does. Like every piecewise part it is float32 at its boundary.
+torch.export captures neither packing (``pack_padded_sequence`` reads the lengths' values) nor the layer's call on a
+packed sequence (``aten.lstm.data``'s decomposition reads ``batch_sizes``), so such a model is converted piecewise.
+The call is one op on the packed sequence's fields, though (``torch.lstm(data, batch_sizes, [h0, c0], weights,
+...)``; ``torch.gru``, ``torch.rnn_tanh``, ``torch.rnn_relu`` alike), which symbolic tracing records. So a stand-in
+(:class:`_PackedLSTM`, :class:`_PackedRNN`) holding the layer's parameters and making that one call is converted;
+the policy classifies the op ``low`` like ``aten.lstm.input``, one dtype for the whole call (kernels.py's
+``_cudnn_rnn`` rule). The converted part takes the model's call through :class:`PackedCall`, which unpacks the
+sequence, calls the graph and packs its output as the layer does. Like every piecewise part it is float32 at its
+boundary.
 """
 from __future__ import annotations
 
@@ -105,11 +100,9 @@ def _graph_inputs(layer, input: PackedSequence, hx) -> list:
 
 
 class PackedCall:
-    """Mixed into a converted packed layer's class: the model's call ``layer(packed, hx=None)`` made into the
-    graph's inputs (:func:`_graph_inputs`), and the graph's result packed as the layer packs it:
-    ``(PackedSequence, (h, c))`` for an LSTM, ``(PackedSequence, h)`` otherwise. The layer's sizes and flags
-    (``mode``, ``hidden_size``, ``batch_first``, ...) are answered from ``meta``, which copies and the classes made
-    over this one (checkpoint_blocks) keep."""
+    """Mixed into a converted packed layer's class: turns the model's call ``layer(packed, hx=None)`` into the
+    graph's inputs and packs the result as the layer does. The layer's sizes and flags (``mode``, ``hidden_size``,
+    ...) are answered from ``meta``, which copies and the classes made over this one (checkpoint_blocks) keep."""
 
     def __call__(self, input, hx=None):
         if not isinstance(input, PackedSequence):
@@ -135,9 +128,8 @@ _CLASSES: dict[type, type] = {}
 
 
 def _take_packed_calls(part: nn.Module, stand_in: _Packed) -> None:
-    """``part``'s class made one over its own with :class:`PackedCall` first (as converted.module.install makes the converted
-    class), its code written again for that class, the stand-in's surface put back on it, the layer's sizes and
-    flags in its meta."""
+    """Give ``part`` a class over its own with :class:`PackedCall` first (as converted.module.install does), its
+    code rewritten for it, the stand-in's surface, and the layer's sizes and flags in its meta."""
     base = next(c for c in type(part).__mro__ if c.__qualname__.split(".")[-1] != "GraphModuleImpl")
     sub = _CLASSES.get(base)
     if sub is None:
@@ -149,8 +141,8 @@ def _take_packed_calls(part: nn.Module, stand_in: _Packed) -> None:
 
 
 def convert_packed(m: nn.RNNBase, a: tuple, k: dict, whole, options, ctx) -> tuple[nn.Module, str, list]:
-    """The layer ``m``, called with a packed sequence (``a``, ``k``), converted by ``whole`` (the per-graph
-    conversion of a module) as its stand-in; (the part, its plan as the report says it, its inputs' dtypes)."""
+    """The layer ``m``, called with a packed sequence, converted by ``whole`` as its stand-in; returns (the part,
+    its plan as the report says it, its inputs' dtypes)."""
     packed, hx = _bind(a, k)
     stand_in = (_PackedLSTM if m.mode == "LSTM" else _PackedRNN)(m)
     example = tuple(_graph_inputs(stand_in, packed, hx))

@@ -96,9 +96,9 @@ def no_autocast(value: Any):
 
 @contextlib.contextmanager
 def quiet_run(tree: nn.Module, low: torch.dtype | None = None, inputs: Any = None):
-    """The one run: eval mode, no gradients, the RNG as it was before. With ``low``, the model's own code
-    between the blocks runs under torch.autocast, so that a block's low output is taken by the float32 code
-    after it (the converted model's plan casts there instead); the blocks themselves run without it."""
+    """The one run: eval mode, no gradients, the RNG left as it was. With ``low``, the model's code between the
+    blocks runs under torch.autocast, so the float32 code after a block takes its low output (the converted
+    model's plan casts there instead); the blocks themselves run without it."""
     auto = torch.autocast(_device_type(inputs), dtype=low) if low is not None and low != torch.float32 \
         else contextlib.nullcontext()
     with torch.random.fork_rng(devices=[]), torch.no_grad(), auto, warnings.catch_warnings():
@@ -182,11 +182,9 @@ def why_not_captured(e: BaseException) -> str:
 
 
 class Conversions(NamedTuple):
-    """The per-graph conversions the tree is given by its caller (it never imports the entry point), each
-    called as ``(module, args, kwargs, options, ctx)``:
-
-    ``whole``: the module converted without blocks (one graph; a model that does not capture is piecewise);
-    ``block``: a block as a converted module of its own, its inputs cast on entry to the dtypes it was planned
-    for (``options.keep_io_types``: its outputs in the dtypes the model gave)."""
+    """The per-graph conversions the tree is given by its caller (it never imports the entry point), each called
+    as ``(module, args, kwargs, options, ctx)``. ``whole``: the module converted without blocks (piecewise if it
+    does not capture); ``block``: a block as a converted module of its own, its inputs cast on entry to the dtypes
+    it was planned for (``options.keep_io_types``: its outputs in the dtypes the model gave)."""
     whole: Callable
     block: Callable
