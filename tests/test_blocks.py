@@ -221,6 +221,8 @@ def test_block_choice_by_name_and_by_function_and_refusals():
     assert {n for n, m in gm.named_modules() if "autocastfx_block" in getattr(m, "meta", {})} == {"layers.1", "layers.2"}
     with pytest.raises(ValueError, match="ModuleLists"):
         converted(model, x, blocks=["layer.9"])
+    with pytest.raises(ValueError, match=r"names a ModuleList, which holds blocks .* \('layers.0', \.\.\.\)"):
+        converted(model, x, blocks=["layers"])  # was "TypeError: '_Stand' object is not iterable"
     with pytest.raises(TypeError, match="blocks must be"):
         converted(model, x, blocks=3)
 

@@ -77,6 +77,13 @@ def choose(model: nn.Module, blocks: Any, policy) -> list[str]:
     else:
         raise TypeError("blocks must be 'auto', None (one graph for the whole model), a list of submodule names "
                         f"or a function (name, module) -> bool; got {blocks!r}")
+    containers = [n for n in picked if isinstance(named.get(n), (nn.ModuleList, nn.ModuleDict))]
+    if containers:
+        kind = type(named[containers[0]]).__name__
+        first = next(iter(named[containers[0]]._modules), "0")
+        raise ValueError(f"blocks={containers} names a {kind}, which holds blocks but is never called itself: name the "
+                         f"blocks ('{containers[0]}.{first}', ...), pass a function (name, module) -> bool, or "
+                         "blocks='auto', which takes the repeated children of every ModuleList")
     order = {n: i for i, n in enumerate(named)}
     out: list[str] = []
     for n in sorted(set(picked), key=order.__getitem__):
