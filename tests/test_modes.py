@@ -745,3 +745,125 @@ def test_a_submodules_own_mode_is_followed_where_a_program_computes_it_and_refus
     with pytest.raises(ValueError, match=r"inner\.bn \(train\).*gm\.train\(\) and gm\.eval\(\)"):
         gm(x)
     assert all(torch.equal(v, before[k]) for k, v in stats().items())
+
+
+class _FrozenNorm(nn.Module):
+    """A torch.export capture (a traced shape) with a batch norm to freeze."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.bn, self.l3 = nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        b, *_ = x.shape  # noqa: F841
+        return self.l3(F.relu(self.bn(self.l1(x))))
+
+
+def test_export_and_save_write_the_program_of_the_modules_modes(tmp_path):
+    """After ``gm.eval()``, a validation call, then ``gm.train(); gm.bn.eval()`` (as docs/training.md says), the
+    converted module still ran the training program until its next call: export and save wrote it (1.1 off the
+    model with its frozen batch norm). They now write the program a call would run."""
+    torch.manual_seed(0)
+    model = _FrozenNorm()
+    for _ in range(3):
+        model(torch.randn(8, 16) * 3 + 1)  # statistics worth keeping
+    model.train()
+    model.bn.eval()
+    x = torch.randn(8, 16)
+    gm = autocastfx.convert(copy.deepcopy(model), (x,), dtype=torch.bfloat16)
+    gm.eval()
+    gm(x)
+    gm.train()
+    gm.bn.eval()
+    with torch.no_grad():
+        want = model(x)
+    autocastfx.export(gm, tmp_path / "m.pt2", (x,))
+    autocastfx.save(gm, tmp_path / "m.acfx", (x,))
+    for loaded in (torch.export.load(tmp_path / "m.pt2").module(), autocastfx.load(tmp_path / "m.acfx")):
+        with torch.no_grad():
+            assert _rel(loaded(x), want) < 2e-2
+
+
+class _SetsItsScale(nn.Module):
+    """Its own train() sets state other than its flag."""
+
+    def __init__(self):
+        super().__init__()
+        self.l, self.factor = nn.Linear(16, 16), 2.0
+
+    def train(self, mode=True):
+        super().train(mode)
+        self.factor = 2.0 if mode else 1.0
+        return self
+
+    def forward(self, x):
+        return self.l(x) * self.factor
+
+
+@pytest.mark.parametrize("path", ["symbolic_trace", "torch.export"])
+def test_the_given_program_keeps_what_a_modules_own_train_set(path):
+    """Converted in mixed modes (a frozen batch norm), the program as given was captured from the copy after its
+    eval capture, its flags put back one by one: a module's own ``train()`` had set its factor to the eval value
+    (0.53 off the model). That program is now captured from a fresh copy, as the model is."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sc, self.bn, self.out = _SetsItsScale(), nn.BatchNorm1d(16), nn.Linear(16, 4)
+
+        def forward(self, x):
+            if path == "torch.export":
+                b, *_ = x.shape  # noqa: F841
+            return self.out(self.bn(self.sc(x)))
+
+    torch.manual_seed(0)
+    model = Net()
+    for _ in range(3):
+        model(torch.randn(8, 16))
+    model.train()
+    model.bn.eval()
+    x = torch.randn(8, 16)
+    gm = autocastfx.convert(copy.deepcopy(model), (x,), dtype=torch.bfloat16)
+    assert gm.meta["autocastfx"].capture == path
+    with torch.no_grad():
+        assert _rel(gm(x), model(x)) < 2e-2
+
+
+def test_a_call_refused_for_its_modules_modes_changes_no_statistics():
+    """A block's modes no program computes are refused with a ValueError: the blocks before it had already run and
+    updated their batch-norm statistics. Every converted block's modes are now checked before any runs."""
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(16))
+
+        def forward(self, x):
+            return x * self.w * 0.5 if self.training else x * self.w
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l, self.bn, self.s = nn.Linear(16, 16), nn.BatchNorm1d(16), Scale()
+
+        def forward(self, x):
+            return x + self.s(self.bn(self.l(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block() for _ in range(3)])
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    gm = autocastfx.convert(Net(), (x,), dtype=torch.bfloat16)
+    assert [n for n, m in gm.named_modules() if "autocastfx_programs" in getattr(m, "meta", {})]
+    gm.train()
+    gm.blocks[2].s.eval()  # a mixture the last block's programs do not compute
+    before = {k: v.clone() for k, v in gm.state_dict().items() if "bn." in k}
+    with pytest.raises(ValueError, match="another mode than the program it runs"):
+        gm(x)
+    assert all(torch.equal(v, gm.state_dict()[k]) for k, v in before.items())

@@ -1328,3 +1328,30 @@ def test_checkpoint_blocks_moves_batch_norm_statistics_once_a_step():
     assert int(checkpointed["layers.0.bn.num_batches_tracked"]) == 5
     for k, v in plain.items():
         assert torch.equal(v, checkpointed[k]), k
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(16, 8)
+
+    def forward(self, x, scale=1.0, relu=False):
+        out = self.l(x) * scale
+        return F.relu(out) if relu else out
+
+
+def test_a_plain_value_a_call_passes_is_not_dropped():
+    """A call that passed a scale or a flag of its own (``gm(x, scale=3.0)``, ``gm(x, relu=True)``) was taken for
+    the example's call spelled another way and ran with the example's values (0.67 off, a ReLU skipped). Plain
+    values are now part of what a conversion is made for, and a call spelled another way than the conversion it
+    reuses is spelled as that one's."""
+    torch.manual_seed(0)
+    model, x = _Scaled(), torch.randn(4, 16)
+    gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    calls = [((x,), {}), ((x,), {"scale": 3.0}), ((x, 3.0), {}), ((x,), {"relu": True}), ((x, 1.0, True), {})]
+    with torch.no_grad():
+        for args, kwargs in calls:
+            want = model(*args, **kwargs)
+            assert torch.allclose(gm(*args, **kwargs).float(), want, rtol=2e-2, atol=2e-2), (args[1:], kwargs)
+        given = autocastfx.convert(model, (x,), example_kwargs={"scale": 1.0}, dtype=torch.bfloat16)
+        assert torch.allclose(given(x, scale=3.0).float(), model(x, scale=3.0), rtol=2e-2, atol=2e-2)

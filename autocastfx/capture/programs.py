@@ -43,14 +43,14 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy, ctx: CaptureCon
     warning says so."""
     work = copy_model(model, share_tensors)
     with watch_reads(watchable(work), ctx.watch) if ctx.watch is not None else contextlib.nullcontext():
-        out = _capture(model, work, args, kwargs, policy, ctx)
+        out = _capture(model, work, args, kwargs, policy, ctx, lambda: copy_model(model, share_tensors))
     for p in out.programs.values():
         own_classes(p)  # the watched copy's classes, where the capture's node metadata noted its subclasses
     return out
 
 
-def _capture(model: nn.Module, work: nn.Module, args: tuple, kwargs: dict, policy,
-             ctx: CaptureContext) -> Captured:
+def _capture(model: nn.Module, work: nn.Module, args: tuple, kwargs: dict, policy, ctx: CaptureContext,
+             fresh) -> Captured:
     given = {name: m.training for name, m in work.named_modules()}
     mixed = len(set(given.values())) > 1
     current = GIVEN if mixed else (TRAIN if model.training else EVAL)
@@ -80,8 +80,10 @@ def _capture(model: nn.Module, work: nn.Module, args: tuple, kwargs: dict, polic
         programs = {TRAIN: gm}
         for key in keys[1:]:
             work.eval() if key == EVAL else _restore(work, given)
+            # a module's own train() may set more than its flag: the modes as given are those of a fresh copy
+            as_is = fresh() if key == GIVEN and _switches_itself(work) else work
             try:
-                p = capture_graph(work, args, kwargs, policy, ctx, compile_code=False, method=how, check=False)[0]
+                p = capture_graph(as_is, args, kwargs, policy, ctx, compile_code=False, method=how, check=False)[0]
                 decisions += _open_up(p, args, kwargs, ctx, propagated=False)
             except Exception as e:  # noqa: BLE001 - told below, and the modes derive from the training capture
                 _restore(work, given)
@@ -111,9 +113,11 @@ def _derive_all(model: nn.Module, work: nn.Module, gm: fx.GraphModule, how: str,
     says why."""
     marks = flag_marks(gm, None if captured_training else (lambda node: _owner_mode(node, work)))
     programs = {k: derived(gm, marks, k, work, copy_graph=k != current) for k in keys}
+    off = "" if captured_training else (" (an attention's dropout probability, written as 'p if self.training "
+                                         "else 0.0', was captured as 0.0 and stays off in training)")
     warn_user(f"autocastfx: {type(model).__name__} is converted from one capture because {why}: gm.train()/gm.eval() "
               "switch the dropout and batch-norm flags they recognise, and other mode-dependent code keeps the form "
-              "it was captured in")
+              f"it was captured in{off}")
     return Captured(programs, current, how, decisions, found=why)
 
 

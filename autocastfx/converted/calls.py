@@ -76,6 +76,7 @@ def fixed_size(args: tuple, kwargs: dict, error: BaseException) -> None:
         "inputs of this size (one converted module per size), or call with the example's sizes") from error
 
 
+_PLAIN = (bool, int, float, str, torch.dtype, torch.device)
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
@@ -89,6 +90,7 @@ class ModelChecks:
         self.model = model
         self.example = example    # meta tensors shaped like the example's inputs: (args, kwargs)
         self.usable: bool | None = None  # whether the model on meta runs the example's call (found on first use)
+        self.raw_key = raw_key(*example) if model is not None else None  # the example's call as written
 
     def __deepcopy__(self, memo):
         return self
@@ -228,47 +230,65 @@ class OtherCalls:
         return (OtherCalls, ())
 
 
+def _raw(v: Any) -> Any:
+    if v is None:
+        return None
+    return (type(v).__name__, v) if isinstance(v, _PLAIN) else True
+
+
 def raw_key(args: tuple, kwargs: dict) -> tuple:
-    """Which inputs a call gives and which of them are None, as written."""
-    return tuple((str(i), a is None) for i, a in enumerate(args)) + tuple((k, v is None) for k, v in kwargs.items())
+    """Which inputs a call gives, as written: None, a plain value (held by the capture as a constant), or another."""
+    return tuple((str(i), _raw(a)) for i, a in enumerate(args)) + tuple((k, _raw(v)) for k, v in kwargs.items())
+
+
+def example_key(info: Any) -> tuple:
+    """:func:`raw_key` of the captured call: from the example's values where the model is kept, else from its
+    :func:`describe` (which inputs were None)."""
+    checks = info.checks
+    if checks is not None and checks.raw_key is not None:
+        return checks.raw_key
+    return _described_key(info.call_signature)
 
 
 @functools.lru_cache(maxsize=64)
-def captured_key(signature: tuple) -> tuple:
-    """:func:`raw_key` of the captured call (from its :func:`describe`)."""
-    return tuple((name, kind == "None") for name, kind in signature)
+def _described_key(signature: tuple) -> tuple:
+    return tuple((name, None if kind == "None" else True) for name, kind in signature)
 
 
-def _none_shape(v: Any) -> Any:
+def _call_shape(v: Any) -> Any:
+    """What a conversion is specific to in one argument: whether it is None, and a plain value itself (a scale, a
+    flag: the capture holds it as a constant); a tensor only as a tensor."""
     if isinstance(v, (tuple, list)):
-        return tuple(x is None for x in v)
+        return tuple(_call_shape(x) for x in v)
     if isinstance(v, dict):
-        return tuple(sorted((k, x is None) for k, x in v.items()))
+        return tuple(sorted((k, _call_shape(x)) for k, x in v.items()))
+    if isinstance(v, _PLAIN):
+        return (type(v).__name__, v)
     return v is None
 
 
 def bound_key(model: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
-    """The call's structure as the model's forward sees it (positional or keyword alike, defaults filled in);
-    None where the call does not bind to it."""
+    """The call's structure as the model's forward sees it (positional or keyword alike, defaults filled in), with
+    its plain values (:func:`_call_shape`); None where the call does not bind to it."""
     try:
         bound = inspect.signature(model.forward).bind(*args, **kwargs)
     except (TypeError, ValueError):
         return None
     bound.apply_defaults()
-    return tuple((name, _none_shape(v)) for name, v in bound.arguments.items())
+    return tuple((name, _call_shape(v)) for name, v in bound.arguments.items())
 
 
-def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict) -> nn.Module | tuple | None:
-    """The module to run a call of another structure than the captured one: the model converted for it in the
-    state ``gm``'s modules are in (on first use), its tensors ``gm``'s own; ``(args, kwargs)`` spelled as the
-    captured call where the call is that one spelled another way (``gm(idx=x)`` for ``gm(x)``); None where it
-    cannot be told (no model kept): the converted module then runs the call as it is."""
+def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict) -> tuple[nn.Module | None, tuple, dict]:
+    """``(module, args, kwargs)`` to run a call of another structure than the captured one: the model converted for
+    it in the state ``gm``'s modules are in (on first use), its tensors ``gm``'s own, and the call spelled as that
+    conversion's was (positional or keyword); the module is None, and ``gm`` runs the call, where the call is the
+    captured one spelled another way (``gm(idx=x)`` for ``gm(x)``), or where it cannot be told (no model kept)."""
     checks = info.checks
     if checks is None or checks.model is None or info.convert_call is None:
-        return None
+        return None, args, kwargs
     key = bound_key(checks.model, args, kwargs)
     if key is None:
-        return None
+        return None, args, kwargs
     meta = gm.__dict__.get("meta")
     holder = meta.get(K.OTHER_CALLS) if meta is not None else None
     if holder is None:
@@ -276,7 +296,7 @@ def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict) -> nn.Module
     if holder.example_key is None:
         holder.example_key = bound_key(checks.model, *checks.example)
     if key == holder.example_key:
-        return respelled(checks.model, info.call_signature, args, kwargs)
+        return (None, *(respelled(checks.model, info.call_signature, args, kwargs) or (args, kwargs)))
     mods = dict(gm.named_modules(remove_duplicate=False))
     state = module_state(mods)
     made = holder.by_key.get((key, state))
@@ -290,7 +310,10 @@ def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict) -> nn.Module
     # again each call, from gm's modules now: a move or a load may have replaced the tensors, a same-class module
     # one of the modules
     _weights.share_tensors(gm, other, _weights.pair_modules(gm, other, mods, holders))
-    return other
+    # the same call spelled another way than the one it was converted for (gm(x, 1.0, True) after gm(x, relu=True))
+    spelled = respelled(checks.model, other.meta[K.CONVERTED].call_signature, args, kwargs) \
+        if isinstance(getattr(other, "meta", None), dict) and K.CONVERTED in other.meta else None
+    return (other, *(spelled or (args, kwargs)))
 
 
 def module_state(mods: dict[str, nn.Module]) -> tuple:

@@ -212,13 +212,14 @@ class _Switchable(_GuardsChildren):
                         pass
             else:
                 _check_owner_modes(self, programs)
+        if not torch.compiler.is_compiling():  # each converted block's modes, before any runs and updates statistics
+            _check_nested_modes(self)
         info = self.__dict__.get("meta", {}).get("autocastfx")
         if info is not None and info.call_signature and \
-                _calls.raw_key(args, kwargs) != _calls.captured_key(info.call_signature):
-            other = _calls.other_call(self, info, args, kwargs)  # a call of another structure: its own conversion
-            if isinstance(other, tuple):  # the captured call, spelled another way
-                args, kwargs = other
-            elif other is not None:
+                _calls.raw_key(args, kwargs) != _calls.example_key(info):
+            # a call of another structure: its own conversion (or the captured call, spelled another way)
+            other, args, kwargs = _calls.other_call(self, info, args, kwargs)
+            if other is not None:
                 try:
                     return _run_as(self, other, args, kwargs)
                 except Exception as e:  # noqa: BLE001 - the model's own checks on this call, else as it came
@@ -312,6 +313,28 @@ def _check_owner_modes(gm: fx.GraphModule, programs: Programs) -> None:
         "submodule's mode set on its own after convert() (frozen batch norms) is followed only where it is the "
         "mode it had at conversion: set the model's modules' modes before convert(), then after each gm.train() "
         "set those modules' modes again as they were")
+
+
+def settle_programs(gm: nn.Module) -> None:
+    """Make each converted module in ``gm`` run the program of its modules' modes now, as its next call would (a
+    ValueError for a mixture no program computes): for what reads the running graph without calling it
+    (export, save)."""
+    for m in gm.modules():
+        programs = m.__dict__.get("meta", {}).get(K.PROGRAMS) if isinstance(m, _Switchable) else None
+        if programs is not None and programs.owners:
+            _check_owner_modes(m, programs)
+
+
+def _check_nested_modes(gm: nn.Module) -> None:
+    """:func:`_check_owner_modes` for every converted block inside ``gm`` whose programs hold modules' modes (found
+    once), so that a call one of them refuses is refused before any has run."""
+    nested = gm.__dict__.get("_autocastfx_nested")
+    if nested is None:
+        nested = gm.__dict__["_autocastfx_nested"] = [
+            m for m in gm.modules() if m is not gm and isinstance(m, _Switchable)
+            and (m.__dict__.get("meta", {}).get(K.PROGRAMS) or Programs({}, "")).owners]
+    for m in nested:
+        _check_owner_modes(m, m.meta[K.PROGRAMS])
 
 
 @torch.compiler.disable

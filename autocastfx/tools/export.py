@@ -22,6 +22,7 @@ import torch.nn as nn
 from ..base import keys as K
 from ..base.meta import ConvertInfo, example_inputs_of, require_info
 from ..capture.torch_export import run_export
+from ..converted import module as _module
 from ..core.policy import OpClass, Policy
 from .report import Report, Row
 
@@ -41,6 +42,7 @@ def _info(gm) -> ConvertInfo:
 def export_program(gm: fx.GraphModule, example_inputs: tuple | None = None, example_kwargs: dict | None = None,
                    dynamic_shapes: Any = None) -> torch.export.ExportedProgram:
     info = _info(gm)
+    _module.settle_programs(gm)  # the program of the modules' modes now, as a call would run
     piecewise = info.capture == "piecewise"
     if example_inputs is None and example_kwargs is None:
         if piecewise:
