@@ -1355,3 +1355,8 @@ def test_a_plain_value_a_call_passes_is_not_dropped():
             assert torch.allclose(gm(*args, **kwargs).float(), want, rtol=2e-2, atol=2e-2), (args[1:], kwargs)
         given = autocastfx.convert(model, (x,), example_kwargs={"scale": 1.0}, dtype=torch.bfloat16)
         assert torch.allclose(given(x, scale=3.0).float(), model(x, scale=3.0), rtol=2e-2, atol=2e-2)
+        # a value that changes at every call: each converted, the oldest dropped past 16, which is said once
+        with pytest.warns(UserWarning, match="_Scaled has been converted for 16 other calls") as said:
+            for i in range(18):
+                assert torch.allclose(gm(x, scale=0.5 * i).float(), model(x, scale=0.5 * i), rtol=2e-2, atol=2e-2)
+        assert sum("other calls" in str(w.message) for w in said) == 1

@@ -19,6 +19,7 @@ import torch.nn as nn
 from ..base import keys as K
 from ..base.errors import one_line
 from ..base.meta import is_plain_setting
+from ..base.quiet import warn_user
 from ..capture.context import free_axes
 from ..core import weights as _weights
 
@@ -222,6 +223,7 @@ class OtherCalls:
     def __init__(self):
         self.by_key: dict[tuple, tuple[nn.Module, list]] = {}  # (call key, state) -> (module, its tensor holders)
         self.example_key: tuple | None = None
+        self.warned = False  # the oldest conversion dropped, said once
 
     def __deepcopy__(self, memo):
         return OtherCalls()
@@ -305,6 +307,13 @@ def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict) -> tuple[nn.
         holders = _weights.tensor_holders(other)
         if len(holder.by_key) >= MAX_OTHER_CONVERSIONS:
             del holder.by_key[next(iter(holder.by_key))]
+            if not holder.warned:
+                holder.warned = True
+                name = getattr(info.model_class, "__name__", type(gm).__name__)
+                warn_user(f"autocastfx: {name} has been converted for {MAX_OTHER_CONVERSIONS} other calls: "
+                          "each call whose structure, plain values (a scale, a step number) or module modes are new "
+                          "is converted on first use, which takes seconds. Pass a value that changes from call to "
+                          f"call as a tensor. This call: {text(describe(args, kwargs))}")
         made = holder.by_key[(key, state)] = (other, holders)
     other, holders = made
     # again each call, from gm's modules now: a move or a load may have replaced the tensors, a same-class module
