@@ -1,13 +1,12 @@
-"""convert(): check the options once, then capture and the core passes, or the tree of blocks; top to bottom.
+"""convert() and convert_graph(): options checked once, then capture and the core passes, or the tree of blocks.
 
     convert                       options checked and frozen (ConvertOptions), the capture context made
       _convert_any                a low-precision checkpoint: its float32 twin on meta, then its values
         _convert_model            blocks as modules of their own (tree), else one graph, else piecewise (tree)
-          _convert_one_graph      capture (both modes) + core.pipeline.run_passes + ConvertInfo (the model's tensors shared)
+          _convert_one_graph      capture (both modes) + core.pipeline.run_passes + ConvertInfo (tensors shared)
     convert_graph                 the same passes on a module the caller captured (symbolic_trace, torch.export)
 
-The tree of blocks is given ``_convert_one_graph`` (and the whole conversion, for its root) as callbacks: it never
-imports this file.
+The tree of blocks gets ``_convert_one_graph`` and the whole conversion as callbacks, so it never imports this file.
 """
 from __future__ import annotations
 
@@ -51,16 +50,15 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
             dtype: torch.dtype | str | None = None, policy: Policy | None = None, pad_multiple: int = 8,
             master_weights: bool = False, keep_io_types: bool = True, memory_format: str = "auto",
             blocks: Any = "auto") -> fx.GraphModule:
-    """Rewrite ``model`` into an explicit mixed-precision ``torch.fx.GraphModule`` that shares ``model``'s
-    parameters and buffers (the same tensors, as ``torch.compile(model)`` does: training either trains both, and
-    either's ``state_dict()`` is the trained float32 model); ``model``'s modules and code are not changed.
+    """Rewrite ``model`` into an explicit mixed-precision ``torch.fx.GraphModule`` over the same parameters and
+    buffers (as ``torch.compile(model)``: training either trains both, and either's ``state_dict()`` is the trained
+    float32 model); ``model``'s modules and code are not changed.
 
-    ``dtype``: ``torch.float16`` (the default, ``None``), ``torch.bfloat16``, or ``"auto"``: the one that pays on
-    the model's device (float16 on CUDA, bfloat16 on a CPU with native bfloat16, float32 compute on a CPU with
-    neither native bfloat16 nor float16: no casts, the model's dtypes kept); the report says which and why,
-    and an explicit dtype with no fast kernels on the device is warned about (``autocastfx.SlowDtypeWarning``).
-    See the README for the other options. Raises ValueError for bad options, TypeError for a model that is not
-    an ``nn.Module``, and ``autocastfx.CaptureError`` when the model cannot be captured.
+    ``dtype``: ``torch.float16`` (the default, ``None``), ``torch.bfloat16``, or ``"auto"``: the one with fast
+    kernels on the model's device (float16 on CUDA, bfloat16 on a CPU with native bfloat16, else float32 compute:
+    no casts, the model's dtypes kept); the report says which and why. An explicit dtype without fast kernels on
+    the device warns (``autocastfx.SlowDtypeWarning``). See the README for the other options. Raises ValueError for
+    bad options, TypeError for a model that is not an ``nn.Module``, ``autocastfx.CaptureError`` if capture fails.
     """
     if master_weights is not False:
         raise ValueError("master_weights=True is gone: a converted module's parameters are the float32 model, and "
@@ -87,20 +85,19 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
 
 def convert_graph(gm: fx.GraphModule, example_inputs: tuple | None = None, config: ConvertOptions | None = None,
                   *, example_kwargs: dict | None = None) -> fx.GraphModule:
-    """Convert a module the caller has already captured as one graph, as ``prepare_pt2e`` takes one.
+    """Convert a module the caller already captured as one graph, as ``prepare_pt2e`` takes one.
 
-    The passes are ``convert()``'s (cast plan, padding, layout, the casts as nodes); no capture of the model
-    runs, so the graph given is the program converted, whatever captured it.
+    Runs ``convert()``'s passes (cast plan, padding, layout, casts as nodes) and no capture: the graph given is the
+    program converted, whatever captured it.
 
     Args:
-        gm: a ``torch.fx.GraphModule`` whose matmuls and convolutions are function or aten calls:
-            ``torch.export.export(model, args).module()``. One that calls ``nn.Linear`` or a convolution module
-            as a leaf (plain ``torch.fx.symbolic_trace``) is refused (ValueError). Its parameters and buffers
-            are the result's, shared.
-        example_inputs: a call of ``gm`` (a tuple of its positional inputs), for the shapes and dtypes of every
-            value; ``example_kwargs`` its keyword inputs.
-        config: the options, an ``autocastfx.ConvertOptions`` (``ConvertOptions(dtype=torch.bfloat16)``);
-            ``None`` for the defaults. Its ``blocks`` does not apply: the graph is converted whole.
+        gm: a ``torch.fx.GraphModule`` whose matmuls and convolutions are function or aten calls
+            (``torch.export.export(model, args).module()``); one calling ``nn.Linear`` or a convolution module as a
+            leaf (plain ``torch.fx.symbolic_trace``) is refused (ValueError). The result shares its tensors.
+        example_inputs: a tuple of ``gm``'s positional inputs, for every value's shape and dtype;
+            ``example_kwargs`` its keyword inputs.
+        config: an ``autocastfx.ConvertOptions`` (``ConvertOptions(dtype=torch.bfloat16)``); ``None`` for the
+            defaults. Its ``blocks`` does not apply: the graph is converted whole.
 
     Returns:
         The converted ``GraphModule``, as ``convert()`` returns it (``report()``, ``train_step``, ``export``).
@@ -128,13 +125,12 @@ def convert_graph(gm: fx.GraphModule, example_inputs: tuple | None = None, confi
                    memory_format=config.memory_format, blocks=None)
 
 
-# One conversion at a time in a process: the captures conversions run are not thread-safe. torch.fx's Tracer
-# patches nn.Module.__call__ and __getattr__ for the whole process while it traces (torch/fx/_symbolic_trace.py,
-# _Patcher), and torch.export keeps its tracing state in module globals (pytorch/pytorch#195099 is one such
-# global, in its loader). Two threads converting at once failed (NameError, CaptureError) or fell back to another
-# capture. Re-entrant: a conversion converts its blocks and parts through this function. Left as torch makes it:
-# a module another thread calls while torch.fx traces is taken for part of that trace (NameError "module is not
-# installed as a submodule"), since the patch is torch.fx's own.
+# One conversion at a time per process, as captures are not thread-safe: torch.fx's Tracer patches
+# nn.Module.__call__ and __getattr__ process-wide while tracing (torch/fx/_symbolic_trace.py, _Patcher), and
+# torch.export keeps tracing state in module globals (pytorch/pytorch#195099, in its loader). Concurrent conversions
+# fail (NameError, CaptureError) or fall back to another capture. Re-entrant: a conversion converts its blocks and
+# parts through here. Left as torch makes it: a module another thread calls during an fx trace is taken into that
+# trace (NameError "module is not installed as a submodule"), as the patch is torch.fx's own.
 _CONVERTING = threading.RLock()
 
 
@@ -191,11 +187,10 @@ def _low_weights(model) -> dict[str, torch.dtype]:
 
 def _convert_low_model(model: nn.Module, low: dict, args: tuple, kwargs: dict, options: ConvertOptions,
                        ctx: CaptureContext) -> nn.Module:
-    """A model whose weights are float16/bfloat16 (``from_pretrained(..., torch_dtype=torch.bfloat16)``), converted
-    without a float32 copy of the whole model: its float32 form is built on the meta device (no memory), converted
-    there, materialised on the model's device, and its values loaded: its float32 parameters are the upcast weights
-    (exactly what converting ``model.float()`` gives), new tensors, not the model's (the documented exception to
-    sharing the model's tensors)."""
+    """Convert a float16/bfloat16 model (``from_pretrained(..., torch_dtype=torch.bfloat16)``) without a float32 copy
+    of it: its float32 form is converted on the meta device, materialised on the model's device, and loaded. Its
+    float32 parameters are the upcast weights (exactly what converting ``model.float()`` gives) in new tensors: the
+    documented exception to sharing the model's tensors."""
     if any(is_converted(m) for name, m in model.named_modules() if name):
         raise ValueError("convert() takes a low-precision model without converted blocks inside; convert its "
                          "blocks after, or convert model.float()")
@@ -232,9 +227,8 @@ def _meta_twin(model: nn.Module, everything: bool = False) -> nn.Module:
 
 
 def _keep_checks(out: nn.Module, model: nn.Module, args: tuple, kwargs: dict) -> None:
-    """The model's own checks on its inputs, kept on the converted module as the model on meta
-    (calls.model_check): used where that model runs the example's call (one that needs values or a real device
-    cannot judge calls), which is tried once, when a call first fails."""
+    """Keep the model on meta on the converted module for its own input checks (calls.model_check), used where it
+    runs the example's call (tried once, at the first failing call): one needing values or a real device cannot."""
     info = out.meta.get(K.CONVERTED) if isinstance(getattr(out, "meta", None), dict) else None
     if info is None or isinstance(model, fx.GraphModule) or not hasattr(out, "graph"):
         return
@@ -252,9 +246,8 @@ def _keep_checks(out: nn.Module, model: nn.Module, args: tuple, kwargs: dict) ->
 
 
 def _convert_for_call(gm: nn.Module, args: tuple, kwargs: dict, state: tuple = ()) -> nn.Module:
-    """The model (kept on meta) converted for a call of another structure than ``gm``'s example, with ``gm``'s
-    options, in the modes and settings ``state`` of ``gm``'s modules (``calls.module_state``), its tensors made
-    ``gm``'s own (converted.calls.other_call); a TypeError naming both calls where it cannot be."""
+    """The model kept on meta, converted for a call of another structure with ``gm``'s options and module ``state``
+    (``calls.module_state``), sharing ``gm``'s tensors (calls.other_call); TypeError naming both calls on failure."""
     info = gm.meta[K.CONVERTED]
     try:
         try:  # sizes of 1 would be fixed by the capture (a first sample of one sequence): converted at 2
@@ -315,26 +308,24 @@ def _convert_model(model: nn.Module, args: tuple, kwargs: dict, options: Convert
 
 def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: ConvertOptions, ctx: CaptureContext,
                   entry_casts: bool = False) -> fx.GraphModule:
-    """``model`` captured as one graph (both modes), planned and rewritten by the core passes, owning its
-    tensors. ``entry_casts``: a block of a model, converted as a module of its own: its inputs and outputs in
-    the dtypes its plan prefers (or, with ``keep_io_types``, its outputs in its first input's dtype); an input
-    first becomes the dtype the block was converted for, no copy when it already is."""
+    """``model`` captured as one graph (both modes), planned and rewritten by the core passes, owning its tensors.
+    ``entry_casts``: a block converted as its own module takes inputs and gives outputs in its plan's dtypes (with
+    ``keep_io_types``, outputs in its first input's dtype); inputs already in that dtype are not copied."""
     model_class, model_attrs = _model_surface(model)
     if isinstance(model, fx.GraphModule) and not _gemm_leaves(model):  # the graph is the program: converted as it is
         captured, model_class, model_attrs = _reconvert(model, args, kwargs, ctx, model_class, model_attrs)
         gm = next(iter(captured.programs.values()))
     else:
         _check_params(model)
-        # the model in training mode and in eval mode, each program its own graph module over the model's own
-        # tensors (shared, not copied); opaque calls (torch.fx.wrap'd functions) traced by torch.export and inlined;
-        # propagated on the inputs
+        # each mode's program a graph module over the model's own tensors (shared, not copied); opaque calls
+        # (torch.fx.wrap'd functions) traced by torch.export and inlined; propagated on the inputs
         captured = capture_programs(model, args, kwargs, options.policy, ctx, share_tensors=True)
         for _, unit in _weights.converted_units(model):  # converted blocks, shared: switched by the captures
             if unit is not model:
                 _module.follow_module_modes(unit)
         gm = next(iter(captured.programs.values()))
         modes_now = dict(model.named_modules())
-        for name, sub in gm.named_modules():  # each module in its model's module's mode
+        for name, sub in gm.named_modules():
             if name in modes_now:
                 sub.training = modes_now[name].training
         _module.adopt_model_classes(gm, model)  # the model's layer classes where the graph reads their tensors
@@ -446,10 +437,9 @@ def _keep_non_persistent(gm: nn.Module, model: nn.Module) -> None:
 
 @contextlib.contextmanager
 def _one_recompile(gm: fx.GraphModule):
-    """Generate and compile ``gm``'s code once, when the passes are done. Each pass calls ``gm.recompile()``
-    after its edits, as a pass run on its own must; inside ``convert()`` none of them needs the code (shapes are
-    propagated by an interpreter), and every recompile writes and compiles the whole forward again
-    (docs/benchmarks.md, conversion time)."""
+    """Generate and compile ``gm``'s code once, after the passes. Each pass calls ``gm.recompile()``, as a pass run
+    alone must, but inside ``convert()`` none needs the code (an interpreter propagates shapes), and each recompile
+    writes and compiles the whole forward again."""
     gm.recompile = no_recompile  # an instance attribute, in front of the method
     try:
         yield
@@ -489,8 +479,8 @@ def _check_params(model: nn.Module) -> None:
 
 
 def master_parameters(gm: nn.Module) -> list[nn.Parameter]:
-    """The float32 parameters that ``gm``'s graphs (and those of its converted blocks) cast to the low dtype: the
-    master weights of mixed precision, which are ``gm``'s own parameters."""
+    """The float32 parameters that ``gm``'s graphs (and its converted blocks') cast to the low dtype: the
+    mixed-precision master weights, which are ``gm``'s own parameters."""
     return _weights.cast_low_parameters(gm)
 
 

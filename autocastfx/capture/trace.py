@@ -35,8 +35,8 @@ class ModelTracer(fx.Tracer):
         return super().trace(root, concrete_args)
 
     def create_arg(self, a):
-        # the forward's result is the last value made into a graph argument: a dict subclass there (a Hugging
-        # Face ModelOutput) is written as a plain dict literal, so its type is noted to be given back
+        # the forward's result is the last top-level create_arg; fx writes a dict subclass there (a Hugging Face
+        # ModelOutput) as a plain dict, so its type is noted to restore it
         if self._arg_depth == 0 and isinstance(a, dict) and type(a) is not dict \
                 and type(a) in torch.utils._pytree.SUPPORTED_NODES:
             self.output_type = type(a)
@@ -59,9 +59,8 @@ class ModelTracer(fx.Tracer):
 
 
 def copy_model(model: nn.Module, share_tensors: bool, keep: Iterable[nn.Module] = ()) -> nn.Module:
-    """A deep copy of ``model``; with ``share_tensors`` its parameters, buffers and converted blocks are the
-    model's own; the modules in ``keep`` are the model's own too (the caller puts something else in their
-    place before it hands the copy on)."""
+    """Deep-copy ``model``, sharing the modules in ``keep`` (the caller replaces them before handing the copy on)
+    and, with ``share_tensors``, its parameters, buffers and converted blocks."""
     memo: dict[int, Any] = {id(m): m for m in keep}
     if share_tensors:
         for t in itertools.chain(model.parameters(), model.buffers()):
@@ -76,10 +75,11 @@ def capture_graph(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, c
              compile_code: bool = True,
              method: str | None = None, check: bool = True, reads: list | None = None
              ) -> tuple[fx.GraphModule, str]:
-    """Capture ``model`` as it is; ``method`` (``"symbolic_trace"`` or ``"torch.export"``) insists on one way,
-    as the second capture of a model in another mode must take the way the first took. ``check=False`` skips
-    the run of a traced graph on the example inputs (its caller propagates what it makes of it). ``reads``
-    collects the modules whose ``training`` flag the model's code read while it was captured."""
+    """Capture ``model`` by symbolic tracing, falling back to torch.export; returns the graph and the method used.
+
+    ``method`` (``"symbolic_trace"`` or ``"torch.export"``) forces one way: a second capture in another mode must
+    take the way the first took. ``check=False`` skips running a traced graph on the example inputs (the caller
+    propagates it). ``reads`` collects the modules whose ``training`` flag the model's code read."""
     if method == "torch.export":
         return capture_export(model, args, kwargs, ctx, check=check, reads=reads)
     try:
@@ -103,8 +103,7 @@ def capture_graph(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, c
     return capture_export(model, args, kwargs, ctx, trace_error, reads=reads)
 
 
-# random ops: where symbolic tracing runs one for real (its arguments are no traced value), its draw would be a
-# constant of the graph
+# random ops: symbolic tracing runs one with no traced argument for real, fixing its draw as a graph constant
 _RANDOM = frozenset(getattr(torch.ops.aten, n) for n in (
     "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli", "bernoulli_",
     "normal", "normal_", "uniform_", "exponential_", "geometric_", "cauchy_", "log_normal_", "random_",
@@ -112,12 +111,12 @@ _RANDOM = frozenset(getattr(torch.ops.aten, n) for n in (
 
 
 class _RealOps(TorchDispatchMode):
-    """What the model's code computes for real while symbolic tracing runs it: an op whose inputs are no traced
-    value runs at once and leaves no node, its result a constant of the graph. Noted (``why``): a random draw
-    (``h + torch.randn(8)``, a layer drop decided by ``torch.rand(()).item()``), which would be the same draw at
-    every call, and an in-place update of the model's own tensors (a buffer kept as a moving average, a step
-    counter), which would be made once, now, and never again. The tensors so updated are given back their values
-    on leaving. Either sends the capture to torch.export, which records both as ops."""
+    """Notes (``why``) ops that symbolic tracing runs for real, their inputs untraced, leaving a graph constant.
+
+    Flagged: a random draw (``h + torch.randn(8)``, a layer drop by ``torch.rand(()).item()``), which would be the
+    same draw at every call, and an in-place update of the model's own tensors (a moving-average buffer, a step
+    counter), which would happen once, at trace time. Updated tensors get their values back on exit. Either sends
+    the capture to torch.export, which records both as ops."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -155,9 +154,8 @@ class _RealOps(TorchDispatchMode):
 
 
 def _graph_module(root: nn.Module, graph: fx.Graph, name: str, compile_code: bool) -> fx.GraphModule:
-    """``fx.GraphModule(root, graph, name)``; without its code when ``compile_code`` is False: the instance's
-    ``recompile`` is a no-op until the caller deletes it and recompiles (the constructor writes the code through
-    ``self.recompile()``, which finds the instance attribute first)."""
+    """``fx.GraphModule(root, graph, name)``, without code when ``compile_code`` is False: an instance-level no-op
+    ``recompile`` shadows the constructor's ``self.recompile()`` until the caller deletes it and recompiles."""
     if compile_code:
         return fx.GraphModule(root, graph, name)
     gm = fx.GraphModule.__new__(fx.GraphModule, root, graph, name)  # the per-instance class GraphModule makes

@@ -1,10 +1,9 @@
-"""The call a converted module was captured for, and a clear error for a call of another shape.
+"""Calls of a converted module: checks against the captured call, sizes left free under torch.compile, and
+conversions for calls of another structure.
 
-A graph is captured for one call: which positional inputs, which keyword inputs, which of them were ``None``. A
-call that differs (``gm(x, y)`` where the example was ``(x,)``, a tensor where ``None`` was) fails inside the
-generated code with torch's own message (``forward() takes 2 positional arguments``, ``Expected a proper Tensor
-but got None``); the converted module says instead what it was converted for, what it was given, and how to
-convert for that call.
+A graph is captured for one call: which inputs are positional, keyword, or ``None``. A differing call would fail in
+the generated code with torch's message (``forward() takes 2 positional arguments``, ``Expected a proper Tensor but
+got None``); the errors here say what the module was converted for, what it was given, and how to convert for it.
 """
 from __future__ import annotations
 
@@ -82,10 +81,9 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 class ModelChecks:
-    """The model on the meta device (its structure and code, no memory), kept to tell a failing call's own
-    errors: see :func:`model_check`. Shared by copies of the converted module, and dropped where the conversion's
-    information is pickled (the converted module itself does not pickle): the model may hold what does not pickle
-    (a lambda hook), and nothing else needs it."""
+    """The model on the meta device (structure and code, no memory), kept to tell a failing call's own errors
+    (:func:`model_check`). Shared by copies; dropped when the conversion's information is pickled (the converted
+    module itself does not pickle), as the model may hold what does not pickle (a lambda hook)."""
 
     def __init__(self, model: nn.Module | None, example: tuple = ((), {})):
         self.model = model
@@ -130,11 +128,10 @@ def _run_on_meta(model: nn.Module, args: tuple, kwargs: dict, training: bool) ->
 
 def model_check(checks: ModelChecks | None, args: tuple, kwargs: dict, error: BaseException,
                 training: bool = False) -> None:
-    """Raise the model's own error where its code refuses this call: the model on meta (``checks``, which ran
-    the example's call at conversion) runs on meta copies of the inputs, in the converted module's mode, and an
-    ``assert`` of the model's code or a ``torch._check`` the model's code calls is raised as the model wrote it,
-    ``error`` (the converted module's) chained. Return where the model's code takes the call or fails some
-    other way: the converted module's error is then the one to see."""
+    """Raise the model's own error, ``error`` chained, where its code refuses this call; else return.
+
+    The model on meta runs meta copies of the inputs in the converted module's mode; an ``assert`` in its code or
+    a ``torch._check`` it calls is raised as written. Any other failure is ignored: ``error`` is the one to see."""
     if checks is None or checks.model is None or not accepts(checks):
         return
     try:
@@ -169,11 +166,9 @@ def _is_model_check(e: BaseException) -> bool:
 
 
 # ------------------------------------------------------------------------ sizes free to vary under torch.compile
-# torch.compile specialises a first call's sizes and recompiles on the first new one (then marking that size
-# dynamic). The sizes of a converted module's inputs that are free to vary (every input's batch, a token input's
-# sequence length) are marked as maybe-dynamic before a compiled call, so the first compile already leaves them
-# free: no recompile for a new batch or sequence length where the model allows it (where its code fixes a size,
-# the compiler specialises it as before, with no error).
+# torch.compile specialises a first call's sizes and recompiles on the first new one. Sizes free to vary (every
+# input's batch, a token input's sequence length) are marked maybe-dynamic before a compiled call, so the first
+# compile leaves them free; where the model's code fixes one, the compiler specialises it as before, with no error.
 
 def free_dims(args: tuple, kwargs: dict) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """(flat input index, dims) of the example's sizes free to vary (:func:`free_axes`); sizes of 0 and 1 are
@@ -203,22 +198,19 @@ def mark_free_dims(free: tuple, args: tuple, kwargs: dict) -> None:
 
 
 # --------------------------------------------------------------------------- calls of another structure
-# A graph is captured for one call's structure: which inputs are given and which are None. A call of another
-# structure (the targets given where the example had none, a mask left out) is converted for that call on first
-# use, from the model on meta, and kept beside the first: its parameters and buffers are the first's own
-# tensors (one set of weights, which training trains), found anew at every call (a module replaced since is read).
-# One conversion per call structure and per state of the converted module's modules (each one's mode, and the
-# settings of those the model's own code runs, such as a dropout's ``p``): the model on meta is given that state
-# before it is converted, so a frozen batch norm or a setting changed after convert() is followed by every call.
-# Where it cannot be (no model kept, a conversion that fails), the call is refused naming both calls.
+# A call of another structure (which inputs are given or None: targets where the example had none, a mask left
+# out) is converted on first use from the model on meta and kept beside the first. It uses the first's parameters
+# and buffers (one set of weights), looked up again at every call, as a module may have been replaced since.
+# One conversion per structure and module state (modes, and settings the model's code reads, such as a dropout's
+# ``p``), given to the model on meta first, so a frozen batch norm or a setting changed after convert() is
+# followed. Where no conversion can be made (no model kept, a failure), the call is refused naming both calls.
 
 MAX_OTHER_CONVERSIONS = 16  # the oldest is dropped past this (a loop that keeps changing a setting)
 
 
 class OtherCalls:
-    """The conversions for other calls of one converted module, by call key and module state (see above). Not
-    copied (a copy converts again on its first such call), and left out where the conversion's information is
-    pickled."""
+    """Conversions for other calls of one converted module, by call key and module state. Not copied (a copy
+    converts again on first use) and left out when the conversion's information is pickled."""
 
     def __init__(self):
         self.by_key: dict[tuple, tuple[nn.Module, list]] = {}  # (call key, state) -> (module, its tensor holders)
@@ -281,10 +273,10 @@ def bound_key(model: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
 
 
 def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict) -> tuple[nn.Module | None, tuple, dict]:
-    """``(module, args, kwargs)`` to run a call of another structure than the captured one: the model converted for
-    it in the state ``gm``'s modules are in (on first use), its tensors ``gm``'s own, and the call spelled as that
-    conversion's was (positional or keyword); the module is None, and ``gm`` runs the call, where the call is the
-    captured one spelled another way (``gm(idx=x)`` for ``gm(x)``), or where it cannot be told (no model kept)."""
+    """``(module, args, kwargs)`` for a call of another structure: the model converted for it (on first use) in
+    the state of ``gm``'s modules, sharing ``gm``'s tensors, with the call spelled as that conversion's was. The
+    module is None (``gm`` runs the call) where the call is the captured one spelled another way (``gm(idx=x)``
+    for ``gm(x)``) or where it cannot be told (no model kept)."""
     checks = info.checks
     if checks is None or checks.model is None or info.convert_call is None:
         return None, args, kwargs
@@ -316,8 +308,7 @@ def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict) -> tuple[nn.
                           f"call as a tensor. This call: {text(describe(args, kwargs))}")
         made = holder.by_key[(key, state)] = (other, holders)
     other, holders = made
-    # again each call, from gm's modules now: a move or a load may have replaced the tensors, a same-class module
-    # one of the modules
+    # every call: a move or load may have replaced gm's tensors, or a same-class module one of its modules
     _weights.share_tensors(gm, other, _weights.pair_modules(gm, other, mods, holders))
     # the same call spelled another way than the one it was converted for (gm(x, 1.0, True) after gm(x, relu=True))
     spelled = respelled(checks.model, other.meta[K.CONVERTED].call_signature, args, kwargs) \
@@ -341,9 +332,9 @@ def module_state(mods: dict[str, nn.Module]) -> tuple:
 
 
 def apply_module_state(model: nn.Module, state: tuple) -> None:
-    """Give ``model``'s modules (the model on meta) the modes and settings of :func:`module_state`: a module of a
-    name the state has takes its mode and the settings it has of the same name and type; any other (a dropout a
-    torch.export capture holds no module for) the mode of its nearest parent, as ``train()`` would set it."""
+    """Give ``model``'s modules (the model on meta) the modes and settings of :func:`module_state`: a module named
+    there takes its mode and its settings of the same name and type; any other (a dropout a torch.export capture
+    holds no module for) takes its nearest parent's mode, as ``train()`` would."""
     given = {name: (training, settings[0] if settings else ()) for name, training, *settings in state}
     modes: dict[str, bool] = {}
     for name, m in model.named_modules():
@@ -359,9 +350,8 @@ def apply_module_state(model: nn.Module, state: tuple) -> None:
 
 
 def widened(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The call's inputs with their free sizes (:func:`free_dims`'s rule) of 1 made 2 (the values repeated), as an
-    example to capture from: a capture fixes sizes of 1, and a conversion made for a first call of one sequence
-    would refuse the next call's batch of several."""
+    """The inputs with free sizes (:func:`free_dims`'s rule) of 1 made 2 by repetition, as an example to capture
+    from: a capture fixes sizes of 1, so a conversion for a one-sequence first call would refuse a later batch."""
     def widen(t):
         if not isinstance(t, torch.Tensor):
             return t

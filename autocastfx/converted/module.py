@@ -1,10 +1,9 @@
-"""The converted module: its class and what runs when it is called or switched between modes.
+"""The converted module's class: its call, its switch between modes, and the model's surface.
 
-:func:`install` gives the GraphModule ``convert()`` made a class of its own over ``_Switchable``: ``train()`` and
-``eval()`` (a graph per mode where the programs differ, else the marked flags of ``core.modes``), the call (an
-ambient autocast turned off inside, a call of another structure sent to its own conversion, the model's own
-checks where a call fails), the model's surface (``gm.generate()``, ``gm.config``), state-dict names of tied
-weights, and copies that keep all of it.
+:func:`install` gives the GraphModule from ``convert()`` its own class over ``_Switchable``: ``train()``/``eval()``
+(a graph per mode where the programs differ, else the flags of ``core.modes``), the call (ambient autocast off
+inside, calls of another structure sent to their own conversion, the model's own checks on failure), the model's
+surface (``gm.generate()``, ``gm.config``), tied weights' state-dict names, and copies that keep all of it.
 """
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ from ..core.modes import EVAL, GIVEN, TRAIN, Programs
 
 
 def set_mode(gm: fx.GraphModule, mode: bool) -> fx.GraphModule:
-    """Run the program of ``mode`` (where the programs differ) and switch every module's flag, as
-    ``nn.Module.train`` does."""
+    """Run ``mode``'s program (where the programs differ) and set every module's flag, as ``nn.Module.train`` does."""
     if not isinstance(mode, bool):
         raise ValueError(f"training mode is expected to be boolean, got {type(mode).__name__}")
     programs: Programs | None = gm.meta.get(K.PROGRAMS)
@@ -42,9 +40,8 @@ def set_mode(gm: fx.GraphModule, mode: bool) -> fx.GraphModule:
 
 
 def follow_module_modes(gm: fx.GraphModule) -> None:
-    """Run the program of the modes ``gm``'s modules are in now, where their flags were set one by one (a capture
-    of a model around ``gm`` switched it, then gave each module its flag back): train or eval where they agree,
-    the program of the modes they had at conversion where they are mixed as then."""
+    """Run the program of the modes ``gm``'s modules are now in, after a capture of an enclosing model switched and
+    restored them one by one: train or eval where all agree, the conversion-time program where mixed as then."""
     programs: Programs | None = gm.meta.get(K.PROGRAMS)
     if programs is None:
         return
@@ -65,10 +62,9 @@ _CODE_FIELDS = ("_code", "_lineno_map", "_prologue_start", "_in_spec", "_out_spe
 
 
 def _switch_graph(gm: fx.GraphModule, programs: Programs, key: str) -> None:
-    """Run the program ``key``: its graph, and the ``forward`` written for it the first time it ran, kept per
-    program. The same function object each time means torch.compile's cache (kept per code object) finds the
-    code it compiled for that mode: switching ``gm.train()``/``gm.eval()`` under ``torch.compile(gm)`` compiles
-    each mode once, not on every switch. Any other recompile (an edit of the graph) drops what was kept."""
+    """Run the program ``key``: its graph and the ``forward`` generated when it first ran. Reusing that function
+    object lets torch.compile's cache (per code object) find each mode's code, so ``gm.train()``/``gm.eval()``
+    under ``torch.compile(gm)`` compiles each mode once. Any other recompile (a graph edit) drops the kept code."""
     for k, g in programs.graphs.items():  # the program running now, kept as it is before it is left
         if g is gm._graph and k not in programs.code:
             programs.code[k] = _running_code(gm)
@@ -96,12 +92,10 @@ def _running_code(gm: fx.GraphModule) -> dict:
 
 
 def _keep_wrapped_call(cls: type) -> None:
-    """Before a recompile on a class made over the converted module's (FSDP2's ``FSDP<name>``, made by
-    ``fully_shard``): give it its base's call wrapper. GraphModule.recompile gives a class without one a wrapper
-    that calls ``super().__call__``, which is the base's ``call_wrapped``, which calls the instance's wrapper
-    again: endless recursion on the next call. The same interaction of a GraphModule subclass with the class
-    GraphModule makes per graph: pytorch/vision#5826, pytorch/pytorch#73866. Only the class ``fully_shard`` made
-    over this module's own class is given the attribute."""
+    """Before a recompile, give a class made over the converted module's (FSDP2's ``FSDP<name>`` from ``fully_shard``)
+    its base's call wrapper. Otherwise GraphModule.recompile gives it a wrapper calling ``super().__call__``, the
+    base's ``call_wrapped``, which calls the instance's wrapper again: endless recursion on the next call (the
+    GraphModule-subclass problem of pytorch/vision#5826, pytorch/pytorch#73866). The module's own class has one."""
     if "_wrapped_call" in vars(cls):
         return
     for base in cls.__mro__[1:]:
@@ -144,10 +138,9 @@ _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps")
 
 
 def _without_autocast():
-    """An ``autocast(enabled=False)`` region for each device type whose autocast the caller left on, else a null
-    context: the converted module already says the dtype of every op, and an ambient autocast would cast its
-    plan over again (a module converted to bfloat16 run in float16). The caller's own code around the module,
-    the loss among it, still autocasts."""
+    """``autocast(enabled=False)`` for each device type whose autocast the caller left on, else a null context: the
+    module already sets every op's dtype, and an ambient autocast would recast its plan (a bfloat16 module run in
+    float16). The caller's code around the module, the loss included, still autocasts."""
     on = [d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
     if not on:
         return contextlib.nullcontext()
@@ -171,9 +164,8 @@ class _GuardsChildren:
 
 
 class _Switchable(_GuardsChildren):
-    """Mixed into the converted module's class, so that copies keep working modes: ``copy.deepcopy`` of a
-    GraphModule builds a fresh class over the first base whose qualified name does not end in
-    ``GraphModuleImpl``, which is the one made here."""
+    """Mixed into the converted module's class so copies keep working modes: GraphModule's ``copy.deepcopy`` builds
+    a fresh class over the first base whose qualified name does not end in ``GraphModuleImpl``: the one made here."""
 
     def train(self, mode: bool = True):
         return set_mode(self, mode)
@@ -199,8 +191,7 @@ class _Switchable(_GuardsChildren):
     def __call__(self, *args, **kwargs):
         if "_autocastfx_fsdp_checked" not in self.__dict__ and hasattr(self, "_get_fsdp_state"):
             _check_fsdp_param_dtype(self)  # once, at the first call after fully_shard
-        # the mode, read where torch.compile traces: it guards on it, so that a compiled module runs the program
-        # of the mode it is in (the programs' code holds the mode as constants, which nothing else guards on)
+        # read the mode where torch.compile traces, so it guards on it: the programs' code holds it as constants
         if self.training:
             pass
         programs = self.__dict__.get("meta", {}).get(K.PROGRAMS)
@@ -232,9 +223,9 @@ class _Switchable(_GuardsChildren):
                 return super().__call__(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - re-raised below unless a clearer error says what went wrong
             if info is not None and isinstance(e, (TypeError, RuntimeError, ValueError)):
-                _calls.check(info.call_signature, args, kwargs, e)  # a call of another shape: said so
+                _calls.check(info.call_signature, args, kwargs, e)
             if info is not None:
-                _calls.model_check(info.checks, args, kwargs, e, self.training)  # the model's own checks
+                _calls.model_check(info.checks, args, kwargs, e, self.training)
                 _calls.fixed_size(args, kwargs, e)  # else a size torch.export fixed at the example's: said so
             raise
 
@@ -263,9 +254,8 @@ class _Switchable(_GuardsChildren):
         return out
 
     def __reduce_ex__(self, protocol):
-        """Refused (``torch.save(gm)``, a multiprocessing argument): unpickled, and copied by ``copy.copy``, a
-        GraphModule is rebuilt as a plain one from the code of the program it was in, which then runs whatever its
-        mode."""
+        """Refused (``torch.save(gm)``, a multiprocessing argument, ``copy.copy``): a GraphModule is rebuilt from
+        these as a plain one running its current program's code, whatever its mode."""
         raise TypeError(
             f"a converted module ({type(self).__name__}) does not pickle or copy.copy: torch.save(gm) would write a "
             "file that loads, if at all, as a plain GraphModule running the one program it was saved in, whatever "
@@ -286,10 +276,9 @@ class _Switchable(_GuardsChildren):
 
 
 def _check_owner_modes(gm: fx.GraphModule, programs: Programs) -> None:
-    """Before a call: the modules whose mode the programs hold as their ops' flags are in the mode of the program
-    that runs. Where they are in the modes they had at conversion, that program runs (a model fine-tuned with
-    frozen batch norms, converted frozen: ``gm.train()``, then those modules ``.eval()`` again); any other
-    mixture is a ValueError, since no program computes it."""
+    """Check before a call that the modules whose modes the programs hold as op flags match the running program.
+    In their conversion-time modes, that program runs (a model converted with frozen batch norms: ``gm.train()``,
+    then those modules ``.eval()`` again); any other mixture is a ValueError, as no program computes it."""
     kept = gm.__dict__.get("_autocastfx_owners")  # the modules, found once per Programs (a copy has its own)
     if kept is None or kept[0] is not programs:
         kept = gm.__dict__["_autocastfx_owners"] = (programs, [gm.get_submodule(n) for n in programs.owners],
@@ -316,9 +305,8 @@ def _check_owner_modes(gm: fx.GraphModule, programs: Programs) -> None:
 
 
 def settle_programs(gm: nn.Module) -> None:
-    """Make each converted module in ``gm`` run the program of its modules' modes now, as its next call would (a
-    ValueError for a mixture no program computes): for what reads the running graph without calling it
-    (export, save)."""
+    """Make each converted module in ``gm`` run its modules' current modes' program, as its next call would
+    (ValueError for a mixture no program computes), for what reads the running graph uncalled (export, save)."""
     for m in gm.modules():
         programs = m.__dict__.get("meta", {}).get(K.PROGRAMS) if isinstance(m, _Switchable) else None
         if programs is not None and programs.owners:
@@ -339,9 +327,8 @@ def _check_nested_modes(gm: nn.Module) -> None:
 
 @torch.compiler.disable
 def _check_owner_modes_eagerly(gm: fx.GraphModule, programs: Programs) -> None:
-    """:func:`_check_owner_modes` where ``torch.compile(gm)`` traces ``gm``'s call: the compiler breaks its graph
-    here and runs the check at every call, so the program that runs next is the one of the modules' modes (the
-    compiled code holds each mode's flags as constants and guards on the root's mode alone)."""
+    """:func:`_check_owner_modes` under ``torch.compile(gm)``, run at every call through a graph break: the compiled
+    code holds each mode's flags as constants and guards on the root's mode alone."""
     _check_owner_modes(gm, programs)
 
 
@@ -398,18 +385,16 @@ def _layer_class(cls: type) -> bool:
 
 
 class _Held:
-    """Mixed into the class a parameter holder of a converted module takes (see :func:`adopt_model_classes`): the
-    graph holds the module's ops and settings as constants, so a setting written afterwards (a batch norm's
-    ``momentum``, which ``torch.optim.swa_utils.update_bn`` sets) is refused (:class:`_Setting`) rather than
-    silently unread, and a hook registered on it is warned about, since the module is never called. No
-    ``__setattr__`` of its own: FSDP2 swaps a parameter by ``_parameters`` alone where a module has none."""
+    """Mixed into a converted module's parameter holder (:func:`adopt_model_classes`). The graph holds its ops and
+    settings as constants, so writing a setting (a batch norm's ``momentum``, as ``torch.optim.swa_utils.update_bn``
+    does) is refused (:class:`_Setting`) rather than silently unread, and a hook warns, as the module is never called.
+    No ``__setattr__`` of its own: FSDP2 swaps a parameter by ``_parameters`` alone where a module has none."""
 
     _autocastfx_fixed_settings = True  # read by calls.module_state: nothing to compare
 
     @classmethod
     def __init_subclass__(cls, **kwargs):
-        """Nothing: the held subclass is not the model's own, and its class's hook (a registry of subclasses) is
-        not told of it."""
+        """Nothing: the held subclass is not the model's own, so its class's hook (a subclass registry) skips it."""
 
     def __reduce_ex__(self, protocol):
         """Pickled (``torch.save(gm.head)``) as the model's class: the held class exists in this process only."""
@@ -568,13 +553,12 @@ def _hold(sub: nn.Module, cls: type, settings: dict) -> bool:
 
 
 def adopt_model_classes(gm: nn.Module, model: nn.Module) -> None:
-    """Give each plain container of ``gm`` (where a capture keeps a module's parameters and buffers for the graph to
-    read: ``c.weight``) the class and the plain settings of the model's module at that name, where that module has
-    no children, its class is a layer's (:func:`_layer_class`) and its instance holds nothing but its tensors and
-    plain settings. A user's loop finds the model's modules by class after convert() as before: a frozen batch norm
-    (``if isinstance(m, nn.BatchNorm2d): m.eval()``), norms left out of weight decay, a freeze by layer type, none of
-    which may find nothing and go on silently. The graph still runs each op as converted: the settings are
-    read-only (:class:`_Held`). The other containers stay plain, held too."""
+    """Give each plain container of ``gm`` (holding a module's tensors for the graph: ``c.weight``) the class and
+    plain settings of the model's module of that name, where it has no children, a layer's class
+    (:func:`_layer_class`) and only tensors and plain settings. Then loops that find modules by class still find
+    them instead of silently nothing: freezing batch norms (``if isinstance(m, nn.BatchNorm2d): m.eval()``), norms
+    left out of weight decay, freezing by layer type. The settings are read-only (:class:`_Held`), as the graph runs
+    each op as converted. Other containers stay plain, held too."""
     models = dict(model.named_modules(remove_duplicate=False))
     for name, sub in gm.named_modules(remove_duplicate=False):
         if not name or type(sub) is not nn.Module:
@@ -620,11 +604,10 @@ def _refused(name: str):
 
 
 def add_model_surface(gm: nn.Module) -> None:
-    """Put on the converted module's own class (one per module) what the model answered and the converted module
-    does not: the model's methods, properties and class attributes (``gm.generate()``, also for code that reads
-    them from ``type(self)``, as Hugging Face's ``generate`` finds its decoding loop), its plain attributes
-    (``gm.config``), and ``dtype``, which is the float32 model's (its state dict's). On the class, not through a
-    ``__getattr__``: the generated forward's attribute reads stay as fast as a GraphModule's."""
+    """Put on the converted module's own class (one per module) what the model has and GraphModule lacks: methods,
+    properties and class attributes (``gm.generate()``, also read from ``type(self)``, as Hugging Face's ``generate``
+    finds its decoding loop), plain attributes (``gm.config``), and ``dtype``, the float32 model's. On the class,
+    not in a ``__getattr__``, so the generated forward's attribute reads stay as fast as a GraphModule's."""
     info = gm.meta.get("autocastfx")
     cls = getattr(info, "model_class", None)
     if cls is None:
@@ -648,9 +631,9 @@ def add_model_surface(gm: nn.Module) -> None:
 
 def install(gm: fx.GraphModule, programs: dict[str, fx.GraphModule] | None = None, current: str | None = None,
             owners: set[str] = frozenset()) -> None:
-    """Give ``gm`` its class (working ``train()``/``eval()``, the call, the model's surface), replacing torch.export's
-    methods that raise; with more than one of ``programs`` (by mode, ``gm`` among them), a graph per mode over
-    ``gm``'s tensors, running the one of ``current``, the modes of ``owners`` (module names) checked at each call."""
+    """Give ``gm`` its class (``train()``/``eval()``, the call, the model's surface), replacing torch.export's methods
+    that raise. With several ``programs`` (by mode, ``gm`` among them): a graph per mode over ``gm``'s tensors,
+    ``current``'s running, and the modes of ``owners`` (module names) checked at each call."""
     base = next(c for c in type(gm).__mro__ if c.__qualname__.split(".")[-1] != "GraphModuleImpl")
     if not issubclass(base, _Switchable):
         if base not in _BASES:

@@ -1,30 +1,16 @@
-"""Per-block activation checkpointing and per-block compilation of a converted module's blocks.
+"""Per-block activation checkpointing and compilation of a converted module's blocks.
 
-A module converted with ``convert(..., blocks="auto")`` (the default) keeps its blocks (the repeated children of
-its ``nn.ModuleList``s) as converted modules of their own, each called from the root's graph as a
-``call_module`` node (see :mod:`autocastfx.tree.blocks`). Two things are done to them one by one, as TorchTitan does
-to a transformer's layers:
+Blocks are the converted submodules that ``convert(..., blocks="auto")`` (the default) makes of the repeated
+children of ``nn.ModuleList``s, each called from the root's graph as a ``call_module`` node (see
+:mod:`autocastfx.tree.blocks`). Both are applied block by block, as TorchTitan does to a transformer's layers.
 
-- :func:`checkpoint_blocks`: each block's forward runs inside ``torch.utils.checkpoint.checkpoint(...,
-  use_reentrant=False, preserve_rng_state=True)``. Backward keeps only each block's inputs and recomputes the
-  block's activations when it reaches the block; the random number generator's state is saved at the forward
-  and restored for the recompute, so a dropout draws the same mask twice and the losses and weights are those
-  of the plain run, bit for bit. The block's buffers get back after the recompute the values they had before
-  it, so a batch norm's running statistics move once a step, as in the plain run.
-- :func:`compile_blocks`: ``block.compile(**kwargs)`` (``nn.Module.compile``) on each block, in place.
-
-How the checkpoint is put in: the block's class is swapped for a subclass whose ``__call__`` runs the block's
-own ``__call__`` (its hooks, its forward, its compiled code where :func:`compile_blocks` compiled it) under the
-checkpoint. The root's graph calls the block module as before, so nothing in the root changes. The subclass is
-made the way autocastfx.converted.module makes the converted module's class (a GraphModule keeps its generated
-``forward`` on a class of its own per instance), so ``copy.deepcopy`` (GraphModule's deepcopy rebuilds the
-instance's class over the first class in its MRO that is not a ``GraphModuleImpl``: the subclass),
-``state_dict``, ``train()``/``eval()`` (a converted block switches its own graphs) and FSDP2's ``fully_shard``
-applied afterwards (it subclasses the class it finds) keep working. ``checkpoint_blocks(gm, enabled=False)``
-puts the original class back.
-
-Checkpointing applies while gradients are recorded (``torch.is_grad_enabled()``); under ``torch.no_grad()``
-the block runs as before.
+Checkpointing swaps a block's class for a subclass whose ``__call__`` runs the block's own ``__call__`` (hooks,
+forward, compiled code) under the checkpoint; the root's graph is unchanged. A GraphModule keeps its generated
+``forward`` on a per-instance class, so the subclass is made the way autocastfx.converted.module makes the
+converted module's class. Then ``copy.deepcopy`` (GraphModule's deepcopy rebuilds the instance's class over the
+first MRO class that is not a ``GraphModuleImpl``: the subclass), ``state_dict``, ``train()``/``eval()`` (a
+converted block switches its own graphs) and a later FSDP2 ``fully_shard`` (it subclasses the class it finds)
+keep working.
 """
 from __future__ import annotations
 
@@ -56,9 +42,8 @@ class _Recomputed:
 
 
 def _contexts(block: nn.Module):
-    """The checkpoint's forward as it is, and its recompute in backward with the block's buffers given back the
-    values they had before it: a batch norm's statistics (and any buffer the block's forward updates) move once a
-    step, as without the checkpoint; torch's checkpoint alone would update them again in the recompute."""
+    """Checkpoint contexts: the forward as is; the recompute restores the block's buffers afterwards, so batch-norm
+    statistics (any buffer the forward updates) move once a step, not again in the recompute as torch's would."""
     return contextlib.nullcontext(), _buffers_kept(block)
 
 
@@ -81,8 +66,8 @@ def _is_impl(c: type) -> bool:
 
 
 def _base(m: nn.Module) -> type:
-    """The class to subclass: for a GraphModule, the first class of its MRO that is not the per-instance
-    ``GraphModuleImpl`` (as GraphModule.__new__ and autocastfx.converted.module.install take it); else the module's class."""
+    """The class to subclass: the module's class, or for a GraphModule the first MRO class that is not the
+    per-instance ``GraphModuleImpl`` (as GraphModule.__new__ and autocastfx.converted.module.install take it)."""
     if isinstance(m, fx.GraphModule):
         return next(c for c in type(m).__mro__ if not _is_impl(c))
     return type(m)
@@ -102,9 +87,8 @@ def checkpointed(m: nn.Module) -> bool:
 
 
 def block_names(gm: nn.Module) -> list[str]:
-    """The qualified names of ``gm``'s converted blocks (submodules with ``meta[K.BLOCK]``), in module
-    order, leaving out a block that holds another (the inner ones are checkpointed: recomputing an outer one
-    would hold all of its inner activations at once in backward)."""
+    """Qualified names of ``gm``'s converted blocks (submodules with ``meta[K.BLOCK]``) in module order, leaving
+    out any block that holds another: recomputing the outer one would hold all its inner activations at once."""
     found = [(n, m) for n, m in gm.named_modules() if n and isinstance(getattr(m, "meta", None), dict)
              and BLOCK_META in m.meta]
     return [n for n, _ in found if not any(o != n and o.startswith(n + ".") for o, _ in found)]
@@ -132,18 +116,18 @@ def _resolve(gm: nn.Module, blocks: Iterable[str] | None, what: str) -> list[tup
 
 
 def checkpoint_blocks(gm: nn.Module, blocks: Iterable[str] | None = None, *, enabled: bool = True) -> nn.Module:
-    """Recompute each converted block of ``gm`` in backward (activation checkpointing per block); in place,
-    returns ``gm``.
+    """Checkpoint each converted block of ``gm``, recomputing its activations in backward; in place, returns ``gm``.
 
-    ``blocks``: the qualified names of the submodules to checkpoint; by default every converted block
-    (:func:`block_names`). Each one's call runs under ``torch.utils.checkpoint.checkpoint(...,
-    use_reentrant=False, preserve_rng_state=True)`` while gradients are recorded: backward keeps the block's
-    inputs only and recomputes the rest, with the forward's random number generator state (dropout masks are
-    the same). Checkpointing a block again does nothing.
+    ``blocks``: qualified names of the submodules to checkpoint; default every converted block (:func:`block_names`).
+    While gradients are recorded, each one's call runs under ``torch.utils.checkpoint.checkpoint(...,
+    use_reentrant=False, preserve_rng_state=True)``: backward keeps only its inputs and recomputes the rest with
+    the forward's RNG state, so dropout masks, losses and weights match the plain run bit for bit; its buffers
+    (batch-norm statistics) move once a step. Under ``torch.no_grad()`` it runs as before. Checkpointing a block
+    again does nothing.
 
-    ``enabled=False`` undoes it (for ``blocks``, by default every checkpointed submodule): the original class
-    comes back. Call it before ``shard()``/``fully_shard`` (as TorchTitan applies activation checkpointing before
-    FSDP): checkpointing or undoing a block FSDP2 has sharded (a class made over the block's) is refused.
+    ``enabled=False`` undoes it (for ``blocks``; default every checkpointed submodule), restoring the original
+    class. Do either before ``shard()``/``fully_shard``, as TorchTitan applies activation checkpointing before FSDP:
+    a block FSDP2 has sharded (a class made over the block's) is refused.
 
     Raises ValueError for a module with no converted blocks (convert with ``blocks="auto"``, the default)."""
     if not isinstance(gm, nn.Module):
@@ -191,11 +175,11 @@ def _undo(name: str, m: nn.Module) -> None:
 
 
 def compile_blocks(gm: nn.Module, blocks: Iterable[str] | None = None, **compile_kwargs: Any) -> nn.Module:
-    """``block.compile(**compile_kwargs)`` (``nn.Module.compile``: ``torch.compile`` of the block's call, in
-    place) on each converted block of ``gm`` (or the submodules named in ``blocks``), as TorchTitan compiles each
-    transformer layer. The root's graph, the model around the blocks, stays eager; the training step is
-    unchanged. Returns ``gm``. A block checkpointed by :func:`checkpoint_blocks` runs its compiled code inside
-    the checkpoint (and again in the recompute)."""
+    """Run ``block.compile(**compile_kwargs)`` (``nn.Module.compile``: ``torch.compile`` of the block's call, in
+    place) on each converted block of ``gm``, or on the submodules named in ``blocks``; returns ``gm``.
+
+    As TorchTitan compiles each transformer layer; the root's graph around the blocks stays eager and the training
+    step is unchanged. A checkpointed block runs its compiled code inside the checkpoint and again in the recompute."""
     if not isinstance(gm, nn.Module):
         raise TypeError(f"compile_blocks() takes a module, got {type(gm).__name__}")
     for _, m in _resolve(gm, blocks, "compile_blocks"):
