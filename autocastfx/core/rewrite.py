@@ -125,6 +125,32 @@ def _only_changes_dtype(node: fx.Node, device: str) -> bool:
     return True
 
 
+def _changes(user: fx.Node, value: fx.Node) -> bool:
+    """Whether ``user`` changes ``value`` in place (``h.masked_fill_(...)``, ``x.add_(1)``, ``h[:, :4] = 0``)."""
+    t = user.target
+    name = t if isinstance(t, str) else getattr(t, "__name__", "")
+    return bool(user.args) and user.args[0] is value and (
+        (name.endswith("_") and not name.endswith("__")) or name == "setitem"
+        or (isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable))
+
+
+_VIEWS = frozenset({"slice", "select", "view", "as_strided", "transpose", "permute", "unsqueeze", "squeeze", "expand",
+                    "t", "alias", "diagonal", "narrow", "unfold", "getitem", "unbind", "split", "chunk", "view_as",
+                    "flatten", "unflatten", "movedim", "swapaxes", "T", "mT"})
+
+
+def _mutated_in_place(value: fx.Node, depth: int = 0) -> bool:
+    """Whether an op changes ``value``, or a view of it (``h[:, :4] = 0``), in place."""
+    for u in value.users:
+        if _changes(u, value):
+            return True
+        t = u.target
+        name = t if isinstance(t, str) else getattr(getattr(t, "overloadpacket", t), "__name__", "")
+        if depth < 8 and name in _VIEWS and u.args and u.args[0] is value and _mutated_in_place(u, depth + 1):
+            return True
+    return False
+
+
 def apply_plan(gm: fx.GraphModule, plan: CastPlan) -> None:
     """Insert the planned casts, switch the fp32_out ops to ``dtype=torch.float32``, record decisions; a
     float32-compute plan (``plan.dtype`` float32) gets neither where its values already are float32."""
@@ -137,6 +163,7 @@ def apply_plan(gm: fx.GraphModule, plan: CastPlan) -> None:
             last_placeholder = n
     casts_in: dict[str, list[str]] = {}
     label = {k: v.label for k, v in plan.nodes.items()}
+    order = {n: i for i, n in enumerate(graph.nodes)}
 
     for value_name, to_low in plan.casts:
         value = by_name[value_name]
@@ -144,10 +171,16 @@ def apply_plan(gm: fx.GraphModule, plan: CastPlan) -> None:
         if low == torch.float32 and value.meta[K.INFO].dtype == torch.float32:
             continue  # float32 compute: both labels are float32, and so is this value already
         readers = {r.consumer for r in plan.reqs[value_name]
-                   if (r.kind == "same" and label.get(r.consumer) == to_low)
-                   or (r.kind == "fixed" and r.label == to_low)}
-        anchor = last_placeholder if value.op == "placeholder" else value
-        with graph.inserting_after(anchor):
+                   if ((r.kind == "same" and label.get(r.consumer) == to_low)
+                       or (r.kind == "fixed" and r.label == to_low))
+                   and not _changes(by_name[r.consumer], value)}  # a change made on a copy would be lost
+        if not readers:
+            continue
+        if _mutated_in_place(value):  # the cast reads the value as its first reader would, after the changes
+            where = graph.inserting_before(min((by_name[r] for r in readers), key=order.__getitem__))
+        else:
+            where = graph.inserting_after(last_placeholder if value.op == "placeholder" else value)
+        with where:
             cast = graph.call_method("to", (value, target))
         cast._rename(f"to_{_SHORT[target]}_{value_name}")
         numel = plan.weight[value_name]
