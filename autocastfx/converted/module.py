@@ -320,7 +320,7 @@ def _check_nested_modes(gm: nn.Module) -> None:
     if nested is None:
         nested = gm.__dict__["_autocastfx_nested"] = [
             m for m in gm.modules() if m is not gm and isinstance(m, _Switchable)
-            and (m.__dict__.get("meta", {}).get(K.PROGRAMS) or Programs({}, "")).owners]
+            and getattr(m.__dict__.get("meta", {}).get(K.PROGRAMS), "owners", None)]
     for m in nested:
         _check_owner_modes(m, m.meta[K.PROGRAMS])
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from ..base import keys as K
 from ..base.meta import issuer_path, module_path
+from ..base.runtime import no_recompile
 
 _aten = torch.ops.aten
 
@@ -210,9 +211,8 @@ def derived(gm: fx.GraphModule, marks: dict[fx.Node, ModeArg], key: str, model: 
         graph = copy.deepcopy(gm.graph)
         twin = dict(zip(gm.graph.nodes, graph.nodes))
         out = fx.GraphModule.__new__(fx.GraphModule, gm, graph, type(gm).__name__)
-        object.__setattr__(out, "recompile", lambda: None)  # no code until it runs, in the converted module
+        object.__setattr__(out, "recompile", no_recompile)  # no code until it runs, in the converted module
         out.__init__(gm, graph, type(gm).__name__)
-        out.__dict__.pop("recompile")
         out.meta.update(gm.meta)
     else:
         out, twin = gm, {n: n for n in gm.graph.nodes}
