@@ -31,6 +31,7 @@ from .capture.context import CaptureContext
 from .capture.programs import Captured, capture as capture_programs, derive_from_graph
 from .converted import calls as _calls
 from .converted import module as _module
+from .converted.state import guard_for
 from .core import devices as _devices
 from .core import layout as _layout
 from .core import modes as _modes
@@ -312,6 +313,7 @@ def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: Con
     ``entry_casts``: a block converted as its own module takes inputs and gives outputs in its plan's dtypes (with
     ``keep_io_types``, outputs in its first input's dtype); inputs already in that dtype are not copied."""
     model_class, model_attrs = _model_surface(model)
+    guard = None
     if isinstance(model, fx.GraphModule) and not _gemm_leaves(model):  # the graph is the program: converted as it is
         captured, model_class, model_attrs = _reconvert(model, args, kwargs, ctx, model_class, model_attrs)
         gm = next(iter(captured.programs.values()))
@@ -320,6 +322,7 @@ def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: Con
         # each mode's program a graph module over the model's own tensors (shared, not copied); opaque calls
         # (torch.fx.wrap'd functions) traced by torch.export and inlined; propagated on the inputs
         captured = capture_programs(model, args, kwargs, options.policy, ctx, share_tensors=True)
+        guard = guard_for(captured.state, model)  # a forward that moves its own plain state is refused here
         for _, unit in _weights.converted_units(model):  # converted blocks, shared: switched by the captures
             if unit is not model:
                 _module.follow_module_modes(unit)
@@ -347,7 +350,7 @@ def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: Con
             dtype=options.dtype, policy=options.policy, capture=captured.how, plan=passed.plan,
             absorbed=passed.absorbed, source_params=names_by_id(model), model_class=model_class,
             model_attrs=model_attrs, call_signature=_calls.describe(args, kwargs),
-            free_dims=_calls.free_dims(args, kwargs), options=options,
+            free_dims=_calls.free_dims(args, kwargs), options=options, state=guard,
             extra_totals={**({"padding": passed.padding.totals()} if passed.padding is not None else {}),
                           "layout": passed.layout.totals(),
                           "shapes": gm.meta.get(K.PROPAGATED, "fake"),
@@ -355,6 +358,8 @@ def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: Con
                           **({"opaque_calls": [str(d) for d in captured.decisions]} if captured.decisions else {})})
         _rewrite.rebuild_output_type(gm)
         _module.install(gm, programs, captured.current, owners)
+    if guard is not None:
+        _module.refuse_writes(gm, guard.reads)
     return gm
 
 

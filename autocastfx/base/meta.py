@@ -144,6 +144,9 @@ class ConvertInfo:
     # (converted module, args, kwargs) -> the model converted for that call, tensors shared (api): a call of another
     # structure (targets given where the example had none) is converted on first use (converted.calls)
     convert_call: Any = dataclasses.field(default=None, repr=False)
+    # the model's plain attributes its code read while captured, held as constants: a change refused at the next
+    # call (converted.state.StateGuard)
+    state: Any = dataclasses.field(default=None, repr=False)
 
 
 def names_by_id(model: nn.Module) -> dict[int, tuple[str, ...]]:

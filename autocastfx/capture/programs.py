@@ -12,9 +12,9 @@ import torch.nn as nn
 from . import inline as _inline
 from .context import CaptureContext
 from .trace import capture_graph, copy_model
-from .watch import own_classes, watch_reads, watchable
+from .watch import StateUse, note_changes, state_name, own_classes, watch_reads, watch_state, watchable
 from ..base.errors import CaptureError, one_line
-from ..base.meta import is_converted, issuer_path, original_class
+from ..base.meta import fetch, is_converted, issuer_path, original_class
 from ..base.quiet import warn_user
 from ..core.modes import EVAL, GIVEN, TRAIN, derived, flag_marks, mode_of
 from ..core.propagate import propagate
@@ -30,6 +30,7 @@ class Captured:
     how: str
     decisions: list
     found: str = "captures"
+    state: StateUse | None = None
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict, policy, ctx: CaptureContext, *,
@@ -42,15 +43,22 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy, ctx: CaptureCon
     model that cannot be captured in a mode has that mode's program derived from the capture it has, and a
     warning says so."""
     work = copy_model(model, share_tensors)
-    with watch_reads(watchable(work), ctx.watch) if ctx.watch is not None else contextlib.nullcontext():
-        out = _capture(model, work, args, kwargs, policy, ctx, lambda: copy_model(model, share_tensors))
+    with watch_reads(watchable(work), ctx.watch) if ctx.watch is not None else contextlib.nullcontext(), \
+            watch_state(work) as state:
+        out = _capture(model, work, args, kwargs, policy, ctx, lambda: copy_model(model, share_tensors), state)
+    out.state = state
+    for p in out.programs.values():  # a leaf module runs its own forward at each call: all its settings count
+        for n in p.graph.nodes:
+            m = fetch(work, n.target, None) if n.op == "call_module" else None
+            if isinstance(m, nn.Module) and not is_converted(m):
+                state.read |= {(n.target, k) for k in vars(m) if state_name(m, k)}
     for p in out.programs.values():
         own_classes(p)  # the watched copy's classes, where the capture's node metadata noted its subclasses
     return out
 
 
 def _capture(model: nn.Module, work: nn.Module, args: tuple, kwargs: dict, policy, ctx: CaptureContext,
-             fresh) -> Captured:
+             fresh, state: StateUse) -> Captured:
     given = {name: m.training for name, m in work.named_modules()}
     mixed = len(set(given.values())) > 1
     current = GIVEN if mixed else (TRAIN if model.training else EVAL)
@@ -58,7 +66,9 @@ def _capture(model: nn.Module, work: nn.Module, args: tuple, kwargs: dict, polic
     reads: list = []
     try:
         try:
-            gm, how = capture_graph(work.train(), args, kwargs, policy, ctx, compile_code=False, reads=reads)
+            work.train()
+            with note_changes(work, state):  # what the model's code changes as it runs (a counter it moves)
+                gm, how = capture_graph(work, args, kwargs, policy, ctx, compile_code=False, reads=reads)
         except CaptureError as e:
             if model.training:
                 raise

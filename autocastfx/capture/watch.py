@@ -6,11 +6,13 @@ nor ``nn.Module`` change, and no other module, in this thread or another, is tou
 """
 from __future__ import annotations
 import contextlib
+import dataclasses
 import sys
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
+import torch
 import torch.fx as fx
 import torch.nn as nn
-from ..base.meta import WATCHED_CLASS, is_converted
+from ..base.meta import WATCHED_CLASS, is_converted, original_class
 _CALLBACKS: dict[int, list] = {}  # id(a watched module) -> what is called on each of its reads
 
 
@@ -120,3 +122,77 @@ def outer_units(model: nn.Module) -> dict[str, nn.Module]:
         if n and is_converted(m) and not any(n.startswith(o + ".") for o in out):
             out[n] = m
     return out
+
+
+_MODULE_OWN = frozenset(vars(nn.Module())) | {"forward"}  # nn.Module's bookkeeping: not the model's state
+
+
+def fingerprint(v: Any, depth: int = 0) -> Any:
+    """What a value read as a constant is compared by: plain values and containers of them by value, a plain tensor
+    by identity and version (an in-place change), anything else (a function, a config, a tensor in a container) by
+    identity."""
+    if isinstance(v, torch.Tensor):
+        return ("tensor", id(v), v._version) if depth == 0 else ("id", id(v))
+    if v is None or isinstance(v, (bool, int, float, complex, str, bytes, torch.dtype, torch.device)):
+        return (type(v), v)
+    if depth < 4 and type(v) in (tuple, list, set, frozenset, dict, torch.Size):
+        items = sorted(v.items(), key=repr) if isinstance(v, dict) else sorted(v, key=repr) \
+            if isinstance(v, (set, frozenset)) else v
+        return (type(v), tuple(fingerprint(x, depth + 1) for x in items))
+    return ("id", id(v))
+
+
+@dataclasses.dataclass
+class StateUse:
+    """The plain attributes (``(module path, name)``) the model's code read while it was captured, and those it
+    changed: ``changed`` maps each to (value before, value after)."""
+    read: set = dataclasses.field(default_factory=set)
+    changed: dict = dataclasses.field(default_factory=dict)
+
+
+def _own_state(model: nn.Module, mods: list[nn.Module]) -> dict:
+    keep = {id(m) for m in mods}
+    return {(path, k): (v, fingerprint(v)) for path, m in model.named_modules() if id(m) in keep
+            for k, v in vars(m).items() if state_name(m, k)}
+
+
+def state_name(m: nn.Module, name: str) -> bool:
+    # torch's own modules keep private caches they refresh themselves (an RNN's _flat_weights); fx's tracer puts
+    # the tensor constants it meets on the traced module
+    return name not in _MODULE_OWN and not name.startswith("_tensor_constant") \
+        and not (name[0] == "_" and original_class(m).__module__.startswith("torch."))
+
+
+@contextlib.contextmanager
+def watch_state(model: nn.Module):
+    """Yields a :class:`StateUse` of ``model`` (the capture's copy), filled on exit with the plain attributes of its
+    modules (not those inside converted blocks, which watch their own) read meanwhile."""
+    mods = watchable(model)
+    paths = {id(m): n for n, m in model.named_modules()}
+    use = StateUse()
+
+    def seen(module, name):
+        if name in object.__getattribute__(module, "__dict__") and state_name(module, name):
+            path = paths.get(id(module))
+            if path is not None:
+                use.read.add((path, name))
+
+    with watch_reads(mods, seen):
+        yield use
+
+
+@contextlib.contextmanager
+def note_changes(model: nn.Module, use: StateUse | None):
+    """Meanwhile (one run of the model's code) note in ``use.changed`` the plain attributes of ``model``'s modules
+    that change."""
+    if use is None:
+        yield
+        return
+    mods = watchable(model)
+    before = _own_state(model, mods)
+    yield
+    after = _own_state(model, mods)
+    for key in before.keys() | after.keys():
+        old, new = before.get(key, (None, None)), after.get(key, (None, None))
+        if old[1] != new[1]:  # by value: a capture may put an equal tuple back
+            use.changed[key] = (old[0], new[0])

@@ -155,12 +155,54 @@ class _GuardsChildren:
     settings or shapes (:func:`check_replacement`): the converted root and held plain containers."""
 
     def __setattr__(self, name, value):
+        if name in self.__dict__.get(_READ, ()):
+            _refuse_write(self, name)
         check_replacement(self, name, value)
         super().__setattr__(name, value)
+
+    def __delattr__(self, name):
+        if name in self.__dict__.get(_READ, ()):
+            _refuse_write(self, name)
+        super().__delattr__(name)
 
     def add_module(self, name, module):
         check_replacement(self, name, module)
         return super().add_module(name, module)
+
+
+_READ = "_autocastfx_read"  # names of a module's attributes the model's code read as constants
+
+
+def _refuse_write(module: nn.Module, name: str) -> None:
+    value = getattr(module, name, _READ)
+    raise ValueError(
+        f"{name} is an attribute of the model{f' ({name}={value!r})' if value is not _READ else ''}, a constant of "
+        "the converted graph wherever the "
+        "model's forward read it: setting it on the converted module changes nothing it computes. Set it on the "
+        "model and convert again (autocastfx.convert(model, ...); gm.state_dict() loads into the model first if gm "
+        "was trained), or keep a value that changes during training in a buffer (register_buffer) or pass it as a "
+        "tensor input")
+
+
+def refuse_writes(gm: nn.Module, reads) -> None:
+    """Make the attributes ``reads`` names (``(module path, name)``) read-only on ``gm`` and its held containers."""
+    by_path: dict[str, set] = {}
+    for path, name in reads:
+        by_path.setdefault(path, set()).add(name)
+    for path, names in by_path.items():
+        m = fetch(gm, path, None) if path else gm
+        if isinstance(m, _GuardsChildren):
+            m.__dict__[_READ] = frozenset(names) | m.__dict__.get(_READ, frozenset())
+
+
+def _check_state(gm: nn.Module) -> None:
+    info = gm.__dict__.get("meta", {}).get("autocastfx")
+    guard = getattr(info, "state", None)
+    if guard is not None:
+        guard.check()
+
+
+_check_state_eagerly = torch.compiler.disable(_check_state)
 
 
 class _Switchable(_GuardsChildren):
@@ -191,6 +233,8 @@ class _Switchable(_GuardsChildren):
     def __call__(self, *args, **kwargs):
         if "_autocastfx_fsdp_checked" not in self.__dict__ and hasattr(self, "_get_fsdp_state"):
             _check_fsdp_param_dtype(self)  # once, at the first call after fully_shard
+        # the model's plain attributes the programs hold as constants: unchanged since convert()
+        _check_state_eagerly(self) if torch.compiler.is_compiling() else _check_state(self)
         # read the mode where torch.compile traces, so it guards on it: the programs' code holds it as constants
         if self.training:
             pass

@@ -26,6 +26,7 @@ from ..capture.trace import copy_model, ModelTracer
 from .piecewise import piecewise_units
 from ..core.propagate import placeholder_values
 from ..base.quiet import torch_internal_warnings_off
+from ..converted.state import rebind
 from .parts import BLOCK_META, Conversions
 from ..base.options import ConvertOptions
 from ..capture.context import CaptureContext, free_sizes
@@ -541,6 +542,7 @@ def _reuse(ref: nn.Module, block: nn.Module, codes: dict) -> nn.Module | None:
             del graph.python_code
     if unit.graph is not graph:  # the copy did not take the prepared graph: its code is its own, written again
         unit.recompile()
+    rebind(unit, block)
     return unit
 
 
@@ -556,6 +558,7 @@ def _root(model, tree, units, skipped, args, kwargs, conv: Conversions, options:
         raise RootError(f"the model around its blocks does not convert ({one_line(e)})") from e
     keep_containers(gm, tree, units)
     set_modes(gm, model, modes)
+    rebind(gm, model)  # the model's own modules, not the tree's copies, hold the attributes read
     info = gm.meta["autocastfx"]
     info.source_params = names_by_id(model)
     info.extra_totals["blocks"] = describe_units(units, skipped)

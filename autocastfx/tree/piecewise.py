@@ -20,6 +20,7 @@ from ..capture.context import CaptureContext, free_sizes
 from ..core.plan import CastPlan
 from .parts import Conversions
 from ..base.quiet import warn_user
+from ..converted.state import rebind
 from .packed import convert_packed, has_recurrent, takes_packed
 
 
@@ -63,6 +64,7 @@ def piecewise_units(model, tree, units, skipped, args, kwargs, conv: Conversions
         a, k = inputs[name]
         try:
             part, plan, dtypes = _convert_part(m, a, k, conv, part_options, part_ctx)
+            rebind(part, model.get_submodule(name))  # converted from the tree's copy of the model's module
         except (CaptureError, ValueError) as e:
             eager[name] = why_not_captured(e)
             inner = _candidates(m, name, units)

@@ -1,0 +1,136 @@
+"""The model's plain attributes a converted module's programs hold as constants (a temperature, a scale, a dropout
+probability, a function to call): what its code read while it was captured. A later change to one, on the model or
+through the converted module, is refused at the next call, since the programs would go on with the old value."""
+from __future__ import annotations
+
+import operator
+import weakref
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..base.quiet import warn_user
+from ..capture.watch import StateUse, fingerprint
+
+class StateGuard:
+    """The attributes read at capture, by module: each module by weak reference (the converted module does not
+    keep the model alive), the values by identity, and containers and plain tensors also by content. Shared by
+    copies of the converted module; dropped when it is pickled."""
+
+    def __init__(self, reads: frozenset = frozenset()):
+        self.reads = reads  # (module path, name) read at capture
+        self.modules: list[list] = []  # [module ref, getter, values, path, names, fingerprints]
+        self.contents: list[tuple[Any, weakref.ref, str, str, Any]] = []
+
+    def bound(self, model: nn.Module) -> StateGuard:
+        """A guard of these attributes on ``model`` (the model, or the module of it the capture's copy was made of),
+        as they are now; a module or attribute it lacks is not watched."""
+        out = StateGuard(self.reads)
+        by_path: dict[str, list[str]] = {}
+        for path, name in self.reads:
+            by_path.setdefault(path, []).append(name)
+        for path, names in sorted(by_path.items()):
+            try:
+                m = model.get_submodule(path)
+            except AttributeError:
+                continue
+            own = vars(m)
+            names = tuple(n for n in sorted(names) if n in own)
+            if not names:
+                continue
+            prints = tuple(fingerprint(own[n]) for n in names)
+            get = operator.itemgetter(*names, names[0])  # a tuple, also of one name
+            out.modules.append([weakref.ref(m), get, get(own), path, names, prints])
+            for n, fp in zip(names, prints):
+                if isinstance(own[n], (list, dict, set, torch.Tensor)):
+                    out.contents.append((own[n], weakref.ref(m), path, n, fp))  # changed in place: compared by content
+        return out
+
+    def check(self) -> None:
+        """ValueError naming the first attribute whose value changed since capture."""
+        try:
+            for ref, get, values, *_ in self.modules:  # by identity first: a few hundred nanoseconds a module
+                m = ref()
+                if m is not None and get(m.__dict__) != values:
+                    raise LookupError
+        except Exception:  # noqa: BLE001 - a value replaced (or a tensor compared): told apart below
+            self._compare()
+        for value, ref, path, name, fp in self.contents:
+            if fingerprint(value) != fp:
+                _refuse(ref(), path, name, value, value, in_place=True)
+
+    def _compare(self) -> None:
+        """Refuse a changed value; one set again to an equal value is taken as the one watched from now on."""
+        for entry in self.modules:
+            ref, get, values, path, names, prints = entry
+            m = ref()
+            if m is None:
+                continue
+            for n, old, fp in zip(names, values, prints):
+                new = m.__dict__.get(n, _MISSING)
+                if new is not old and (new is _MISSING or fingerprint(new) != fp):
+                    _refuse(m, path, n, old, new)
+            entry[2] = get(m.__dict__)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return (StateGuard, ())
+
+
+_MISSING = object()
+
+
+def _refuse(module, path: str, name: str, old: Any, new: Any, in_place: bool = False) -> None:
+    where = f"{type(module).__name__ if module is not None else 'the model'}{f' (at {path!r})' if path else ''}"
+    what = "was changed in place" if in_place else "was deleted" if new is _MISSING else \
+        f"was set to {_short(new)} (it was {_short(old)})"
+    raise ValueError(
+        f"{where}.{name} {what} after convert(): the converted module's programs hold the value the model's code "
+        "read at conversion as a constant and would go on computing with it. Convert again after the change "
+        "(autocastfx.convert(model, ...); gm.state_dict() loads into the model first if gm was trained), or keep a "
+        "value that changes during training in a buffer (register_buffer) or pass it as a tensor input")
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def guard_for(state: StateUse | None, model: nn.Module) -> StateGuard | None:
+    """The guard of what ``state`` says the capture of ``model``'s copy read, watching ``model`` (None: nothing read).
+    ValueError where the model's code changes an attribute it reads (a counter the forward moves)."""
+    if state is None:
+        return None
+    for (path, name), (old, new) in sorted(state.changed.items(), key=lambda kv: kv[0]):
+        if (path, name) in state.read:
+            owner = type(model.get_submodule(path)).__name__ if _has(model, path) else type(model).__name__
+            raise ValueError(
+                f"{owner}.forward changes its attribute {name!r} ({_short(old)} -> {_short(new)}), which it also "
+                "reads: a converted graph repeats the tensor ops only, so the change would happen once, at "
+                "conversion, and never again. Keep the value in a tensor buffer updated in place "
+                f"(self.register_buffer({name!r}, torch.tensor(...)); self.{name}.add_(1)), which the converted "
+                "module updates at each call, or change it in the training loop")
+    unread = sorted(name for (path, name) in state.changed if (path, name) not in state.read)
+    if unread:
+        warn_user(f"autocastfx: {type(model).__name__}'s code sets {', '.join(repr(n) for n in unread)} as it runs; "
+                  "the converted module runs the captured tensor ops only and does not set it (it keeps its value "
+                  "from before conversion). Read it from the model run without autocastfx, or return it from forward")
+    return StateGuard(frozenset(state.read)).bound(model) if state.read else None
+
+
+def _has(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
+
+
+def rebind(unit: nn.Module, module: nn.Module) -> None:
+    """Watch ``module`` (the model's own) for a converted ``unit`` made from a copy of it or from a module alike."""
+    info = unit.meta.get("autocastfx") if isinstance(getattr(unit, "meta", None), dict) else None
+    if getattr(info, "state", None) is not None:
+        info.state = info.state.bound(module)
