@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from .base import keys as K
 from .base.errors import CaptureError, one_line
+from .base.quiet import torch_internal_warnings_off
 from .base.meta import ConvertInfo, is_converted, names_by_id
 from .base.options import LOW_DTYPES, ConvertOptions
 from .base.runtime import no_recompile
@@ -291,8 +292,9 @@ def _convert_model(model: nn.Module, args: tuple, kwargs: dict, options: Convert
         if names:
             _check_params(model)
             try:
-                return convert_tree(model, names, args, kwargs, _conversions(), options, ctx,
-                                    explicit=blocks != "auto")
+                with _buffers_kept(model):  # the tree's runs of the model are runs for real, on its buffers
+                    return convert_tree(model, names, args, kwargs, _conversions(), options, ctx,
+                                        explicit=blocks != "auto")
             except Exception:  # noqa: BLE001 - on meta, blocks="auto" is one graph where the model's run needs values
                 if ctx.meta_device is None or blocks != "auto":
                     raise
@@ -301,10 +303,51 @@ def _convert_model(model: nn.Module, args: tuple, kwargs: dict, options: Convert
     except CaptureError as e:
         if blocks is None or blocks is False or isinstance(model, fx.GraphModule):
             raise
-        part = convert_piecewise(model, args, kwargs, _conversions(), options, ctx, why_not_captured(e))
+        with _buffers_kept(model):
+            part = convert_piecewise(model, args, kwargs, _conversions(), options, ctx, why_not_captured(e))
         if part is None:  # nothing in it captures either
             raise
         return part
+
+
+def _mode_flags(model: nn.Module) -> dict | None:
+    """{mode: {module name: flag}} that the model's own ``train(mode)`` sets, where a module of it overrides
+    ``train``/``eval`` (a backbone that keeps its batch norms frozen in training); None where none does."""
+    if isinstance(model, fx.GraphModule):
+        return None
+    inside = {id(s) for name, m in model.named_modules() if name and is_converted(m) for s in m.modules()}
+    if all(id(m) in inside or (type(m).train is nn.Module.train and type(m).eval is nn.Module.eval)
+           for m in model.modules()):
+        return None
+    try:
+        with torch_internal_warnings_off():
+            twin = _meta_twin(model)
+    except Exception:  # noqa: BLE001 - a model that does not copy: the modes nn.Module.train sets
+        return None
+    units = tuple(n + "." for n, x in twin.named_modules() if n and is_converted(x))
+    flags = {}
+    for mode in (True, False):
+        twin.train(mode)
+        flags[mode] = {name: m.training for name, m in twin.named_modules()
+                       if m.training != mode and not (name + ".").startswith(units)}
+    return flags
+
+
+@contextlib.contextmanager
+def _buffers_kept(model: nn.Module):
+    """Meanwhile the model's code may run for real (a forward that moves a step counter or a running statistic):
+    its buffers and plain tensor attributes get the values they had back on exit."""
+    tensors = {id(t): t for t in itertools.chain(model.buffers(), (v for m in model.modules() for v in vars(m).values()
+                                                                   if isinstance(v, torch.Tensor)))
+               if not t.is_meta and not isinstance(t, nn.Parameter)}
+    saved = [(t, t._version, t.detach().clone()) for t in tensors.values()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, version, value in saved:
+                if t._version != version:
+                    t.copy_(value)
 
 
 def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: ConvertOptions, ctx: CaptureContext,
@@ -350,7 +393,7 @@ def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: Con
             dtype=options.dtype, policy=options.policy, capture=captured.how, plan=passed.plan,
             absorbed=passed.absorbed, source_params=names_by_id(model), model_class=model_class,
             model_attrs=model_attrs, call_signature=_calls.describe(args, kwargs),
-            free_dims=_calls.free_dims(args, kwargs), options=options, state=guard,
+            free_dims=_calls.free_dims(args, kwargs), options=options, state=guard, mode_flags=_mode_flags(model),
             extra_totals={**({"padding": passed.padding.totals()} if passed.padding is not None else {}),
                           "layout": passed.layout.totals(),
                           "shapes": gm.meta.get(K.PROPAGATED, "fake"),
@@ -358,7 +401,7 @@ def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: Con
                           **({"opaque_calls": [str(d) for d in captured.decisions]} if captured.decisions else {})})
         _rewrite.rebuild_output_type(gm)
         _module.install(gm, programs, captured.current, owners)
-    if guard is not None:
+    if guard is not None and guard.reads:
         _module.refuse_writes(gm, guard.reads)
     return gm
 

@@ -5,6 +5,7 @@ nothing. Each is now refused with a ValueError that names the attribute and the 
 plain state (a step counter) is refused at convert()."""
 from __future__ import annotations
 
+import enum
 import gc
 import warnings
 import weakref
@@ -194,3 +195,173 @@ def test_a_forward_that_stores_what_it_does_not_read_is_warned_of():
         warnings.simplefilter("always")
         autocastfx.convert(_KeepsLast(), (torch.randn(4, 16),), dtype=BF16)
     assert any("sets 'last' as it runs" in str(w.message) for w in caught)
+
+
+class _Counted(nn.Module):
+    """Blocks in a ModuleList, a step counter and a running input mean the forward moves in training."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("mean", torch.zeros(16))
+        self.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16)) for _ in range(2)])
+
+    def forward(self, x):
+        if self.training:
+            self.steps.add_(1)
+            self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        h = x - self.mean
+        for b in self.blocks:
+            h = h + b(h)
+        return h
+
+
+def test_convert_with_blocks_leaves_the_models_buffers_as_they_were():
+    """Before: converting a model with blocks ran its forward for real on its own buffers (the step counter 1000 ->
+    1001, the running mean 4.0 -> 3.6), so the pretrained model was changed by convert()."""
+    model = _Counted()
+    with torch.no_grad():
+        model.steps.fill_(1000)
+        model.mean.fill_(4.0)
+    gm = autocastfx.convert(model, (torch.randn(8, 16) + 4.0,), dtype=BF16)
+    assert gm.meta["autocastfx"].extra_totals.get("blocks")
+    assert int(model.steps) == 1000 and torch.equal(model.mean, torch.full((16,), 4.0))
+
+
+class _FrozenNorms(nn.Module):
+    """Its own train() keeps the batch norms in eval mode (mmdetection's norm_eval, detectron2's frozen norms)."""
+
+    def __init__(self, export):
+        super().__init__()
+        self.conv, self.bn, self.head, self.export = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), \
+            nn.Linear(8, 4), export
+
+    def train(self, mode=True):
+        super().train(mode)
+        if mode:
+            self.bn.eval()
+        return self
+
+    def forward(self, x):
+        if self.export:
+            b, *_ = x.shape  # noqa: F841 - symbolic tracing cannot unpack a traced size: torch.export captures it
+        return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("export", [False, True])
+def test_gm_train_sets_the_modes_the_models_own_train_sets(export):
+    """Before: ``gm.train()`` set every module training, the frozen batch norm too, whose statistics then moved
+    (0.42 off the model's) under symbolic tracing."""
+    torch.manual_seed(0)
+    model = _FrozenNorms(export)
+    x = torch.randn(4, 3, 8, 8)
+    gm = autocastfx.convert(model, (x,), dtype=BF16)
+    assert gm.meta["autocastfx"].capture == ("torch.export" if export else "symbolic_trace")
+    gm.eval()
+    gm.train()
+    model.train()
+    assert gm.training and not gm.bn.training
+    before = gm.bn.running_mean.clone()
+    gm(x)
+    assert torch.equal(gm.bn.running_mean, before)
+
+
+class _Act(enum.Enum):
+    RELU = "relu"
+    TANH = "tanh"
+
+
+class _Chooses(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x, act=_Act.RELU, fn=torch.relu):
+        h = self.fc(x)
+        return fn(torch.tanh(h) if act is _Act.TANH else torch.relu(h))
+
+
+@pytest.mark.parametrize("call", ["enum", "function"])
+def test_an_enum_or_function_a_call_passes_is_not_taken_for_the_examples(call):
+    """Before: ``gm(x, act=Act.TANH)`` or ``gm(x, fn=torch.sigmoid)`` ran the example's value, held as a constant
+    (0.22-0.41 off the model). Now such a call is converted for its own values, or refused."""
+    torch.manual_seed(0)
+    model = _Chooses()
+    x = torch.randn(4, 16)
+    gm = autocastfx.convert(model, (x,), dtype=BF16)
+    kwargs = {"act": _Act.TANH} if call == "enum" else {"fn": torch.sigmoid}
+    try:
+        out = gm(x, **kwargs)
+    except (TypeError, ValueError):
+        return
+    assert _rel(out, model(x, **kwargs)) < 2e-2
+
+
+def test_the_converted_module_has_the_models_forward_signature():
+    """Hugging Face's generate passes position_ids and the attention mask only where ``inspect.signature(forward)``
+    has them: with the captured graph's signature, left-padded rows were decoded at the wrong positions."""
+    import inspect
+    gm, _ = _convert(_Chooses())
+    assert inspect.signature(gm.forward) == inspect.signature(_Chooses().forward)
+
+
+@pytest.mark.parametrize("change", ["new head", "load assign"])
+def test_a_module_or_tensor_of_the_model_replaced_after_convert_is_refused(change):
+    """Before: ``model.head = nn.Linear(...)`` or ``model.load_state_dict(sd, assign=True)`` after convert() left the
+    converted module on the old tensors (1.28 off), and an optimizer over the model's new ones trained nothing it
+    reads."""
+    model = _Tempered().eval()
+    gm, x = _convert(model)
+    if change == "new head":
+        model.fc = nn.Linear(16, 16)
+    else:
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    with pytest.raises(ValueError, match="was replaced after convert"):
+        gm(x)
+
+
+class _LossOrProbs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.temperature = nn.Linear(16, 16), 1.0
+
+    def forward(self, x, y=None):
+        h = self.fc(x)
+        if y is None:
+            return torch.softmax(h / self.temperature, -1)
+        return nn.functional.cross_entropy(h, y)
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_an_attribute_only_another_call_reads_is_watched_on_the_model(first):
+    """Before: converted for (x, y), the call gm(x) was converted from the model as it was at convert(): a
+    temperature set on the model afterwards (read only on that path) was silently not followed (0.85 off)."""
+    torch.manual_seed(0)
+    model = _LossOrProbs().eval()
+    x, y = torch.randn(4, 16), torch.randint(0, 16, (4,))
+    gm = autocastfx.convert(model, (x, y), dtype=BF16)
+    if first:
+        assert _rel(gm(x), model(x)) < 2e-2
+    model.temperature = 0.05
+    with pytest.raises(ValueError, match=r"temperature was set to 0.05"):
+        gm(x)
+
+
+class _CountingLeaf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.calls = nn.Linear(16, 16), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.fc(x)
+
+
+def test_a_leaf_module_that_counts_its_calls_converts_and_counts():
+    """A module the graph calls as a leaf runs its own forward at every call: its counter is not refused."""
+    model = nn.Sequential(_CountingLeaf(), nn.ReLU())
+    policy = autocastfx.Policy.default().override(leaf_modules=(_CountingLeaf,))
+    gm = autocastfx.convert(model, (torch.randn(4, 16),), dtype=BF16, policy=policy)
+    start = gm.get_submodule("0").calls
+    gm(torch.randn(4, 16))
+    assert gm.get_submodule("0").calls == start + 1

@@ -147,6 +147,8 @@ class ConvertInfo:
     # the model's plain attributes its code read while captured, held as constants: a change refused at the next
     # call (converted.state.StateGuard)
     state: Any = dataclasses.field(default=None, repr=False)
+    # {mode: {module name: flag}}: what the model's own train()/eval() sets (frozen batch norms), where it has one
+    mode_flags: dict | None = dataclasses.field(default=None, repr=False)
 
 
 def names_by_id(model: nn.Module) -> dict[int, tuple[str, ...]]:

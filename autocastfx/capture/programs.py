@@ -52,6 +52,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy, ctx: CaptureCon
             m = fetch(work, n.target, None) if n.op == "call_module" else None
             if isinstance(m, nn.Module) and not is_converted(m):
                 state.read |= {(n.target, k) for k in vars(m) if state_name(m, k)}
+                state.leaves.add(n.target)
     for p in out.programs.values():
         own_classes(p)  # the watched copy's classes, where the capture's node metadata noted its subclasses
     return out

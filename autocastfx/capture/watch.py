@@ -148,6 +148,7 @@ class StateUse:
     changed: ``changed`` maps each to (value before, value after)."""
     read: set = dataclasses.field(default_factory=set)
     changed: dict = dataclasses.field(default_factory=dict)
+    leaves: set = dataclasses.field(default_factory=set)  # paths of the modules the graph calls (their own forward)
 
 
 def _own_state(model: nn.Module, mods: list[nn.Module]) -> dict:

@@ -7,7 +7,9 @@ got None``); the errors here say what the module was converted for, what it was 
 """
 from __future__ import annotations
 
+import enum
 import functools
+import types
 import inspect
 import os
 from typing import Any
@@ -21,6 +23,7 @@ from ..base.meta import is_plain_setting
 from ..base.quiet import warn_user
 from ..capture.context import free_axes
 from ..core import weights as _weights
+from .state import follow_model
 
 
 def _kind(v: Any) -> str:
@@ -224,10 +227,21 @@ class OtherCalls:
         return (OtherCalls, ())
 
 
+def _constant(v: Any) -> Any:
+    """The key of a value the capture holds as a constant: a plain value, an enum member, a numpy scalar or a
+    function (by identity); None for anything else."""
+    if isinstance(v, (_PLAIN, enum.Enum)) or (type(v).__module__ == "numpy" and getattr(v, "shape", None) == ()):
+        return (type(v).__name__, v)
+    if isinstance(v, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)):
+        return ("function", id(v))
+    return None
+
+
 def _raw(v: Any) -> Any:
     if v is None:
         return None
-    return (type(v).__name__, v) if isinstance(v, _PLAIN) else True
+    key = _constant(v)
+    return key if key is not None else True
 
 
 def raw_key(args: tuple, kwargs: dict) -> tuple:
@@ -256,9 +270,8 @@ def _call_shape(v: Any) -> Any:
         return tuple(_call_shape(x) for x in v)
     if isinstance(v, dict):
         return tuple(sorted((k, _call_shape(x)) for k, x in v.items()))
-    if isinstance(v, _PLAIN):
-        return (type(v).__name__, v)
-    return v is None
+    key = _constant(v)
+    return key if key is not None else v is None
 
 
 def bound_key(model: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
@@ -296,6 +309,9 @@ def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict) -> tuple[nn.
     made = holder.by_key.get((key, state))
     if made is None:
         other = info.convert_call(gm, args, kwargs, state)
+        # converted from the model as it was: the model's attributes as they are, but for the settings of gm's
+        # modules it was converted with
+        follow_model(other, info.state, frozenset((e[0], k) for e in state if len(e) == 3 for k, _ in e[2]))
         holders = _weights.tensor_holders(other)
         if len(holder.by_key) >= MAX_OTHER_CONVERSIONS:
             del holder.by_key[next(iter(holder.by_key))]

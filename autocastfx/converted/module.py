@@ -36,6 +36,11 @@ def set_mode(gm: fx.GraphModule, mode: bool) -> fx.GraphModule:
         if programs.current != key:
             _run_program(gm, programs, key)
     nn.Module.train(gm, mode)
+    info = gm.meta.get("autocastfx")
+    for name, flag in (getattr(info, "mode_flags", None) or {}).get(mode, {}).items():
+        sub = fetch(gm, name, None)  # as the model's own train() sets them (frozen batch norms)
+        if isinstance(sub, nn.Module):
+            sub.training = flag
     return gm
 
 
@@ -225,7 +230,17 @@ class _Switchable(_GuardsChildren):
         programs = self.__dict__.get("meta", {}).get(K.PROGRAMS)
         if programs is not None and not programs.switching:  # the graph was edited: the kept code is stale
             programs.code.clear()
-        return super().recompile()
+        out = super().recompile()
+        cls = getattr(self.__dict__.get("meta", {}).get("autocastfx"), "model_class", None)
+        if cls is not None and "forward" in vars(type(self)):
+            # the model's signature, for code that reads it to choose what to pass (Hugging Face's generate passes
+            # position_ids and the attention mask only where forward takes them): a call of another structure
+            # than the captured one gets its own conversion
+            try:
+                type(self).forward.__signature__ = inspect.signature(cls.forward)
+            except (TypeError, ValueError):
+                pass
+        return out
 
     def eval(self):
         return set_mode(self, False)
@@ -255,6 +270,7 @@ class _Switchable(_GuardsChildren):
             # a call of another structure: its own conversion (or the captured call, spelled another way)
             other, args, kwargs = _calls.other_call(self, info, args, kwargs)
             if other is not None:
+                _check_state_eagerly(other) if torch.compiler.is_compiling() else _check_state(other)
                 try:
                     return _run_as(self, other, args, kwargs)
                 except Exception as e:  # noqa: BLE001 - the model's own checks on this call, else as it came

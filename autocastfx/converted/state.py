@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..base.meta import is_converted
 from ..base.quiet import warn_user
 from ..capture.watch import StateUse, fingerprint
 
@@ -22,11 +23,17 @@ class StateGuard:
         self.reads = reads  # (module path, name) read at capture
         self.modules: list[list] = []  # [module ref, getter, values, path, names, fingerprints]
         self.contents: list[tuple[Any, weakref.ref, str, str, Any]] = []
+        self.held: list[tuple[Any, str, tuple]] = []
+        self.root = None  # the module bound  # each module's parameters, buffers and children, by identity
 
     def bound(self, model: nn.Module) -> StateGuard:
         """A guard of these attributes on ``model`` (the model, or the module of it the capture's copy was made of),
         as they are now; a module or attribute it lacks is not watched."""
         out = StateGuard(self.reads)
+        out.root = weakref.ref(model)
+        inside = {id(s) for n, u in model.named_modules() if n and is_converted(u) for s in u.modules() if s is not u}
+        out.held = [(weakref.ref(m), path, _held(m)) for path, m in model.named_modules()
+                    if id(m) not in inside and (m._parameters or m._buffers or m._modules)]
         by_path: dict[str, list[str]] = {}
         for path, name in self.reads:
             by_path.setdefault(path, []).append(name)
@@ -59,6 +66,13 @@ class StateGuard:
         for value, ref, path, name, fp in self.contents:
             if fingerprint(value) != fp:
                 _refuse(ref(), path, name, value, value, in_place=True)
+        for ref, path, (tensors, children) in self.held:
+            m = ref()
+            if m is not None:
+                now = (*m._parameters.values(), *m._buffers.values())
+                if len(now) != len(tensors) or not all(map(operator.is_, now, tensors)) \
+                        or children != tuple(map(id, m._modules.values())):
+                    _replaced(m, path)
 
     def _compare(self) -> None:
         """Refuse a changed value; one set again to an equal value is taken as the one watched from now on."""
@@ -81,6 +95,8 @@ class StateGuard:
 
 
 _MISSING = object()
+_CHECKPOINTING = ("(activation checkpointing: convert with the model as it is and wrap the converted blocks with "
+                  "autocastfx.checkpoint_blocks instead) ")
 
 
 def _refuse(module, path: str, name: str, old: Any, new: Any, in_place: bool = False) -> None:
@@ -90,8 +106,24 @@ def _refuse(module, path: str, name: str, old: Any, new: Any, in_place: bool = F
     raise ValueError(
         f"{where}.{name} {what} after convert(): the converted module's programs hold the value the model's code "
         "read at conversion as a constant and would go on computing with it. Convert again after the change "
+        f"{_CHECKPOINTING if 'checkpoint' in name else ''}"
         "(autocastfx.convert(model, ...); gm.state_dict() loads into the model first if gm was trained), or keep a "
         "value that changes during training in a buffer (register_buffer) or pass it as a tensor input")
+
+
+def _held(m: nn.Module) -> tuple:
+    # the children by id: the guard keeps no module of the model alive (its tensors are the converted module's)
+    return (*m._parameters.values(), *m._buffers.values()), tuple(map(id, m._modules.values()))
+
+
+def _replaced(module: nn.Module, path: str) -> None:
+    raise ValueError(
+        f"a parameter, buffer or submodule of the model's {type(module).__name__}"
+        f"{f' at {path!r}' if path else ''} was replaced after convert() (a new layer, load_state_dict(..., "
+        "assign=True), a move of the model to another device or dtype): the converted module runs on the tensors "
+        "and modules it had, so it would not compute the changed model, and an optimizer over the model's new "
+        "tensors would train what it never reads. Make the change before convert() and convert again, or make it "
+        "on the converted module (gm.load_state_dict(...), gm.to(...))")
 
 
 def _short(v: Any) -> str:
@@ -104,8 +136,9 @@ def guard_for(state: StateUse | None, model: nn.Module) -> StateGuard | None:
     ValueError where the model's code changes an attribute it reads (a counter the forward moves)."""
     if state is None:
         return None
+    leaves = state.leaves
     for (path, name), (old, new) in sorted(state.changed.items(), key=lambda kv: kv[0]):
-        if (path, name) in state.read:
+        if (path, name) in state.read and path not in leaves and not isinstance(new, torch.Tensor):
             owner = type(model.get_submodule(path)).__name__ if _has(model, path) else type(model).__name__
             raise ValueError(
                 f"{owner}.forward changes its attribute {name!r} ({_short(old)} -> {_short(new)}), which it also "
@@ -113,12 +146,20 @@ def guard_for(state: StateUse | None, model: nn.Module) -> StateGuard | None:
                 "conversion, and never again. Keep the value in a tensor buffer updated in place "
                 f"(self.register_buffer({name!r}, torch.tensor(...)); self.{name}.add_(1)), which the converted "
                 "module updates at each call, or change it in the training loop")
-    unread = sorted(name for (path, name) in state.changed if (path, name) not in state.read)
+    carried = sorted(name for (path, name) in state.changed if (path, name) in state.read and path not in leaves)
+    if carried:
+        warn_user(f"autocastfx: {type(model).__name__}'s code sets the tensor attribute(s) "
+                  f"{', '.join(repr(n) for n in carried)} and reads them: the converted graph computes them from "
+                  "each call's inputs as the capture did, which is right for a cache of such values, not for state "
+                  "carried from one call to the next (a running average), which belongs in a buffer updated in "
+                  "place")
+    unread = sorted(name for (path, name) in state.changed if (path, name) not in state.read and path not in leaves)
     if unread:
         warn_user(f"autocastfx: {type(model).__name__}'s code sets {', '.join(repr(n) for n in unread)} as it runs; "
                   "the converted module runs the captured tensor ops only and does not set it (it keeps its value "
                   "from before conversion). Read it from the model run without autocastfx, or return it from forward")
-    return StateGuard(frozenset(state.read)).bound(model) if state.read else None
+    reads = frozenset(k for k in state.read if k not in state.changed)  # what the code sets is its own
+    return StateGuard(reads).bound(model)
 
 
 def _has(model: nn.Module, path: str) -> bool:
@@ -134,3 +175,23 @@ def rebind(unit: nn.Module, module: nn.Module) -> None:
     info = unit.meta.get("autocastfx") if isinstance(getattr(unit, "meta", None), dict) else None
     if getattr(info, "state", None) is not None:
         info.state = info.state.bound(module)
+
+
+def follow_model(other: nn.Module, guard: StateGuard | None, settings: frozenset = frozenset()) -> None:
+    """Bind the guard of ``other`` (a conversion for another call, made from the model as it was at convert(), with
+    the converted module's module ``settings`` ((module name, attribute)) applied) to the model ``guard`` watches;
+    ValueError where an attribute ``other``'s conversion read has changed on the model since."""
+    info = other.meta.get("autocastfx") if isinstance(getattr(other, "meta", None), dict) else None
+    mine, model = getattr(info, "state", None), guard.root() if guard is not None and guard.root else None
+    if mine is None or model is None:
+        return
+    now = mine.bound(model)
+    then = {(e[3], n): (v, fp) for e in mine.modules for n, v, fp in zip(e[4], e[2], e[5])}
+    for e in now.modules:
+        for n, v, fp in zip(e[4], e[2], e[5]):
+            old = then.get((e[3], n))
+            # a copy's objects are other objects (compared by identity): only values are compared
+            if old is not None and old[1] != fp and fp[0] != "id" and (e[3], n) not in settings:
+                _refuse(e[0](), e[3], n, old[0], v)
+    now.modules = [e for e in now.modules if not any((e[3], n) in settings for n in e[4])]
+    info.state = now
