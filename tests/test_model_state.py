@@ -365,3 +365,29 @@ def test_a_leaf_module_that_counts_its_calls_converts_and_counts():
     start = gm.get_submodule("0").calls
     gm(torch.randn(4, 16))
     assert gm.get_submodule("0").calls == start + 1
+
+
+class _Config:
+    def __init__(self):
+        self.scale, self.unused = 2.0, "x"
+
+
+class _Configured(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.config = nn.Linear(16, 16), _Config()
+
+    def forward(self, x):
+        return self.fc(x) * self.config.scale
+
+
+def test_a_config_field_the_code_read_is_watched_and_one_it_did_not_is_not():
+    """Before: a Hugging Face config field changed after convert() (a logit soft-capping, a layer count) was not
+    followed (0.77 off the model). The fields the code read are watched; others stay free to change."""
+    model = _Configured().eval()
+    gm, x = _convert(model)
+    model.config.unused = "y"
+    gm(x)
+    model.config.scale = 3.0
+    with pytest.raises(ValueError, match=r"_Config \(at 'config'\)\.scale was set to 3.0"):
+        gm(x)

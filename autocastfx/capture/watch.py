@@ -57,7 +57,10 @@ def watch_reads(modules: Iterable[nn.Module], callback: Callable[[nn.Module, str
         if WATCHED_CLASS not in cls.__dict__:  # not watched already (by an enclosing watch)
             if cls not in made:
                 made[cls] = _reporting(cls)
-            m.__class__ = made[cls]
+            try:
+                m.__class__ = made[cls]
+            except TypeError:  # a layout a subclass cannot take (__slots__): its reads are not seen
+                continue
             swapped.append((m, cls))
     try:
         yield
@@ -131,8 +134,8 @@ def fingerprint(v: Any, depth: int = 0) -> Any:
     """What a value read as a constant is compared by: plain values and containers of them by value, a plain tensor
     by identity and version (an in-place change), anything else (a function, a config, a tensor in a container) by
     identity."""
-    if isinstance(v, torch.Tensor):
-        return ("tensor", id(v), v._version) if depth == 0 else ("id", id(v))
+    if isinstance(v, torch.Tensor):  # a parameter moves at every step: by identity
+        return ("id", id(v)) if isinstance(v, nn.Parameter) else ("tensor", id(v), v._version)
     if v is None or isinstance(v, (bool, int, float, complex, str, bytes, torch.dtype, torch.device)):
         return (type(v), v)
     if depth < 4 and type(v) in (tuple, list, set, frozenset, dict, torch.Size):
@@ -171,15 +174,32 @@ def watch_state(model: nn.Module):
     mods = watchable(model)
     paths = {id(m): n for n, m in model.named_modules()}
     use = StateUse()
+    held: dict[int, tuple] = {}  # id(a plain object a module holds: a config) -> (module path, attribute)
+    for m in mods:
+        for k, v in vars(m).items():
+            if _plain_object(v) and state_name(m, k) and id(m) in paths:
+                held.setdefault(id(v), (paths[id(m)], k, v))
 
-    def seen(module, name):
-        if name in object.__getattribute__(module, "__dict__") and state_name(module, name):
-            path = paths.get(id(module))
+    def seen(obj, name):
+        if name not in object.__getattribute__(obj, "__dict__"):
+            return
+        if id(obj) in held:  # an attribute of a config: (module path, "config.name")
+            if not name.startswith("_"):
+                use.read.add((held[id(obj)][0], f"{held[id(obj)][1]}.{name}"))
+        elif state_name(obj, name):
+            path = paths.get(id(obj))
             if path is not None:
                 use.read.add((path, name))
 
-    with watch_reads(mods, seen):
+    with watch_reads(mods + [v for _, _, v in held.values()], seen):
         yield use
+
+
+def _plain_object(v: Any) -> bool:
+    """An instance of a class of the model's code or a library's (a config), not a module, tensor, function,
+    class or builtin value: its attributes are read as constants too."""
+    return hasattr(v, "__dict__") and not isinstance(v, (nn.Module, torch.Tensor, type, torch.dtype, torch.device)) \
+        and not callable(v) and type(v).__module__ not in ("builtins", "functools")
 
 
 @contextlib.contextmanager

@@ -34,24 +34,28 @@ class StateGuard:
         inside = {id(s) for n, u in model.named_modules() if n and is_converted(u) for s in u.modules() if s is not u}
         out.held = [(weakref.ref(m), path, _held(m)) for path, m in model.named_modules()
                     if id(m) not in inside and (m._parameters or m._buffers or m._modules)]
-        by_path: dict[str, list[str]] = {}
+        by_owner: dict[tuple[str, str], list[str]] = {}  # (module path, attribute holding a config or "") -> names
         for path, name in self.reads:
-            by_path.setdefault(path, []).append(name)
-        for path, names in sorted(by_path.items()):
+            head, _, rest = name.rpartition(".")
+            by_owner.setdefault((path, head), []).append(rest)
+        for (path, head), names in sorted(by_owner.items()):
             try:
                 m = model.get_submodule(path)
-            except AttributeError:
+                m = vars(m)[head] if head else m
+                ref = weakref.ref(m)
+            except (AttributeError, KeyError, TypeError):
                 continue
+            path = f"{path}.{head}" if head and path else head or path
             own = vars(m)
             names = tuple(n for n in sorted(names) if n in own)
             if not names:
                 continue
             prints = tuple(fingerprint(own[n]) for n in names)
             get = operator.itemgetter(*names, names[0])  # a tuple, also of one name
-            out.modules.append([weakref.ref(m), get, get(own), path, names, prints])
+            out.modules.append([ref, get, get(own), path, names, prints])
             for n, fp in zip(names, prints):
-                if isinstance(own[n], (list, dict, set, torch.Tensor)):
-                    out.contents.append((own[n], weakref.ref(m), path, n, fp))  # changed in place: compared by content
+                if _mutable(own[n]):
+                    out.contents.append((own[n], ref, path, n, fp))  # changed in place: compared by content
         return out
 
     def check(self) -> None:
@@ -109,6 +113,13 @@ def _refuse(module, path: str, name: str, old: Any, new: Any, in_place: bool = F
         f"{_CHECKPOINTING if 'checkpoint' in name else ''}"
         "(autocastfx.convert(model, ...); gm.state_dict() loads into the model first if gm was trained), or keep a "
         "value that changes during training in a buffer (register_buffer) or pass it as a tensor input")
+
+
+def _mutable(v: Any, depth: int = 0) -> bool:
+    """Whether ``v`` can change in place: a list, dict, set or tensor, or a tuple holding one."""
+    if isinstance(v, (list, dict, set, torch.Tensor)):
+        return True
+    return depth < 4 and type(v) is tuple and any(_mutable(x, depth + 1) for x in v)
 
 
 def _held(m: nn.Module) -> tuple:
