@@ -207,7 +207,15 @@ def _check_state(gm: nn.Module) -> None:
         guard.check()
 
 
-_check_state_eagerly = torch.compiler.disable(_check_state)
+@torch.compiler.disable
+def _check_state_eagerly(gm: nn.Module) -> None:
+    """:func:`_check_state` under torch.compile, for ``gm`` and each converted block inside it: the compiler runs
+    the blocks' forward without their ``__call__``."""
+    units = gm.__dict__.get("_autocastfx_units")
+    if units is None:
+        units = gm.__dict__["_autocastfx_units"] = [m for m in gm.modules() if isinstance(m, _Switchable)]
+    for m in units:
+        _check_state(m)
 
 
 class _Switchable(_GuardsChildren):
@@ -249,7 +257,10 @@ class _Switchable(_GuardsChildren):
         if "_autocastfx_fsdp_checked" not in self.__dict__ and hasattr(self, "_get_fsdp_state"):
             _check_fsdp_param_dtype(self)  # once, at the first call after fully_shard
         # the model's plain attributes the programs hold as constants: unchanged since convert()
-        _check_state_eagerly(self) if torch.compiler.is_compiling() else _check_state(self)
+        if torch.compiler.is_compiling() or self.__dict__.get("_compiled_call_impl") is not None:
+            _check_state_eagerly(self)  # the blocks' too: the compiled code runs their forward, not their __call__
+        else:
+            _check_state(self)
         # read the mode where torch.compile traces, so it guards on it: the programs' code holds it as constants
         if self.training:
             pass
