@@ -257,6 +257,9 @@ def test_gm_train_sets_the_modes_the_models_own_train_sets(export):
     x = torch.randn(4, 3, 8, 8)
     gm = autocastfx.convert(model, (x,), dtype=BF16)
     assert gm.meta["autocastfx"].capture == ("torch.export" if export else "symbolic_trace")
+    # the program of the modes as given (a frozen norm in a training model) runs the model's own norm, not a
+    # second module whose keys a strict load into the model refused
+    assert list(gm.state_dict()) == list(model.state_dict())
     gm.eval()
     gm.train()
     model.train()
@@ -409,3 +412,82 @@ def test_a_compiled_module_checks_its_blocks_too(how):
         model.inner[1].temperature = 0.05
         with pytest.raises(ValueError, match=r"temperature was set to 0.05"):
             run(x)
+
+
+class _Noise(nn.Module):
+    def forward(self, x):
+        return x * 0.9 if self.training else x
+
+
+class _FrozenNormsAndNoise(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bn, self.noise, self.fc2 = nn.Linear(16, 32), nn.BatchNorm1d(32), _Noise(), nn.Linear(32, 4)
+
+    def train(self, mode=True):
+        super().train(mode)
+        if mode:
+            self.bn.eval()
+        return self
+
+    def forward(self, x):
+        return self.fc2(self.noise(torch.relu(self.bn(self.fc1(x)))))
+
+
+def test_the_program_of_the_modes_as_given_runs_the_models_own_modules():
+    """Before: the program of mixed modes, captured from a fresh copy, ran a second batch norm (``bn_mode``) over the
+    same tensors, whose keys appeared in gm.state_dict(), so a strict load into the model failed."""
+    torch.manual_seed(0)
+    model = _FrozenNormsAndNoise().train()
+    gm = autocastfx.convert(model, (torch.randn(8, 16),), dtype=BF16)
+    assert list(gm.state_dict()) == list(model.state_dict())
+    _FrozenNormsAndNoise().load_state_dict(gm.state_dict())
+
+
+class _TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte, self.fc, self.head = nn.Embedding(64, 32), nn.Linear(32, 32), nn.Linear(32, 64, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx, targets=None):
+        logits = self.head(torch.relu(self.fc(self.wte(idx))))
+        if targets is None:
+            return logits
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_another_call_of_a_model_with_a_tied_head_runs_on_the_trained_weights():
+    """Before: converted for (idx, targets), the logits call gm(idx) of a model whose head is tied to its embedding
+    was refused (the first conversion holds no module 'head', reading the tied weight as the embedding's)."""
+    torch.manual_seed(0)
+    model = _TiedLM()
+    idx, y = torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))
+    gm = autocastfx.convert(model, (idx, y), dtype=BF16)
+    opt = torch.optim.SGD(gm.parameters(), lr=0.5)
+    gm(idx, y).backward()
+    opt.step()
+    assert _rel(gm(idx), model(idx)) < 2e-2
+
+
+class _Pooled(nn.Module):
+    """timm's ViT keeps an enum member (its output format) as an attribute its forward reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.pool = nn.Linear(16, 16), _Act.RELU
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.relu(h) if self.pool is _Act.RELU else torch.tanh(h)
+
+
+def test_an_enum_member_attribute_converts_and_is_watched():
+    """An enum member is a value, not a config to watch inside: swapping its class for the watch broke the enum
+    (timm's ViT and DeiT failed to convert)."""
+    model = _Pooled().eval()
+    gm, x = _convert(model)
+    assert _rel(gm(x), model(x)) < 2e-2
+    model.pool = _Act.TANH
+    with pytest.raises(ValueError, match=r"\.pool was set to"):
+        gm(x)

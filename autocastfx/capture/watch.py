@@ -199,7 +199,8 @@ def _plain_object(v: Any) -> bool:
     """An instance of a class of the model's code or a library's (a config), not a module, tensor, function,
     class or builtin value: its attributes are read as constants too."""
     return hasattr(v, "__dict__") and not isinstance(v, (nn.Module, torch.Tensor, type, torch.dtype, torch.device)) \
-        and not callable(v) and type(v).__module__ not in ("builtins", "functools")
+        and not callable(v) and type(v).__module__ not in ("builtins", "functools") \
+        and type(type(v)) is type  # not an enum member, nor anything else a metaclass makes
 
 
 @contextlib.contextmanager

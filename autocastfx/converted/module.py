@@ -734,6 +734,18 @@ def _stateless_twins(a, b) -> bool:
             and not any(True for _ in b.parameters()) and not any(True for _ in b.buffers()))
 
 
+def _twin_modules(a, b) -> bool:
+    """Two leaf modules of one class over the same tensors with the same settings (a copy's and the model's)."""
+    if not (isinstance(a, nn.Module) and isinstance(b, nn.Module)) or isinstance(a, fx.GraphModule) \
+            or original_class(a) is not original_class(b) or a._modules or b._modules:
+        return False
+    same = all(getattr(a, t).keys() == getattr(b, t).keys() and all(v is getattr(b, t)[k] for k, v in
+                                                                      getattr(a, t).items())
+               for t in ("_parameters", "_buffers"))
+    plain = lambda m: {k: v for k, v in vars(m).items() if k != "training" and is_plain_setting(v)}  # noqa: E731
+    return same and plain(a) == plain(b)
+
+
 def _adopt(gm: fx.GraphModule, other: fx.GraphModule) -> fx.Graph:
     """``other``'s graph, reading ``gm``'s attributes: what ``other`` holds under a name where ``gm`` holds something
     else (a capture's own constant, a module of its own) is given to ``gm`` under a new name."""
@@ -744,7 +756,7 @@ def _adopt(gm: fx.GraphModule, other: fx.GraphModule) -> fx.Graph:
         if theirs is mine or (isinstance(theirs, torch.Tensor) and isinstance(mine, torch.Tensor)
                               and theirs.shape == mine.shape and theirs.dtype == mine.dtype
                               and theirs.device == mine.device and (mine.is_meta or torch.equal(theirs, mine))) \
-                or _stateless_twins(theirs, mine):
+                or _stateless_twins(theirs, mine) or _twin_modules(theirs, mine):
             continue
         base = str(n.target).replace(".", "_") + "_mode"
         name, i = base, 0

@@ -211,11 +211,29 @@ def pair_modules(main: nn.Module, other: nn.Module, mains: dict[str, nn.Module] 
     mains = dict(main.named_modules(remove_duplicate=False)) if mains is None else mains
     pairs = []
     for name, m in tensor_holders(other) if holders is None else holders:
-        if name not in mains:
+        mine = mains[name] if name in mains else _tied_stand(main, name, m)
+        if mine is None:
             raise ValueError(f"the conversion for this call has a module {name!r} that the first conversion "
                              "does not have")
-        pairs.append((m, mains[name]))
+        pairs.append((m, mine))
     return pairs
+
+
+def _tied_stand(main: nn.Module, name: str, m: nn.Module) -> nn.Module | None:
+    """A module holding ``main``'s parameters under the model's names ``name.<leaf>`` of ``m``'s, where ``main`` has
+    no module ``name`` as it reads them elsewhere (a head tied to the embedding); None where one is missing."""
+    info = main.meta.get("autocastfx") if isinstance(getattr(main, "meta", None), dict) else None
+    params = {id(p): p for p in main.parameters()}
+    by_name = {n: params[i] for i, names in getattr(info, "source_params", {}).items() if i in params for n in names}
+    if any(b is not None for b in m._buffers.values()):
+        return None
+    stand = nn.Module()
+    for leaf, t in m._parameters.items():
+        if t is not None:
+            if f"{name}.{leaf}" not in by_name:
+                return None
+            stand._parameters[leaf] = by_name[f"{name}.{leaf}"]
+    return stand
 
 
 def share_tensors(main: nn.Module, other: nn.Module, pairs: list[tuple[nn.Module, nn.Module]]) -> None:
