@@ -1,6 +1,7 @@
-"""The model's plain attributes a converted module's programs hold as constants (a temperature, a scale, a dropout
-probability, a function to call): what its code read while it was captured. A later change to one, on the model or
-through the converted module, is refused at the next call, since the programs would go on with the old value."""
+"""What a converted module's programs take from the model as it was at convert(): the plain attributes and config
+fields its code read (held as constants: a temperature, a dropout probability, a function to call), and the
+parameters, buffers and modules it runs on. A later change to one, on the model or through the converted module, is
+refused at the next call, since the programs would go on with what they had."""
 from __future__ import annotations
 
 import operator
@@ -14,6 +15,7 @@ from ..base.meta import is_converted
 from ..base.quiet import warn_user
 from ..capture.watch import StateUse, fingerprint
 
+
 class StateGuard:
     """The attributes read at capture, by module: each module by weak reference (the converted module does not
     keep the model alive), the values by identity, and containers and plain tensors also by content. Shared by
@@ -23,8 +25,8 @@ class StateGuard:
         self.reads = reads  # (module path, name) read at capture
         self.modules: list[list] = []  # [module ref, getter, values, path, names, fingerprints]
         self.contents: list[tuple[Any, weakref.ref, str, str, Any]] = []
-        self.held: list[tuple[Any, str, tuple]] = []
-        self.root = None  # the module bound  # each module's parameters, buffers and children, by identity
+        self.held: list[tuple[Any, str, tuple]] = []  # each module's parameters and buffers, and children by id
+        self.root = None  # the module bound
 
     def bound(self, model: nn.Module) -> StateGuard:
         """A guard of these attributes on ``model`` (the model, or the module of it the capture's copy was made of),
