@@ -491,3 +491,16 @@ def test_an_enum_member_attribute_converts_and_is_watched():
     model.pool = _Act.TANH
     with pytest.raises(ValueError, match=r"\.pool was set to"):
         gm(x)
+
+
+def test_a_compiled_call_of_another_structure_runs_its_conversion():
+    """Before: under torch.compile(gm), a call of another structure (gm(x) after converting with (x, y)) failed
+    inside the compiler, which refused the swap of the module's forward and hooks for the call."""
+    torch.manual_seed(0)
+    model = _LossOrProbs().eval()
+    x, y = torch.randn(4, 16), torch.randint(0, 16, (4,))
+    gm = autocastfx.convert(model, (x, y), dtype=BF16)
+    run = torch.compile(gm, backend="eager")
+    with torch.no_grad():
+        assert _rel(run(x, y), model(x, y)) < 2e-2
+        assert _rel(run(x), model(x)) < 2e-2

@@ -11,6 +11,7 @@ import contextlib
 import copy
 import copyreg
 import inspect
+import itertools
 from typing import Any
 
 import torch
@@ -118,6 +119,16 @@ def _read_mode(module: nn.Module, args: tuple) -> None:
 def _run_as(module: nn.Module, other: nn.Module, args: tuple, kwargs: dict) -> Any:
     """``module``'s call (its hooks, its compiled call) running ``other``'s forward: the conversion for a call of
     another structure, whose tensors are ``module``'s own."""
+    if torch.compiler.is_compiling():  # the compiler traces this call: no swap of forward and hooks meanwhile
+        user = [h for h in itertools.chain(module._forward_pre_hooks.values(), module._forward_hooks.values())
+                if not getattr(getattr(h, "func", h), "__module__", "").startswith(("torch.export", __name__))]
+        if user:
+            raise ValueError(
+                "a call of another structure than the captured one, compiled, on a converted module with forward "
+                "hooks of its own: the hooks would not run. Remove the hooks, or compile a module converted for "
+                "this call (autocastfx.convert(model, example_inputs=(...)))")
+        with _without_autocast():
+            return other(*args, **kwargs)
     saved = module.__dict__.get("forward", _NONE)
     module.__dict__["forward"] = other.forward
     hooks = module._forward_pre_hooks
