@@ -504,3 +504,25 @@ def test_a_compiled_call_of_another_structure_runs_its_conversion():
     with torch.no_grad():
         assert _rel(run(x, y), model(x, y)) < 2e-2
         assert _rel(run(x), model(x)) < 2e-2
+
+
+class _Unused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.unused, self.table = nn.Linear(64, 64), nn.Linear(256, 256), torch.randn(64, 64)
+
+    def forward(self, x):
+        return self.fc(x) + self.table[0]
+
+
+@pytest.mark.parametrize("blocks", [None, "auto"])
+def test_the_check_keeps_no_tensor_of_the_model_alive(blocks):
+    """What the converted module checks it holds by weak reference or by id: after ``del model`` nothing reachable
+    from it but its own tensors (the model's unused layer and its plain tensor, which the graph holds as a copy,
+    were kept alive by the check)."""
+    from test_hidden_copies import _not_own, _own
+    model = _Unused()
+    gm = autocastfx.convert(model, (torch.randn(4, 64),), dtype=BF16, blocks=blocks)
+    del model
+    gc.collect()
+    assert not _not_own(gm, _own(gm))

@@ -25,7 +25,8 @@ class StateGuard:
         self.reads = reads  # (module path, name) read at capture
         self.modules: list[list] = []  # [module ref, getter, values, path, names, fingerprints]
         self.contents: list[tuple[Any, weakref.ref, str, str, Any]] = []
-        self.held: list[tuple[Any, str, tuple]] = []  # each module's parameters and buffers, and children by id
+        self.held: list[tuple[Any, str, tuple]] = []  # each module's parameters, buffers and children, by id
+        self.tensors: list[tuple] = []  # (module ref, path, name, fingerprint, tensor ref or None)
         self.root = None  # the module bound
 
     def bound(self, model: nn.Module) -> StateGuard:
@@ -49,7 +50,12 @@ class StateGuard:
                 continue
             path = f"{path}.{head}" if head and path else head or path
             own = vars(m)
-            names = tuple(n for n in sorted(names) if n in own)
+            for n in sorted(names):  # tensors the guard must not keep alive: watched through the module
+                if n in own and _holds_tensor(own[n]):
+                    t = own[n]
+                    out.tensors.append((ref, path, n, fingerprint(t),
+                                        weakref.ref(t) if isinstance(t, torch.Tensor) else None))
+            names = tuple(n for n in sorted(names) if n in own and not _holds_tensor(own[n]))
             if not names:
                 continue
             prints = tuple(fingerprint(own[n]) for n in names)
@@ -72,13 +78,15 @@ class StateGuard:
         for value, ref, path, name, fp in self.contents:
             if fingerprint(value) != fp:
                 _refuse(ref(), path, name, value, value, in_place=True)
-        for ref, path, (tensors, children) in self.held:
+        for ref, path, name, fp, tensor in self.tensors:
             m = ref()
-            if m is not None:
-                now = (*m._parameters.values(), *m._buffers.values())
-                if len(now) != len(tensors) or not all(map(operator.is_, now, tensors)) \
-                        or children != tuple(map(id, m._modules.values())):
-                    _replaced(m, path)
+            now = m.__dict__.get(name, _MISSING) if m is not None else None
+            if m is not None and ((tensor is not None and tensor() is not now) or fingerprint(now) != fp):
+                _refuse(m, path, name, _AT_CONVERT, now, in_place=tensor is not None and tensor() is now)
+        for ref, path, held in self.held:
+            m = ref()
+            if m is not None and held != _held(m):
+                _replaced(m, path)
 
     def _compare(self) -> None:
         """Refuse a changed value; one set again to an equal value is taken as the one watched from now on."""
@@ -101,6 +109,14 @@ class StateGuard:
 
 
 _MISSING = object()
+
+
+class _AtConvert:
+    def __repr__(self):
+        return "its value at convert()"
+
+
+_AT_CONVERT = _AtConvert()
 _CHECKPOINTING = ("(activation checkpointing: convert with the model as it is and wrap the converted blocks with "
                   "autocastfx.checkpoint_blocks instead) ")
 
@@ -124,9 +140,17 @@ def _mutable(v: Any, depth: int = 0) -> bool:
     return depth < 4 and type(v) is tuple and any(_mutable(x, depth + 1) for x in v)
 
 
+def _holds_tensor(v: Any, depth: int = 0) -> bool:
+    if isinstance(v, torch.Tensor):
+        return True
+    if depth < 4 and type(v) in (tuple, list, set, frozenset):
+        return any(_holds_tensor(x, depth + 1) for x in v)
+    return depth < 4 and type(v) is dict and any(_holds_tensor(x, depth + 1) for x in v.values())
+
+
 def _held(m: nn.Module) -> tuple:
-    # the children by id: the guard keeps no module of the model alive (its tensors are the converted module's)
-    return (*m._parameters.values(), *m._buffers.values()), tuple(map(id, m._modules.values()))
+    # by id: the guard keeps no tensor or module of the model alive that the converted module does not hold
+    return (*map(id, m._parameters.values()), *map(id, m._buffers.values()), *map(id, m._modules.values()))
 
 
 def _replaced(module: nn.Module, path: str) -> None:
