@@ -23,13 +23,14 @@ import torch.nn as nn
 
 from .base import keys as K
 from .base.errors import CaptureError, one_line
-from .base.quiet import torch_internal_warnings_off
+from .base.quiet import torch_internal_warnings_off, warn_user
 from .base.meta import ConvertInfo, is_converted, names_by_id
 from .base.options import LOW_DTYPES, ConvertOptions
 from .base.runtime import no_recompile
 from .capture import inline as _inline
 from .capture.context import CaptureContext
 from .capture.programs import Captured, capture as capture_programs, derive_from_graph
+from .capture.trace import tensors_kept
 from .converted import calls as _calls
 from .converted import module as _module
 from .converted.state import guard_for
@@ -78,6 +79,7 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
                              keep_io_types=keep_io_types, memory_format=_layout.check_memory_format(memory_format),
                              blocks=blocks)
     out = _convert_any(model, args, kwargs, options, CaptureContext())
+    _weights.model_order(out, model)  # gm.parameters() in the model's order
     _keep_checks(out, model, args, kwargs)
     if note:
         for _, unit in _weights.converted_units(out):
@@ -189,28 +191,28 @@ def _low_weights(model) -> dict[str, torch.dtype]:
 
 def _convert_low_model(model: nn.Module, low: dict, args: tuple, kwargs: dict, options: ConvertOptions,
                        ctx: CaptureContext) -> nn.Module:
-    """Convert a float16/bfloat16 model (``from_pretrained(..., torch_dtype=torch.bfloat16)``) without a float32 copy
-    of it: its float32 form is converted on the meta device, materialised on the model's device, and loaded. Its
-    float32 parameters are the upcast weights (exactly what converting ``model.float()`` gives) in new tensors: the
-    documented exception to sharing the model's tensors."""
+    """Convert a model holding float16/bfloat16 parameters or buffers (``from_pretrained(...,
+    torch_dtype=torch.bfloat16)``, or one low buffer in a float32 model): each is made float32 in place first, as
+    ``model.float()`` does (the same Parameter objects, the exact upcast of their values), so the converted module
+    shares the model's tensors and an optimizer built over ``model.parameters()`` before ``convert()`` trains what
+    it runs. The model itself is float32 after, which a warning says."""
     if any(is_converted(m) for name, m in model.named_modules() if name):
         raise ValueError("convert() takes a low-precision model without converted blocks inside; convert its "
                          "blocks after, or convert model.float()")
-    twin = _meta_twin(model)
-    device = _device_of(model, args, kwargs)
-    gm = _convert_any(twin, args, kwargs, options, ctx)
-    del twin
-    # the model's own tensors, not float32 copies of them: loading upcasts each into its parameter, one at a time
-    values = {n: t.detach() for n, t in itertools.chain(model.named_parameters(remove_duplicate=False),
-                                                         model.named_buffers(remove_duplicate=False))}
-    own = dict(gm.named_buffers(remove_duplicate=False))
-    _weights.materialize(gm, device, {n: v for n, v in values.items() if n not in own},
-                         buffers={n: v for n, v in values.items() if n in own}, strict=False)
+    with torch.no_grad():
+        for m in model.modules():
+            for table in (m._parameters, m._buffers):
+                for t in table.values():
+                    if t is not None and t.dtype in LOW_DTYPES:
+                        t.data = t.data.float()  # in place: the same object, for whatever holds it already
     kinds = sorted({str(d).replace("torch.", "") for d in low.values()})
+    warn_user(f"autocastfx: {type(model).__name__}'s {' and '.join(kinds)} parameters and buffers ({len(low)}) "
+                  "are now float32, upcast exactly in place (as model.float() does): a converted module's "
+                  "parameters are the model's float32 weights, which its programs cast per op")
+    gm = _convert_any(model, args, kwargs, options, ctx)
     for _, unit in _weights.converted_units(gm):
         unit.meta[K.CONVERTED].extra_totals["weights_from"] = (
-            f"the model's {' and '.join(kinds)} values ({len(low)} tensors), upcast exactly into new float32 "
-            "parameters and buffers")
+            f"the model's {' and '.join(kinds)} values ({len(low)} tensors), upcast exactly in place into float32")
     return gm
 
 
@@ -292,7 +294,7 @@ def _convert_model(model: nn.Module, args: tuple, kwargs: dict, options: Convert
         if names:
             _check_params(model)
             try:
-                with _buffers_kept(model):  # the tree's runs of the model are runs for real, on its buffers
+                with tensors_kept(model):  # the tree's runs of the model are runs for real, on its buffers
                     return convert_tree(model, names, args, kwargs, _conversions(), options, ctx,
                                         explicit=blocks != "auto")
             except Exception:  # noqa: BLE001 - on meta, blocks="auto" is one graph where the model's run needs values
@@ -303,7 +305,7 @@ def _convert_model(model: nn.Module, args: tuple, kwargs: dict, options: Convert
     except CaptureError as e:
         if blocks is None or blocks is False or isinstance(model, fx.GraphModule):
             raise
-        with _buffers_kept(model):
+        with tensors_kept(model):
             part = convert_piecewise(model, args, kwargs, _conversions(), options, ctx, why_not_captured(e))
         if part is None:  # nothing in it captures either
             raise
@@ -331,23 +333,6 @@ def _mode_flags(model: nn.Module) -> dict | None:
         flags[mode] = {name: m.training for name, m in twin.named_modules()
                        if m.training != mode and not (name + ".").startswith(units)}
     return flags
-
-
-@contextlib.contextmanager
-def _buffers_kept(model: nn.Module):
-    """Meanwhile the model's code may run for real (a forward that moves a step counter or a running statistic):
-    its buffers and plain tensor attributes get the values they had back on exit."""
-    tensors = {id(t): t for t in itertools.chain(model.buffers(), (v for m in model.modules() for v in vars(m).values()
-                                                                   if isinstance(v, torch.Tensor)))
-               if not t.is_meta and not isinstance(t, nn.Parameter)}
-    saved = [(t, t._version, t.detach().clone()) for t in tensors.values()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for t, version, value in saved:
-                if t._version != version:
-                    t.copy_(value)
 
 
 def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: ConvertOptions, ctx: CaptureContext,
@@ -401,8 +386,8 @@ def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: Con
                           **({"opaque_calls": [str(d) for d in captured.decisions]} if captured.decisions else {})})
         _rewrite.rebuild_output_type(gm)
         _module.install(gm, programs, captured.current, owners)
-    if guard is not None and guard.reads:
-        _module.refuse_writes(gm, guard.reads)
+    if guard is not None and (guard.reads or guard.unowned):
+        _module.refuse_writes(gm, guard.reads | guard.unowned)
     return gm
 
 

@@ -118,7 +118,8 @@ def test_master_parameters_cover_every_block_and_are_the_models_parameters_the_s
     assert {id(m) for m in masters} <= {id(p) for p in step.all_params}  # the very tensors the step updates
     f32 = gm.state_dict()
     own_sd = model.state_dict()
-    assert set(f32) == set(own_sd)
+    assert list(f32) == list(own_sd)  # in the model's order: what pairs them by position pairs them right
+    assert [id(p) for p in gm.parameters()] == [id(p) for p in model.parameters()]
     for k, v in own_sd.items():  # the model's own float32 values, bit for bit
         assert f32[k].dtype == v.dtype and torch.equal(f32[k], v), k
 
@@ -410,20 +411,51 @@ def test_meta_conversion_refuses_a_model_whose_shapes_need_values():
 @pytest.mark.parametrize("name,low", [("traced", torch.bfloat16), ("export", torch.float16),
                                       ("blocks", torch.float16), ("hf-one-graph", torch.bfloat16)])
 def test_a_low_precision_model_converts_as_its_float32_form_would(name, low):
+    """Its tensors are made float32 in place (the same objects, as ``model.float()`` does) and shared: an optimizer
+    built over ``model.parameters()`` before convert() trains what the converted module runs. Before, the converted
+    module had new float32 tensors, and such an optimizer trained nothing it read, silently."""
     model = _build(name).to(low)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    gm = _convert(model, name)
-    ref = _convert(copy.deepcopy(model).float(), name)
+    objects = [*model.parameters(), *model.buffers()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match=f"{str(low).removeprefix('torch.')} parameters and buffers .* are now "
+                                         "float32, upcast exactly in place"):
+        gm = _convert(model, name)
+    ref = _convert(copy.deepcopy(model), name)
     for k, v in ref.state_dict().items():  # the float32 parameters: the exact upcast values
         assert gm.state_dict()[k].dtype == v.dtype and torch.equal(gm.state_dict()[k], v), k
-    for (n, p), (_, q) in zip(gm.named_parameters(), ref.named_parameters()):
-        assert p.dtype == q.dtype and torch.equal(p, q), n
+        assert torch.equal(v, before[k].float() if before[k].is_floating_point() else before[k]), k
     assert torch.equal(_out(gm.eval(), name), _out(ref.eval(), name))
-    assert "upcast exactly into new float32 parameters and buffers" in str(autocastfx.report(gm))
-    # new tensors (the documented exception to sharing the model's): the low-precision model is left as it is
-    assert not {id(t) for t in [*gm.parameters(), *gm.buffers()]} & {id(t) for t in [*model.parameters(),
-                                                                                        *model.buffers()]}
-    assert all(torch.equal(v, before[k]) and v.dtype == before[k].dtype for k, v in model.state_dict().items())
+    assert "upcast exactly in place into float32" in str(autocastfx.report(gm))
+    assert [id(t) for t in [*model.parameters(), *model.buffers()]] == [id(t) for t in objects]  # the same objects
+    assert {id(t) for t in [*gm.parameters(), *gm.buffers()]} <= {id(t) for t in objects}  # shared
+    gm.train()
+    out = _out(gm, name)
+    out.float().pow(2).mean().backward()
+    opt.step()  # the optimizer built before convert(), over the model's parameters
+    assert any(not torch.equal(p, ref_p) for p, ref_p in zip(gm.parameters(), ref.parameters()))
+
+
+def test_one_low_precision_buffer_leaves_the_float32_parameters_shared():
+    """Before: one bfloat16 buffer in a float32 model gave the converted module new copies of every tensor, so the
+    optimizer built before convert() trained nothing it ran (the loss did not move in 10 steps)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
+    model[1].running_var = model[1].running_var.bfloat16()
+    params = list(model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    with pytest.warns(UserWarning, match="are now float32"):
+        gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    assert [id(p) for p in gm.parameters()] == [id(p) for p in params]
+    losses = []
+    for _ in range(5):
+        loss = torch.nn.functional.cross_entropy(gm(x), y)
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert losses[-1] < 0.9 * losses[0]
 
 
 # ------------------------------------------------------------------------------------------ peak memory
@@ -449,8 +481,8 @@ def test_converting_copies_no_weight_of_a_float32_model_and_upcasts_a_bfloat16_o
     """Peak resident memory convert() adds to a process holding a float32 model (blocks on, the default: a
     Hugging Face Llama exported around its blocks, a traced stack) or a bfloat16 one, as a multiple of the
     float32 model's bytes: nothing for the weights of a float32 model (the converted module shares its tensors;
-    a low copy of them would be 0.5x more), the new float32 parameters (1x) of a bfloat16 one, with a margin for
-    the graph and the example's activations (about 0.2x here). torch.export's unflatten cloned every weight of
+    a low copy of them would be 0.5x more), a bfloat16 one's tensors made float32 in place (1x, less the 0.5x
+    freed), with a margin for the graph and the example's activations (about 0.2x here). torch.export's unflatten cloned every weight of
     each export (two per conversion); a bfloat16 model was upcast whole before loading. The three paths share one
     process, each measured from the memory it faults in itself (peak_convert.py)."""
     if path.startswith("hf"):

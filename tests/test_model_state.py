@@ -5,6 +5,7 @@ nothing. Each is now refused with a ValueError that names the attribute and the 
 plain state (a step counter) is refused at convert()."""
 from __future__ import annotations
 
+import copy
 import enum
 import gc
 import warnings
@@ -552,3 +553,150 @@ def test_generate_through_the_converted_module_passes_what_the_models_generate_p
     assert seen["gm"] == seen["model"] and "position_ids" in seen["gm"]
     for row in range(3):
         assert _rel(ours[row], theirs[row]) < 2e-2
+
+
+class _ClassScaled(nn.Module):
+    scale = 1.0  # a class attribute the forward reads
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.fc(x) * self.scale
+        extra = getattr(self, "extra", None)  # absent at conversion: the graph holds "no extra"
+        return y if extra is None else y + extra
+
+
+class _ClassStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_ClassScaled() for _ in range(2)])
+
+    def forward(self, x):
+        for m in self.layers:
+            x = m(x)
+        return x
+
+
+@pytest.mark.parametrize("blocks", [None, "auto"])
+@pytest.mark.parametrize("change", ["instance", "class", "absent set", "through gm"])
+def test_a_class_attribute_or_an_absent_one_the_code_read_is_watched(change, blocks, monkeypatch):
+    """Before: ``model.scale = 3.0`` over a class attribute, ``Model.scale = 3.0`` and ``model.extra = 5.0`` where
+    the forward's ``getattr(self, "extra", None)`` found none were all ignored (outputs 1.9 to 5.0 off)."""
+    monkeypatch.setattr(_ClassScaled, "scale", 1.0)
+    model = _ClassStack().eval()
+    gm, x = _convert(model, blocks)
+    assert _rel(gm(x), model(x)) < 2e-2
+    target = model.layers[1]
+    if change == "through gm":  # on a copy too: GraphModule's deepcopy dropped the names refused
+        for unit in (gm, copy.deepcopy(gm)):
+            with pytest.raises(ValueError, match="a constant of the converted graph"):
+                unit.get_submodule("layers.1").extra = 5.0
+            unit(x)
+        return
+    if change == "instance":
+        target.scale = 3.0
+    elif change == "class":
+        monkeypatch.setattr(_ClassScaled, "scale", 3.0)
+    else:
+        target.extra = 5.0
+    name = "extra" if change == "absent set" else "scale"
+    with pytest.raises(ValueError, match=rf"\.{name} was set to .*after convert\(\)"):
+        gm(x)
+    again, _ = _convert(model, blocks)
+    assert _rel(again(x), model(x)) < 2e-2
+
+
+@pytest.mark.parametrize("how", ["gm.half()", "gm.bfloat16()", "gm.to(float64)", "model.half()"])
+def test_a_dtype_move_of_the_float32_parameters_is_refused(how):
+    """Before: the parameters (the model's and gm's, shared) became low in place and gm ran on: gradients came in
+    bfloat16 and 20 small SGD steps moved a weight by 1e-5 where float32 moves it by 4.5e-3."""
+    model = _Tempered().eval()
+    gm, x = _convert(model)
+    before = gm(x)
+    if how.startswith("gm"):
+        with pytest.raises(ValueError, match="parameters stay float32"):
+            gm.half() if how == "gm.half()" else gm.bfloat16() if how == "gm.bfloat16()" else gm.to(torch.float64)
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        gm.float()  # and a move that keeps float32
+        torch.testing.assert_close(gm(x), before)
+        return
+    model.half()
+    with pytest.raises(ValueError, match=r"was replaced after convert\(\).*model\.half\(\)"):
+        gm(x)
+
+
+def test_a_module_set_where_the_model_had_its_tied_head_is_refused():
+    """Before: ``gm.head = nn.Linear(...)`` was accepted on a model whose head is tied to its embedding: the graph
+    never read it, and ``gm.state_dict()`` carried its zeros over the trained embedding into a fresh model."""
+    torch.manual_seed(0)
+    model = _TiedLM()
+    idx, y = torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))
+    gm = autocastfx.convert(model, (idx, y), dtype=BF16)
+    with pytest.raises(ValueError, match="'head' is where the model had 'head.weight', a weight tied"):
+        gm.head = nn.Linear(32, 64, bias=False)
+    with pytest.raises(ValueError, match="tied"):
+        gm.register_module("head", nn.Linear(32, 64, bias=False))
+    fresh = _TiedLM()
+    fresh.load_state_dict(gm.state_dict())
+    assert torch.equal(fresh.wte.weight, model.wte.weight) and fresh.head.weight is fresh.wte.weight
+
+
+def test_a_copy_of_a_tied_head_model_runs_another_call_on_its_own_weights():
+    """Before: ``copy.deepcopy(gm)(idx)`` and ``AveragedModel(gm)(idx)`` (an EMA) were refused for a model with a
+    tied head converted for (idx, targets): the tied weight was looked up by the original tensors' ids."""
+    torch.manual_seed(0)
+    model = _TiedLM()
+    idx, y = torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))
+    gm = autocastfx.convert(model, (idx, y), dtype=BF16)
+    ema = torch.optim.swa_utils.AveragedModel(gm)
+    twin = copy.deepcopy(gm)
+    with torch.no_grad():
+        twin.wte.weight.mul_(2.0)
+    model2 = copy.deepcopy(model)
+    with torch.no_grad():
+        model2.wte.weight.mul_(2.0)
+    assert _rel(twin(idx), model2(idx)) < 2e-2 and _rel(gm(idx), model(idx)) < 2e-2
+    assert _rel(ema(idx), model(idx)) < 2e-2
+
+
+class _TiedStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte, self.layers = nn.Embedding(64, 32), nn.ModuleList([nn.Linear(32, 32) for _ in range(2)])
+        self.head = nn.Linear(32, 64, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("blocks", [None, "auto"])
+def test_a_checkpoint_whose_tied_names_differ_loads_as_into_the_model(blocks):
+    """Before: with two different values under the tied names, the model kept the later one and the converted
+    module with blocks the earlier one (loaded weights 3.3 apart), silently."""
+    torch.manual_seed(0)
+    model = _TiedStack()
+    gm = autocastfx.convert(model, (torch.randint(0, 64, (4, 8)),), dtype=BF16, blocks=blocks)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    sd["head.weight"] = torch.randn_like(sd["head.weight"])
+    reference = _TiedStack()
+    reference.load_state_dict(sd)
+    gm.load_state_dict(sd)
+    assert torch.equal(model.wte.weight, reference.wte.weight)
+
+
+def test_an_export_for_another_call_exports_that_calls_conversion(tmp_path):
+    """Before: exporting ``(idx,)`` from a module converted for ``(idx, targets)`` ran the targets program with
+    None (AttributeError: 'NoneType' object has no attribute 'flatten')."""
+    torch.manual_seed(0)
+    model = _TiedLM().eval()
+    idx, y = torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8))
+    gm = autocastfx.convert(model, (idx, y), dtype=BF16).eval()
+    autocastfx.export(gm, tmp_path / "logits.pt2", (idx,))
+    loaded = torch.export.load(str(tmp_path / "logits.pt2")).module()
+    assert _rel(loaded(idx), model(idx)) < 2e-2

@@ -742,3 +742,37 @@ def test_a_checkpoint_before_the_first_update_changes_nothing_and_resumes_as_sav
     autocastfx.load_checkpoint(pending, tmp_path / "after")
     assert {float(s["step"]) for s in pending.optimizer.state.values()} == {4.0}
     assert all(p.grad is None for p in pending.gm.parameters())
+
+
+def test_a_checkpoint_of_a_model_with_a_tied_head_saves_and_resumes(tmp_path):
+    """Before: save_checkpoint raised AttributeError on any model whose head is tied to its embedding (GPT-2,
+    nanoGPT): torch's get_state_dict looks each state-dict name up as an attribute, and the converted module holds
+    the tied weight under one name."""
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.fc, self.head = nn.Embedding(64, 32), nn.Linear(32, 32), nn.Linear(32, 64, bias=False)
+            self.head.weight = self.wte.weight
+
+        def forward(self, idx):
+            return self.head(F.gelu(self.fc(self.wte(idx))))
+
+    def fresh():
+        torch.manual_seed(0)
+        gm = autocastfx.convert(Tied(), (torch.randint(0, 64, (2, 8)),), dtype=torch.bfloat16)
+        return autocastfx.train_step(gm, lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten()),
+                                     torch.optim.AdamW(gm.parameters(), lr=1e-2))
+
+    def train(step, n, seed):
+        g = torch.Generator().manual_seed(seed)
+        return [float(step(torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g)))
+                for _ in range(n)]
+
+    saved = fresh()
+    train(saved, 2, 1)
+    autocastfx.save_checkpoint(saved, tmp_path / "tied")
+    assert "head.weight" in saved.gm.state_dict()  # the model's names, outside a checkpoint
+    expected = train(saved, 3, 2)
+    resumed = fresh()
+    autocastfx.load_checkpoint(resumed, tmp_path / "tied")
+    assert train(resumed, 3, 2) == expected

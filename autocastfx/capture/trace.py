@@ -1,6 +1,7 @@
 """Capture: model -> GraphModule. torch.fx.symbolic_trace first, torch.export (training IR) second."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 from typing import Any, Iterable
@@ -14,9 +15,9 @@ from ..core.policy import Policy
 from ..base.errors import one_line, CaptureError
 from ..base import keys as K
 from .torch_export import capture_export
-from ..base.meta import is_converted
+from ..base.meta import TensorInfo, is_converted
 from ..base.runtime import no_recompile
-from ..core.propagate import propagate
+from ..core.propagate import flatten_inputs, propagate
 from .watch import watch_training
 from .context import CaptureContext
 
@@ -31,8 +32,18 @@ class ModelTracer(fx.Tracer):
 
     def trace(self, root, concrete_args=None):
         self._param_names = {id(p): n for n, p in root.named_parameters()} if isinstance(root, nn.Module) else {}
-        self._arg_depth, self.output_type = 0, None
+        self._arg_depth, self.output_type, self.why = 0, None, None
+        self._modes = _grad_modes()
         return super().trace(root, concrete_args)
+
+    def create_proxy(self, kind, target, args, kwargs, *rest, **kw):
+        # an op traced inside ``torch.no_grad()``, ``inference_mode()`` or a ``torch.autocast`` region: symbolic
+        # tracing records the op, not the region, so its gradients or its dtype would be lost
+        if self.why is None and kind in ("call_function", "call_method", "call_module") \
+                and _grad_modes() != self._modes:
+            self.why = ("its code runs ops in a region of its own grad mode or autocast (torch.no_grad(), "
+                        "torch.autocast(..., enabled=False)), which symbolic tracing does not record")
+        return super().create_proxy(kind, target, args, kwargs, *rest, **kw)
 
     def create_arg(self, a):
         # the forward's result is the last top-level create_arg; fx writes a dict subclass there (a Hugging Face
@@ -83,11 +94,13 @@ def capture_graph(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, c
     if method == "torch.export":
         return capture_export(model, args, kwargs, ctx, check=check, reads=reads)
     try:
+        if _root_hooks(model):  # symbolic tracing runs forward, not the model's call with its hooks
+            raise CaptureError("the model has forward hooks of its own, which tracing its forward would leave out")
         tracer = ModelTracer(policy)
         with watch_training(model, reads), _RealOps(model) as real:
             graph = tracer.trace(model)
-        if real.why is not None:
-            raise CaptureError(real.why)
+        if real.why is not None or tracer.why is not None:
+            raise CaptureError(real.why or tracer.why)
         gm = _graph_module(tracer.root, graph, model.__class__.__name__, compile_code)
         if tracer.output_type is not None:
             gm.meta[K.OUTPUT_TYPE] = tracer.output_type
@@ -95,12 +108,86 @@ def capture_graph(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, c
             raise TypeError(f"traced forward does not take keyword inputs {sorted(kwargs)}")
         if check:
             propagate(gm, args, kwargs, meta_device=ctx.meta_device)
+            if method is None:
+                _computes_as_model(model, gm, args, kwargs)
         return gm, "symbolic_trace"
     except Exception as e:  # noqa: BLE001 - every tracing failure goes to the fallback
         if method is not None:
             raise CaptureError(f"cannot trace {type(model).__name__} in this mode: {one_line(e)}") from e
         trace_error = e
     return capture_export(model, args, kwargs, ctx, trace_error, reads=reads)
+
+
+def _grad_modes() -> tuple:
+    nesting = torch.autocast_increment_nesting()  # the autocast regions entered: read by moving it and back
+    torch.autocast_decrement_nesting()
+    return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), nesting
+
+
+def _root_hooks(model: nn.Module) -> bool:
+    g = torch.nn.modules.module
+    return bool(model._forward_hooks or model._forward_pre_hooks or g._global_forward_hooks
+                or g._global_forward_pre_hooks)
+
+
+@contextlib.contextmanager
+def tensors_kept(model: nn.Module):
+    """Meanwhile the model's code may run for real (a forward that moves a step counter or a running statistic):
+    its buffers and plain tensor attributes get the values they had back on exit."""
+    tensors = {id(t): t for t in itertools.chain(model.buffers(), (v for m in model.modules() for v in vars(m).values()
+                                                                   if isinstance(v, torch.Tensor)))
+               if not t.is_meta and not isinstance(t, nn.Parameter)}
+    saved = [(t, t._version, t.detach().clone()) for t in tensors.values()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, version, value in saved:  # a batch norm's kernel moves its statistics with no version bump
+                if t._version != version or not torch.equal(t, value):
+                    t.copy_(value)
+
+
+_CHECK_BYTES = 16 << 20
+
+
+def _computes_as_model(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: dict) -> None:
+    """CaptureError where the traced graph, run on the example, gives other values than the model's own call: a
+    branch on ``isinstance(x, torch.Tensor)`` (False for a traced value) or on any other fact of the trace rather
+    than of the call. Both run in float32 on copies of the inputs, from the same random state; nothing is checked
+    on meta tensors or where the model's own call fails."""
+    tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if any(t.is_meta for t in itertools.chain(tensors, model.parameters(), model.buffers())):
+        return
+    # two rows of a shared batch where the example has more, and no check where one activation would still pass
+    # _CHECK_BYTES: converting needs no activation memory
+    rows = {t.shape[0] if t.dim() else 0 for t in tensors}
+    rows = rows.pop() if len(rows) == 1 else 0
+    scale = 2 / rows if rows > 2 else 1.0
+    infos = (n.meta.get(K.INFO) for n in gm.graph.nodes)
+    if max((i.numel * i.dtype.itemsize for i in infos if isinstance(i, TensorInfo)), default=0) * scale > _CHECK_BYTES:
+        return
+    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    outs = []
+    for run in (lambda a, k: model(*a, **k), lambda a, k: fx.Interpreter(gm).run(*flatten_inputs(gm, a, k))):
+        a, k = torch.utils._pytree.tree_map_only(
+            torch.Tensor, lambda t: (t[:2] if scale < 1 else t).detach().clone(), (args, kwargs))
+        with tensors_kept(model), torch.random.fork_rng(devices=devices), torch.no_grad():
+            torch.manual_seed(0)
+            try:
+                outs.append([t for t in torch.utils._pytree.tree_leaves(run(a, k)) if isinstance(t, torch.Tensor)])
+            except Exception:  # noqa: BLE001 - the model's call fails where its trace ran: not a judge
+                if not outs:
+                    return
+                raise
+    ours, theirs = outs
+    if len(ours) != len(theirs) or any(
+            x.shape != y.shape or x.dtype != y.dtype or not torch.allclose(
+                x.detach().float(), y.detach().float(), rtol=1e-3, atol=1e-5, equal_nan=True)
+            for x, y in zip(ours, theirs) if x.dtype.is_floating_point or y.dtype.is_floating_point) \
+            or any(not torch.equal(x, y) for x, y in zip(ours, theirs)
+                   if not (x.dtype.is_floating_point or y.dtype.is_floating_point) and x.shape == y.shape):
+        raise CaptureError("its traced graph gives other values than its own call on the example (a branch on "
+                           "isinstance(x, torch.Tensor) or on another fact of tracing rather than of the inputs)")
 
 
 # random ops: symbolic tracing runs one with no traced argument for real, fixing its draw as a graph constant

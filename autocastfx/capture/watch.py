@@ -7,6 +7,8 @@ nor ``nn.Module`` change, and no other module, in this thread or another, is tou
 from __future__ import annotations
 import contextlib
 import dataclasses
+import inspect
+import os
 import sys
 from typing import Any, Callable, Iterable
 import torch
@@ -152,6 +154,7 @@ class StateUse:
     read: set = dataclasses.field(default_factory=set)
     changed: dict = dataclasses.field(default_factory=dict)
     leaves: set = dataclasses.field(default_factory=set)  # paths of the modules the graph calls (their own forward)
+    unowned: set = dataclasses.field(default_factory=set)  # public names read from a module's class, or found absent
 
 
 def _own_state(model: nn.Module, mods: list[nn.Module]) -> dict:
@@ -180,8 +183,14 @@ def watch_state(model: nn.Module):
             if _plain_object(v) and state_name(m, k) and id(m) in paths:
                 held.setdefault(id(v), (paths[id(m)], k, v))
 
+    looked: dict[tuple[type, str], bool] = {}
+
     def seen(obj, name):
-        if name not in object.__getattribute__(obj, "__dict__"):
+        own = object.__getattribute__(obj, "__dict__")
+        if name not in own:
+            if name[0] != "_" and id(obj) in paths and _model_code(sys._getframe(2)) \
+                    and _class_value(looked, own, object.__getattribute__(obj, "__class__"), name):
+                use.unowned.add((paths[id(obj)], name))
             return
         if id(obj) in held:  # an attribute of a config: (module path, "config.name")
             if not name.startswith("_"):
@@ -193,6 +202,31 @@ def watch_state(model: nn.Module):
 
     with watch_reads(mods + [v for _, _, v in held.values()], seen):
         yield use
+
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_PLAIN = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, tuple, frozenset, type(None))
+
+
+def _model_code(frame) -> bool:
+    name = frame.f_code.co_filename
+    return not name.startswith((_TORCH_DIR, _OWN_DIR))
+
+
+def _class_value(looked: dict, own: dict, cls: type, name: str) -> bool:
+    """Whether a read of ``name``, which a module of class ``cls`` does not hold itself, gives the model's code a
+    constant: a plain value of its class (``scale = 1.0`` in the class body), or nothing (``getattr(self, name,
+    default)``), not a method, property, parameter, buffer or submodule."""
+    if any(name in own.get(t, ()) for t in ("_parameters", "_buffers", "_modules")) or name in _MODULE_OWN:
+        return False
+    key = (cls, name)
+    if key not in looked:
+        try:
+            looked[key] = isinstance(inspect.getattr_static(cls, name), _PLAIN)
+        except AttributeError:
+            looked[key] = True
+    return looked[key]
 
 
 def _plain_object(v: Any) -> bool:

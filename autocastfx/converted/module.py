@@ -304,7 +304,7 @@ class _Switchable(_GuardsChildren):
             with _without_autocast():  # the program gm.code shows, whatever autocast the caller has on
                 return super().__call__(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - re-raised below unless a clearer error says what went wrong
-            if info is not None and isinstance(e, (TypeError, RuntimeError, ValueError)):
+            if info is not None and isinstance(e, (TypeError, RuntimeError, ValueError, AttributeError)):
                 _calls.check(info.call_signature, args, kwargs, e)
             if info is not None:
                 _calls.model_check(info.checks, args, kwargs, e, self.training)
@@ -324,8 +324,8 @@ class _Switchable(_GuardsChildren):
                                       error_msgs)
 
     def __deepcopy__(self, memo):
-        """GraphModule's copy registers every buffer persistent: the copy keeps which ones are not (a rotary
-        table stays out of the state dict, as in the model)."""
+        """GraphModule's copy registers every buffer persistent and drops the names a module refuses to have set:
+        the copy keeps both (a rotary table stays out of the state dict, as in the model)."""
         out = super().__deepcopy__(memo)
         add_model_surface(out)  # the copy's class is made anew
         copies = dict(out.named_modules(remove_duplicate=False))
@@ -333,6 +333,8 @@ class _Switchable(_GuardsChildren):
             c = copies.get(name)
             if c is not None and m._non_persistent_buffers_set:
                 c._non_persistent_buffers_set = {b for b in m._non_persistent_buffers_set if b in c._buffers}
+            if c is not None and _READ in m.__dict__:
+                c.__dict__[_READ] = m.__dict__[_READ]
         return out
 
     def __reduce_ex__(self, protocol):
@@ -351,10 +353,26 @@ class _Switchable(_GuardsChildren):
         return self.__reduce_ex__(4)
 
     def _apply(self, fn, recurse=True):
+        _refuse_low_parameters(self, fn)
         tied = [names for names in _weights.aliases(self)[1].values() if len(names) > 1]
         out = super()._apply(fn, recurse)
         _weights.retie(self, tied)  # to_empty from meta makes a new Parameter per module: tied weights stay tied
         return out
+
+
+def _refuse_low_parameters(gm: nn.Module, fn) -> None:
+    """ValueError where ``fn`` (of ``gm.half()``, ``gm.to(torch.float64)``) would give float32 parameters (the
+    model's, which the programs cast per op) another floating dtype: they are what the optimizer trains."""
+    if not any(p.dtype == torch.float32 for p in gm.parameters()):
+        return
+    probe = fn(torch.empty(0))
+    if isinstance(probe, torch.Tensor) and probe.is_floating_point() and probe.dtype != torch.float32:
+        raise ValueError(
+            f"a converted module's parameters stay float32: they are the model's, the weights an optimizer trains, "
+            f"and its programs cast them for each op. Making them {probe.dtype} would lose the small updates that "
+            "float32 keeps and run a plan made for float32 weights. To train in another precision, convert with "
+            "that dtype (autocastfx.convert(model, ..., dtype=...)); for a module that stores its weights low for "
+            "inference, autocastfx.for_inference(gm)")
 
 
 def _check_owner_modes(gm: fx.GraphModule, programs: Programs) -> None:
@@ -571,6 +589,8 @@ def check_replacement(parent: nn.Module, name: str, value: Any) -> None:
     """ValueError where ``value`` would replace ``parent``'s held child ``name`` (see :class:`_Held`) with a module
     of another class: the graph would read the new module's tensors and go on computing the old one's ops."""
     old = parent.__dict__.get("_modules", {}).get(name)
+    if old is None and isinstance(value, (nn.Module, nn.Parameter)):
+        _refuse_tied_name(parent, name)
     if not isinstance(old, _Held) or value is old or not isinstance(value, nn.Module):
         return
     cls = old.__dict__.get(_CLASS)
@@ -597,6 +617,19 @@ def check_replacement(parent: nn.Module, name: str, value: Any) -> None:
         f"replacing it with a {type(value).__name__} (SyncBatchNorm.convert_sync_batchnorm, a LoRA wrapper) would "
         "change nothing the graph computes. Make the change on the model and convert again (gm.state_dict() loads "
         "into the model)")
+
+
+def _refuse_tied_name(parent: nn.Module, name: str) -> None:
+    """ValueError where ``name`` is where the model had a module or weight that the converted module reads through
+    another name (a head tied to the embedding): a new one there would be in its parameters and state dict, unread."""
+    info = parent.__dict__.get("meta", {}).get(K.CONVERTED) if isinstance(parent, fx.GraphModule) else None
+    for names in getattr(info, "source_params", {}).values():
+        if len(names) > 1 and any(n == name or n.startswith(name + ".") for n in names):
+            raise ValueError(
+                f"{name!r} is where the model had {sorted(names)[0]!r}, a weight tied to {sorted(names)[-1]!r}, "
+                "which the converted graph reads under one name: a module or parameter set there would be in "
+                "gm.parameters() and gm.state_dict() and never read (and a checkpoint would carry it over the tied "
+                "weight). Make the change on the model (untie or replace its head) and convert again")
 
 
 def _held_class(cls: type, settings: frozenset = frozenset()) -> type:

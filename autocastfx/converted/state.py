@@ -21,8 +21,10 @@ class StateGuard:
     keep the model alive), the values by identity, and containers and plain tensors also by content. Shared by
     copies of the converted module; dropped when it is pickled."""
 
-    def __init__(self, reads: frozenset = frozenset()):
+    def __init__(self, reads: frozenset = frozenset(), unowned: frozenset = frozenset()):
         self.reads = reads  # (module path, name) read at capture
+        self.unowned = unowned  # (module path, name) read from the module's class, or absent, at capture
+        self.looked: list[tuple] = []  # (module ref, path, name, value then, fingerprint) of those
         self.modules: list[list] = []  # [module ref, getter, values, path, names, fingerprints]
         self.contents: list[tuple[Any, weakref.ref, str, str, Any]] = []
         self.held: list[tuple[Any, str, tuple]] = []  # each module's parameters, buffers and children, by id
@@ -32,8 +34,13 @@ class StateGuard:
     def bound(self, model: nn.Module) -> StateGuard:
         """A guard of these attributes on ``model`` (the model, or the module of it the capture's copy was made of),
         as they are now; a module or attribute it lacks is not watched."""
-        out = StateGuard(self.reads)
+        out = StateGuard(self.reads, self.unowned)
         out.root = weakref.ref(model)
+        for path, name in sorted(self.unowned):
+            if _has(model, path):
+                m = model.get_submodule(path)
+                v = getattr(m, name, _MISSING)
+                out.looked.append((weakref.ref(m), path, name, v, fingerprint(v)))
         inside = {id(s) for n, u in model.named_modules() if n and is_converted(u) for s in u.modules() if s is not u}
         out.held = [(weakref.ref(m), path, _held(m)) for path, m in model.named_modules()
                     if id(m) not in inside and (m._parameters or m._buffers or m._modules)]
@@ -87,6 +94,10 @@ class StateGuard:
             m = ref()
             if m is not None and held != _held(m):
                 _replaced(m, path)
+        for ref, path, name, old, fp in self.looked:
+            m = ref()
+            if m is not None and fingerprint(now := getattr(m, name, _MISSING)) != fp:
+                _refuse(m, path, name, old, now)
 
     def _compare(self) -> None:
         """Refuse a changed value; one set again to an equal value is taken as the one watched from now on."""
@@ -108,7 +119,12 @@ class StateGuard:
         return (StateGuard, ())
 
 
-_MISSING = object()
+class _Missing:
+    def __repr__(self):
+        return "unset"
+
+
+_MISSING = _Missing()
 
 
 class _AtConvert:
@@ -149,15 +165,18 @@ def _holds_tensor(v: Any, depth: int = 0) -> bool:
 
 
 def _held(m: nn.Module) -> tuple:
-    # by id: the guard keeps no tensor or module of the model alive that the converted module does not hold
-    return (*map(id, m._parameters.values()), *map(id, m._buffers.values()), *map(id, m._modules.values()))
+    # by id: the guard keeps no tensor or module of the model alive that the converted module does not hold; and
+    # each tensor's dtype, which ``model.half()`` changes in place
+    return (*((id(t), getattr(t, "dtype", None)) for t in m._parameters.values()),
+            *((id(t), getattr(t, "dtype", None)) for t in m._buffers.values()), *map(id, m._modules.values()))
 
 
 def _replaced(module: nn.Module, path: str) -> None:
     raise ValueError(
         f"a parameter, buffer or submodule of the model's {type(module).__name__}"
         f"{f' at {path!r}' if path else ''} was replaced after convert() (a new layer, load_state_dict(..., "
-        "assign=True), a move of the model to another device or dtype): the converted module runs on the tensors "
+        "assign=True), a move of the model to another device or dtype, model.half()): the converted module runs on "
+        "the tensors "
         "and modules it had, so it would not compute the changed model, and an optimizer over the model's new "
         "tensors would train what it never reads. Make the change before convert() and convert again, or make it "
         "on the converted module (gm.load_state_dict(...), gm.to(...))")
@@ -186,17 +205,18 @@ def guard_for(state: StateUse | None, model: nn.Module) -> StateGuard | None:
     carried = sorted(name for (path, name) in state.changed if (path, name) in state.read and path not in leaves)
     if carried:
         warn_user(f"autocastfx: {type(model).__name__}'s code sets the tensor attribute(s) "
-                  f"{', '.join(repr(n) for n in carried)} and reads them: the converted graph computes them from "
-                  "each call's inputs as the capture did, which is right for a cache of such values, not for state "
-                  "carried from one call to the next (a running average), which belongs in a buffer updated in "
-                  "place")
+                  f"{', '.join(repr(n) for n in carried)} and reads them: the converted graph computes them as the "
+                  "capture did, from each call's inputs, or as the constant the capture saw where they come from "
+                  "none (a counter). That is right for a cache of values computed from the inputs, not for state "
+                  "carried from one call to the next (a counter, a running average), which belongs in a buffer "
+                  "updated in place (self.register_buffer(...); self.n.add_(1))")
     unread = sorted(name for (path, name) in state.changed if (path, name) not in state.read and path not in leaves)
     if unread:
         warn_user(f"autocastfx: {type(model).__name__}'s code sets {', '.join(repr(n) for n in unread)} as it runs; "
                   "the converted module runs the captured tensor ops only and does not set it (it keeps its value "
                   "from before conversion). Read it from the model run without autocastfx, or return it from forward")
     reads = frozenset(k for k in state.read if k not in state.changed)  # what the code sets is its own
-    return StateGuard(reads).bound(model)
+    return StateGuard(reads, frozenset(state.unowned)).bound(model)
 
 
 def _has(model: nn.Module, path: str) -> bool:

@@ -159,6 +159,8 @@ def op_name(node: torch.fx.Node) -> str:
     if node.op == "call_method":
         name = str(t)
     elif node.op == "call_function":
+        if t is operator.truediv and node.args and not isinstance(node.args[0], torch.fx.Node):
+            return "reciprocal"  # ``1.0 / h`` is Tensor.__rtruediv__: a reciprocal, as autocast on CUDA lists it
         if t in _OPERATOR_NAMES:
             return _OPERATOR_NAMES[t]
         if isinstance(t, torch._ops.OpOverload):

@@ -6,6 +6,8 @@ gradients arrive in float32 on the parameters. Also here: tied-weight names, and
 """
 from __future__ import annotations
 
+import contextlib
+
 
 import torch
 import torch.fx as fx
@@ -112,10 +114,48 @@ def converted_units(gm: nn.Module) -> list[tuple[str, nn.Module]]:
 # A traced graph reads a tied weight under one name; the converted module's ``state_dict`` and
 # ``_load_from_state_dict`` (converted.module._Switchable) run these two hooks so its state dict has the model's keys.
 
+def model_order(gm: nn.Module, model: nn.Module) -> None:
+    """Give ``gm``'s modules, parameters and buffers the model's order where both have them, so that
+    ``gm.parameters()`` and ``gm.state_dict()`` list them as the model does: an optimizer's state dict and an EMA
+    that zips parameters pair them by position. (``fx.GraphModule`` copies modules in the order the graph uses
+    them.)"""
+    mine = dict(gm.named_modules(remove_duplicate=False))
+    for path, theirs in model.named_modules(remove_duplicate=False):
+        m = mine.get(path)
+        if m is None or m is theirs:
+            continue
+        for table in ("_modules", "_parameters", "_buffers"):
+            own, ref = m.__dict__[table], theirs.__dict__[table]
+            order = [k for k in ref if k in own] + [k for k in own if k not in ref]
+            if order != list(own):
+                items = [(k, own[k]) for k in order]
+                own.clear()
+                own.update(items)
+
+
+_OWN_NAMES = "_autocastfx_own_names"
+
+
+@contextlib.contextmanager
+def own_names(gm: nn.Module):
+    """Meanwhile ``gm.state_dict()`` names only the tensors ``gm`` holds: torch.distributed.checkpoint's
+    ``get_state_dict`` looks every name up as an attribute, and a tied weight's second name (a head tied to the
+    embedding) is not one of ``gm``'s."""
+    units = [m for m in gm.modules() if info_of(m) is not None]
+    for m in units:
+        m.__dict__[_OWN_NAMES] = True
+    try:
+        yield
+    finally:
+        for m in units:
+            m.__dict__.pop(_OWN_NAMES, None)
+
+
 def model_names_into_state_dict(unit: nn.Module, out: dict, prefix: str) -> None:
-    """Add to ``out`` every name the model had for a tied weight that the converted module keeps fewer names for."""
+    """Add to ``out`` every name the model had for a tied weight that the converted module keeps fewer names for
+    (not inside :func:`own_names`)."""
     info = info_of(unit)
-    if info is None:
+    if info is None or unit.__dict__.get(_OWN_NAMES):
         return
     for names in info.source_params.values():
         if len(names) < 2:
@@ -127,8 +167,9 @@ def model_names_into_state_dict(unit: nn.Module, out: dict, prefix: str) -> None
 
 
 def model_names_from_state_dict(unit: nn.Module, state_dict: dict, prefix: str) -> None:
-    """Drop the tied-weight names the converted module does not have, taking their value where the name it keeps
-    is missing (a checkpoint that stores a tied weight once)."""
+    """Drop the tied-weight names the converted module does not have, taking the value the model's own load would
+    leave: the last of its names that ``state_dict`` holds (one name for a checkpoint that stores a tied weight
+    once; the later one where two hold different values, as ``load_state_dict`` copies them in order)."""
     info = info_of(unit)
     if info is None:
         return
@@ -141,9 +182,9 @@ def model_names_from_state_dict(unit: nn.Module, state_dict: dict, prefix: str) 
         kept = [n for n in names if n in own]
         if not kept:
             continue
-        given = next((prefix + n for n in names if prefix + n in state_dict), None)
+        given = next((prefix + n for n in reversed(names) if prefix + n in state_dict), None)
         for n in kept:
-            if prefix + n not in state_dict and given is not None:
+            if given is not None:
                 state_dict[prefix + n] = state_dict[given]
         for n in names:
             if n not in own:
@@ -223,8 +264,12 @@ def _tied_stand(main: nn.Module, name: str, m: nn.Module) -> nn.Module | None:
     """A module holding ``main``'s parameters under the model's names ``name.<leaf>`` of ``m``'s, where ``main`` has
     no module ``name`` as it reads them elsewhere (a head tied to the embedding); None where one is missing."""
     info = main.meta.get("autocastfx") if isinstance(getattr(main, "meta", None), dict) else None
-    params = {id(p): p for p in main.parameters()}
-    by_name = {n: params[i] for i, names in getattr(info, "source_params", {}).items() if i in params for n in names}
+    own = dict(main.named_parameters(remove_duplicate=False))  # by name: a copy of ``main`` has other tensors
+    by_name = {}
+    for names in getattr(info, "source_params", {}).values():
+        kept = next((n for n in names if n in own), None)
+        if kept is not None:
+            by_name.update((n, own[kept]) for n in names)
     if any(b is not None for b in m._buffers.values()):
         return None
     stand = nn.Module()

@@ -22,6 +22,7 @@ import torch.nn as nn
 from ..base import keys as K
 from ..base.meta import ConvertInfo, example_inputs_of, require_info
 from ..capture.torch_export import run_export
+from ..converted import calls as _calls
 from ..converted import module as _module
 from ..core.policy import OpClass, Policy
 from .report import Report, Row
@@ -51,6 +52,11 @@ def export_program(gm: fx.GraphModule, example_inputs: tuple | None = None, exam
         example_inputs, example_kwargs = example_inputs_of(gm)
     if isinstance(example_inputs, torch.Tensor):
         raise TypeError("example_inputs must be a tuple of inputs: write (x,) instead of x")
+    args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})
+    if info.call_signature and _calls.raw_key(args, kwargs) != _calls.example_key(info):
+        other, args, kwargs = _calls.other_call(gm, info, args, kwargs)  # the conversion a call of this kind runs
+        if other is not None:
+            return export_program(other, args, kwargs, dynamic_shapes)
     try:
         return run_export(gm, tuple(example_inputs or ()), dict(example_kwargs or {}),
                           dynamic_shapes=dynamic_shapes, strict=False)

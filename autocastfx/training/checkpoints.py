@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ..core.weights import own_names
 from .step import TrainStep
 
 
@@ -31,7 +32,8 @@ def _state(step: TrainStep, optimizer_state: bool | None = None) -> dict[str, An
     kept = getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None)
     opt.grad_scale = opt.found_inf = None  # torch's set-up of missing state runs a step: never skipped
     try:
-        model, optim = get_state_dict(step.gm, opt)
+        with own_names(step.gm):
+            model, optim = get_state_dict(step.gm, opt)
     finally:
         opt.grad_scale, opt.found_inf = kept
     if not optimizer_state:
@@ -97,8 +99,9 @@ def load_checkpoint(step, path: str | os.PathLike) -> None:
     own = [{k: g[k] for k in ("fused", "foreach", "capturable") if k in g} for g in step.optimizer.param_groups]
     try:
         dcp.load(sd, checkpoint_id=path)
-        set_state_dict(step.gm, step.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"],
-                       options=StateDictOptions(strict=True))
+        with own_names(step.gm):
+            set_state_dict(step.gm, step.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"],
+                           options=StateDictOptions(strict=True))
     except BaseException:
         if fresh:  # the set-up made for the load goes with it
             step.optimizer.state.clear()
