@@ -153,41 +153,50 @@ _CHECK_BYTES = 16 << 20
 def _computes_as_model(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: dict) -> None:
     """CaptureError where the traced graph, run on the example, gives other values than the model's own call: a
     branch on ``isinstance(x, torch.Tensor)`` (False for a traced value) or on any other fact of the trace rather
-    than of the call. Both run in float32 on copies of the inputs, from the same random state; nothing is checked
-    on meta tensors or where the model's own call fails."""
+    than of the call. Both run in float32 under ``no_grad`` on copies of the inputs, from the same random state: one
+    row of a shared batch (two where the model's call refuses one, as a batch norm in training may); nothing is
+    checked on meta tensors, where the model's own call fails, or where one activation of those rows would exceed
+    ``_CHECK_BYTES`` (converting needs no activation memory)."""
     tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     if any(t.is_meta for t in itertools.chain(tensors, model.parameters(), model.buffers())):
         return
-    # two rows of a shared batch where the example has more, and no check where one activation would still pass
-    # _CHECK_BYTES: converting needs no activation memory
     rows = {t.shape[0] if t.dim() else 0 for t in tensors}
     rows = rows.pop() if len(rows) == 1 else 0
-    scale = 2 / rows if rows > 2 else 1.0
-    infos = (n.meta.get(K.INFO) for n in gm.graph.nodes)
-    if max((i.numel * i.dtype.itemsize for i in infos if isinstance(i, TensorInfo)), default=0) * scale > _CHECK_BYTES:
-        return
-    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
-    outs = []
-    for run in (lambda a, k: model(*a, **k), lambda a, k: fx.Interpreter(gm).run(*flatten_inputs(gm, a, k))):
-        a, k = torch.utils._pytree.tree_map_only(
-            torch.Tensor, lambda t: (t[:2] if scale < 1 else t).detach().clone(), (args, kwargs))
-        with tensors_kept(model), torch.random.fork_rng(devices=devices), torch.no_grad():
-            torch.manual_seed(0)
-            try:
-                outs.append([t for t in torch.utils._pytree.tree_leaves(run(a, k)) if isinstance(t, torch.Tensor)])
-            except Exception:  # noqa: BLE001 - the model's call fails where its trace ran: not a judge
-                if not outs:
-                    return
-                raise
-    ours, theirs = outs
-    if len(ours) != len(theirs) or any(
-            x.shape != y.shape or x.dtype != y.dtype or not torch.allclose(
-                x.detach().float(), y.detach().float(), rtol=1e-3, atol=1e-5, equal_nan=True)
-            for x, y in zip(ours, theirs) if x.dtype.is_floating_point or y.dtype.is_floating_point) \
-            or any(not torch.equal(x, y) for x, y in zip(ours, theirs)
-                   if not (x.dtype.is_floating_point or y.dtype.is_floating_point) and x.shape == y.shape):
+    infos = [n.meta.get(K.INFO) for n in gm.graph.nodes]
+    largest = max((i.numel * i.dtype.itemsize for i in infos if isinstance(i, TensorInfo)), default=0)
+    for take in ((1, 2) if rows > 1 else (rows,)):
+        if largest * (take / rows if rows else 1) > _CHECK_BYTES:
+            return
+        theirs = _run(model, args, kwargs, take, lambda a, k: model(*a, **k))
+        if theirs is not None:
+            break
+    else:
+        return  # the model's call fails where its trace ran: not a judge
+    ours = _run(model, args, kwargs, take, lambda a, k: fx.Interpreter(gm).run(*flatten_inputs(gm, a, k)), True)
+    floating = [x.dtype.is_floating_point or y.dtype.is_floating_point for x, y in zip(ours, theirs)]
+    if len(ours) != len(theirs) or any(x.shape != y.shape or x.dtype != y.dtype for x, y in zip(ours, theirs)) \
+            or any(not (torch.allclose(x.float(), y.float(), rtol=1e-3, atol=1e-5, equal_nan=True) if f
+                        else torch.equal(x, y)) for x, y, f in zip(ours, theirs, floating)):
         raise CaptureError("its traced graph gives other values than its own call on the example (a branch on "
                            "isinstance(x, torch.Tensor) or on another fact of tracing rather than of the inputs)")
+
+
+def _run(model: nn.Module, args: tuple, kwargs: dict, take: int, run, must: bool = False) -> list | None:
+    """The tensors ``run`` returns on copies of the first ``take`` rows of the inputs (all where ``take`` is 0),
+    the model's buffers put back after; None where it raises, unless ``must``."""
+    tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    a, k = torch.utils._pytree.tree_map_only(
+        torch.Tensor, lambda t: (t[:take] if take else t).detach().clone(), (args, kwargs))
+    with tensors_kept(model), torch.random.fork_rng(devices=devices), torch.no_grad():
+        torch.manual_seed(0)
+        try:
+            out = run(a, k)
+        except Exception:  # noqa: BLE001 - told to the caller
+            if must:
+                raise
+            return None
+    return [t.detach() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 
 # random ops: symbolic tracing runs one with no traced argument for real, fixing its draw as a graph constant
