@@ -205,6 +205,8 @@ def _convert_low_model(model: nn.Module, low: dict, args: tuple, kwargs: dict, o
                 for t in table.values():
                     if t is not None and t.dtype in LOW_DTYPES:
                         t.data = t.data.float()  # in place: the same object, for whatever holds it already
+                        if t.grad is not None:
+                            t.grad = t.grad.float()
     kinds = sorted({str(d).replace("torch.", "") for d in low.values()})
     warn_user(f"autocastfx: {type(model).__name__}'s {' and '.join(kinds)} parameters and buffers ({len(low)}) "
                   "are now float32, upcast exactly in place (as model.float() does): a converted module's "

@@ -92,6 +92,11 @@ def test_hugging_face_trainer_trains_through_the_generated_step(tmp_path, hf_who
     for k, v in saved.items():
         assert torch.equal(v, weights[k]), k
     assert any(not torch.equal(v, v.half().float()) for v in saved.values())  # not float16 values
+    # a checkpoint from_pretrained takes, as the float32 Trainer's: its config beside the weights
+    tf = pytest.importorskip("transformers")
+    loaded = tf.GPT2LMHeadModel.from_pretrained(str(out / "checkpoint-4"))
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, weights[k]), k
 
 
 def test_hugging_face_trainer_resumes_as_if_never_stopped(tmp_path, hf_whole):

@@ -186,3 +186,49 @@ def test_parameters_and_state_dict_come_in_the_models_order_and_an_optimizer_res
     again.load_state_dict(opt.state_dict())
     for p in model.parameters():
         assert torch.equal(again.state[p]["exp_avg"], opt.state[p]["exp_avg"])
+
+
+def test_a_reentrant_checkpoint_in_forward_still_traces_and_trains():
+    """``torch.utils.checkpoint(..., use_reentrant=True)`` runs its function under no_grad and recomputes it with
+    gradients in backward: its region is not the model's own grad mode (torch.export's capture of it gave outputs
+    that needed no gradient)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Ckpt(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.b(checkpoint(lambda t: torch.relu(self.a(t)), x, use_reentrant=True))
+
+    model, x = Ckpt(), torch.randn(4, 8)
+    gm = autocastfx.convert(model, (x,), dtype=BF16)
+    assert gm.meta["autocastfx"].capture == "symbolic_trace"
+    gm(x).sum().backward()
+    assert model.a.weight.grad is not None and model.b.weight.grad is not None
+
+
+def test_converting_leaves_the_callers_random_state_and_the_models_settings_alone():
+    """The value check runs the model: the caller's random state is put back (the CPU's, and no device is seeded),
+    and a setting the forward moves is put back too, so convert()'s refusal of a forward that counts its calls
+    names the one change a call makes (0 -> 1, not 0 -> 2)."""
+    class Counting(nn.Module):
+        def __init__(self, counts: bool):
+            super().__init__()
+            self.fc, self.calls, self.counts = nn.Linear(8, 8), 0, counts
+
+        def forward(self, x):
+            if self.counts:
+                self.calls += 1
+            return torch.nn.functional.dropout(self.fc(x), 0.5, self.training)
+
+    torch.manual_seed(123)
+    model, x = Counting(False), torch.randn(4, 8)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    model, x = Counting(False), torch.randn(4, 8)
+    autocastfx.convert(model, (x,), dtype=BF16)
+    assert torch.initial_seed() == 123 and torch.equal(torch.rand(3), expected)
+    with pytest.raises(ValueError, match=r"changes its attribute 'calls' \(0 -> 1\)"):
+        autocastfx.convert(Counting(True), (x,), dtype=BF16)

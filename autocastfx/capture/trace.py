@@ -4,6 +4,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import os
+import sys
 from typing import Any, Iterable
 
 import torch
@@ -15,8 +17,9 @@ from ..core.policy import Policy
 from ..base.errors import one_line, CaptureError
 from ..base import keys as K
 from .torch_export import capture_export
-from ..base.meta import TensorInfo, is_converted
+from ..base.meta import TensorInfo, is_converted, is_plain_setting
 from ..base.runtime import no_recompile
+from ..core.flops import node_flops
 from ..core.propagate import flatten_inputs, propagate
 from .watch import watch_training
 from .context import CaptureContext
@@ -40,7 +43,7 @@ class ModelTracer(fx.Tracer):
         # an op traced inside ``torch.no_grad()``, ``inference_mode()`` or a ``torch.autocast`` region: symbolic
         # tracing records the op, not the region, so its gradients or its dtype would be lost
         if self.why is None and kind in ("call_function", "call_method", "call_module") \
-                and _grad_modes() != self._modes:
+                and _grad_modes() != self._modes and not _in_reentrant_checkpoint():
             self.why = ("its code runs ops in a region of its own grad mode or autocast (torch.no_grad(), "
                         "torch.autocast(..., enabled=False)), which symbolic tracing does not record")
         return super().create_proxy(kind, target, args, kwargs, *rest, **kw)
@@ -124,39 +127,57 @@ def _grad_modes() -> tuple:
     return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), nesting
 
 
+def _in_reentrant_checkpoint() -> bool:
+    """Whether the caller runs inside ``torch.utils.checkpoint(..., use_reentrant=True)``, whose forward runs under
+    ``no_grad`` and whose backward recomputes with gradients: traced, its ops are the model's, with gradients."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "forward" and code.co_filename.endswith(os.path.join("torch", "utils", "checkpoint.py")):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _root_hooks(model: nn.Module) -> bool:
-    g = torch.nn.modules.module
-    return bool(model._forward_hooks or model._forward_pre_hooks or g._global_forward_hooks
-                or g._global_forward_pre_hooks)
+    # the model's own; a process-wide hook (a profiler's, a monitor's) observes, and one that changes values is
+    # caught by the value check
+    return bool(model._forward_hooks or model._forward_pre_hooks)
 
 
 @contextlib.contextmanager
 def tensors_kept(model: nn.Module):
     """Meanwhile the model's code may run for real (a forward that moves a step counter or a running statistic):
-    its buffers and plain tensor attributes get the values they had back on exit."""
+    its buffers, plain tensor attributes and plain settings (an int it counts with) get their values back on exit."""
     tensors = {id(t): t for t in itertools.chain(model.buffers(), (v for m in model.modules() for v in vars(m).values()
                                                                    if isinstance(v, torch.Tensor)))
                if not t.is_meta and not isinstance(t, nn.Parameter)}
     saved = [(t, t._version, t.detach().clone()) for t in tensors.values()]
+    plain = [(m.__dict__, k, v) for m in model.modules() for k, v in vars(m).items() if is_plain_setting(v)]
     try:
         yield
     finally:
+        for own, k, v in plain:
+            if own.get(k, plain) is not v:
+                own[k] = v
         with torch.no_grad():
             for t, version, value in saved:  # a batch norm's kernel moves its statistics with no version bump
                 if t._version != version or not torch.equal(t, value):
                     t.copy_(value)
 
 
-_CHECK_BYTES = 16 << 20
+_CHECK_BYTES = 16 << 20  # the largest activation of the check's rows
+_CHECK_FLOPS = 3e9  # the matmul and convolution FLOPs of one of its runs (resnet18 at one row: 1.8e9)
 
 
 def _computes_as_model(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: dict) -> None:
     """CaptureError where the traced graph, run on the example, gives other values than the model's own call: a
     branch on ``isinstance(x, torch.Tensor)`` (False for a traced value) or on any other fact of the trace rather
-    than of the call. Both run in float32 under ``no_grad`` on copies of the inputs, from the same random state: one
-    row of a shared batch (two where the model's call refuses one, as a batch norm in training may); nothing is
-    checked on meta tensors, where the model's own call fails, or where one activation of those rows would exceed
-    ``_CHECK_BYTES`` (converting needs no activation memory)."""
+    than of the call. Both run in float32 in the caller's grad mode on copies of the inputs, from the same random
+    state (the caller's put back after): one row of a shared batch (two where the model's call refuses one, as a
+    batch norm in training may). Nothing is checked on meta tensors, where the model's own call fails, where one
+    activation of those rows would exceed ``_CHECK_BYTES`` (converting needs little activation memory), or where a
+    run would exceed ``_CHECK_FLOPS``."""
     tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     if any(t.is_meta for t in itertools.chain(tensors, model.parameters(), model.buffers())):
         return
@@ -164,15 +185,21 @@ def _computes_as_model(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs
     rows = rows.pop() if len(rows) == 1 else 0
     infos = [n.meta.get(K.INFO) for n in gm.graph.nodes]
     largest = max((i.numel * i.dtype.itemsize for i in infos if isinstance(i, TensorInfo)), default=0)
-    for take in ((1, 2) if rows > 1 else (rows,)):
-        if largest * (take / rows if rows else 1) > _CHECK_BYTES:
-            return
-        theirs = _run(model, args, kwargs, take, lambda a, k: model(*a, **k))
-        if theirs is not None:
-            break
-    else:
-        return  # the model's call fails where its trace ran: not a judge
-    ours = _run(model, args, kwargs, take, lambda a, k: fx.Interpreter(gm).run(*flatten_inputs(gm, a, k)), True)
+    flops = _flops(gm)
+    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):  # each run from the same random state; the caller's kept
+        state = torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
+        for take in ((1, 2) if rows > 1 else (rows,)):
+            share = take / rows if rows else 1
+            if largest * share > _CHECK_BYTES or flops * share > _CHECK_FLOPS:
+                return
+            theirs = _run(model, args, kwargs, take, lambda a, k: model(*a, **k), state, devices)
+            if theirs is not None:
+                break
+        else:
+            return  # the model's call fails where its trace ran: not a judge
+        ours = _run(model, args, kwargs, take, lambda a, k: fx.Interpreter(gm).run(*flatten_inputs(gm, a, k)),
+                    state, devices, must=True)
     floating = [x.dtype.is_floating_point or y.dtype.is_floating_point for x, y in zip(ours, theirs)]
     if len(ours) != len(theirs) or any(x.shape != y.shape or x.dtype != y.dtype for x, y in zip(ours, theirs)) \
             or any(not (torch.allclose(x.float(), y.float(), rtol=1e-3, atol=1e-5, equal_nan=True) if f
@@ -181,15 +208,28 @@ def _computes_as_model(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs
                            "isinstance(x, torch.Tensor) or on another fact of tracing rather than of the inputs)")
 
 
-def _run(model: nn.Module, args: tuple, kwargs: dict, take: int, run, must: bool = False) -> list | None:
+def _flops(gm: fx.GraphModule) -> int:
+    """The matmul and convolution FLOPs of one run of ``gm`` on the example, left uncached (passes that change
+    shapes count again)."""
+    total = 0
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method"):
+            total += node_flops(gm, node)
+            node.meta.pop(K.FLOPS, None)
+    return total
+
+
+def _run(model: nn.Module, args: tuple, kwargs: dict, take: int, run, state: tuple, devices: list,
+         must: bool = False) -> list | None:
     """The tensors ``run`` returns on copies of the first ``take`` rows of the inputs (all where ``take`` is 0),
-    the model's buffers put back after; None where it raises, unless ``must``."""
-    tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    from the random ``state``, in the caller's grad mode (a branch on it is the trace's too), the model's buffers and
+    settings put back after; None where it raises, unless ``must``."""
     a, k = torch.utils._pytree.tree_map_only(
         torch.Tensor, lambda t: (t[:take] if take else t).detach().clone(), (args, kwargs))
-    with tensors_kept(model), torch.random.fork_rng(devices=devices), torch.no_grad():
-        torch.manual_seed(0)
+    torch.set_rng_state(state[0])
+    for d, s in zip(devices, state[1]):
+        torch.cuda.set_rng_state(s, d)
+    with tensors_kept(model):
         try:
             out = run(a, k)
         except Exception:  # noqa: BLE001 - told to the caller

@@ -319,7 +319,7 @@ class _Switchable(_GuardsChildren):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        _weights.model_names_from_state_dict(self, state_dict, prefix)
+        missing_keys.extend(_weights.model_names_from_state_dict(self, state_dict, prefix))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 

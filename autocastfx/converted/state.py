@@ -92,8 +92,8 @@ class StateGuard:
                 _refuse(m, path, name, _AT_CONVERT, now, in_place=tensor is not None and tensor() is now)
         for ref, path, held in self.held:
             m = ref()
-            if m is not None and held != _held(m):
-                _replaced(m, path)
+            if m is not None and held != (now := _held(m)):
+                _replaced(m, path, held[:-1] == now[:-1])
         for ref, path, name, old, fp in self.looked:
             m = ref()
             if m is not None and fingerprint(now := getattr(m, name, _MISSING)) != fp:
@@ -165,18 +165,24 @@ def _holds_tensor(v: Any, depth: int = 0) -> bool:
 
 
 def _held(m: nn.Module) -> tuple:
-    # by id: the guard keeps no tensor or module of the model alive that the converted module does not hold; and
-    # each tensor's dtype, which ``model.half()`` changes in place
-    return (*((id(t), getattr(t, "dtype", None)) for t in m._parameters.values()),
-            *((id(t), getattr(t, "dtype", None)) for t in m._buffers.values()), *map(id, m._modules.values()))
+    # by id: the guard keeps no tensor or module of the model alive that the converted module does not hold; last,
+    # the first parameter's dtype, which ``model.half()`` changes in place (with every other one)
+    first = next(iter(m._parameters.values()), None)
+    return (*map(id, m._parameters.values()), *map(id, m._buffers.values()), *map(id, m._modules.values()),
+            getattr(first, "dtype", None))
 
 
-def _replaced(module: nn.Module, path: str) -> None:
+def _replaced(module: nn.Module, path: str, in_place: bool = False) -> None:
+    if in_place:
+        raise ValueError(
+            f"the parameters of the model's {type(module).__name__}{f' at {path!r}' if path else ''} changed dtype "
+            "after convert() (model.half(), model.to(dtype)): they are the converted module's too, the float32 "
+            "weights its programs cast per op and the optimizer trains, and low they would lose small updates. "
+            "Put them back (model.float()), or convert with the dtype wanted")
     raise ValueError(
         f"a parameter, buffer or submodule of the model's {type(module).__name__}"
         f"{f' at {path!r}' if path else ''} was replaced after convert() (a new layer, load_state_dict(..., "
-        "assign=True), a move of the model to another device or dtype, model.half()): the converted module runs on "
-        "the tensors "
+        "assign=True), a move of the model to another device): the converted module runs on the tensors "
         "and modules it had, so it would not compute the changed model, and an optimizer over the model's new "
         "tensors would train what it never reads. Make the change before convert() and convert again, or make it "
         "on the converted module (gm.load_state_dict(...), gm.to(...))")

@@ -166,13 +166,16 @@ def model_names_into_state_dict(unit: nn.Module, out: dict, prefix: str) -> None
                 out.setdefault(prefix + n, out[prefix + have])
 
 
-def model_names_from_state_dict(unit: nn.Module, state_dict: dict, prefix: str) -> None:
+def model_names_from_state_dict(unit: nn.Module, state_dict: dict, prefix: str) -> list[str]:
     """Drop the tied-weight names the converted module does not have, taking the value the model's own load would
     leave: the last of its names that ``state_dict`` holds (one name for a checkpoint that stores a tied weight
-    once; the later one where two hold different values, as ``load_state_dict`` copies them in order)."""
+    once; the later one where two hold different values, as ``load_state_dict`` copies them in order). Returns the
+    names of a tied weight that ``state_dict`` lacks, which the model's own load reports missing (safetensors'
+    ``load_model`` counts on it for the names it stored once)."""
     info = info_of(unit)
+    missing: list[str] = []
     if info is None:
-        return
+        return missing
     own = None
     for names in info.source_params.values():
         if len(names) < 2:
@@ -182,6 +185,7 @@ def model_names_from_state_dict(unit: nn.Module, state_dict: dict, prefix: str) 
         kept = [n for n in names if n in own]
         if not kept:
             continue
+        absent = [n for n in names if prefix + n not in state_dict]
         given = next((prefix + n for n in reversed(names) if prefix + n in state_dict), None)
         for n in kept:
             if given is not None:
@@ -189,6 +193,9 @@ def model_names_from_state_dict(unit: nn.Module, state_dict: dict, prefix: str) 
         for n in names:
             if n not in own:
                 state_dict.pop(prefix + n, None)
+        # as the model would: each name absent is missing (a kept one with no value at all, torch says itself)
+        missing.extend(prefix + n for n in absent if given is not None or n not in own)
+    return missing
 
 
 def _require(gm: nn.Module):

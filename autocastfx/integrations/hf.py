@@ -154,6 +154,11 @@ class Trainer(transformers.Trainer):
             # safetensors refuses tied tensors (GPT-2's embedding and head): each name gets its own copy
             state_dict = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         super()._save(output_dir, state_dict=state_dict)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        for name in ("config", "generation_config"):  # what from_pretrained(checkpoint) reads beside the weights
+            part = getattr(self.model, name, None)
+            if self.args.should_save and hasattr(part, "save_pretrained"):
+                part.save_pretrained(output_dir)
 
     # ---------------------------------------------------------------------------------------- logging
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
