@@ -174,7 +174,7 @@ def model_names_from_state_dict(unit: nn.Module, state_dict: dict, prefix: str) 
     ``load_model`` counts on it for the names it stored once)."""
     info = info_of(unit)
     missing: list[str] = []
-    if info is None:
+    if info is None or unit.__dict__.get(_OWN_NAMES):  # within own_names(): the names are gm's own
         return missing
     own = None
     for names in info.source_params.values():
