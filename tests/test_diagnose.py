@@ -81,3 +81,15 @@ def test_grad_histogram_shares_and_scale(tmp_path):
     assert (tmp_path / "g.png").exists() is False
     h.plot(str(tmp_path / "g.png"))
     assert (tmp_path / "g.png").stat().st_size > 1000
+
+
+def test_calibrate_and_for_inference_of_a_piecewise_module_say_what_to_apply_them_to():
+    """Before: AttributeError "'DataDependentLoss' object has no attribute 'graph'"."""
+    from test_blocks import DataDependentLoss, ids
+    torch.manual_seed(0)
+    gm = autocastfx.convert(DataDependentLoss(), (ids(),), example_kwargs={"labels": ids(seed=3)},
+                            dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="autocastfx.calibrate rewrites one converted graph.*converted piecewise"):
+        calibrate(gm, [(ids(),)])
+    with pytest.raises(ValueError, match="autocastfx.for_inference rewrites one converted graph.*piecewise"):
+        autocastfx.for_inference(gm)

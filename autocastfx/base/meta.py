@@ -66,6 +66,16 @@ def require_info(m: Any, error: type[Exception] = TypeError, fix: str = "convert
     return info
 
 
+def refuse_piecewise(info: ConvertInfo, what: str) -> None:
+    """ValueError where ``info`` is of a module converted piecewise: the model's own module tree around converted
+    parts, with no graph of its own for ``what`` to rewrite."""
+    if info.capture == "piecewise":
+        raise ValueError(f"{what} rewrites one converted graph, and this module was converted piecewise: the "
+                         "model's own Python around converted parts, with no graph of its own. Apply it to a "
+                         "converted part (gm.get_submodule(name); the names are in autocastfx.report(gm)), or to a "
+                         "module converted as one graph")
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     dtype: torch.dtype

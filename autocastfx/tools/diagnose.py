@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..core import rewrite as _rewrite
 from ..api import convert
-from ..base.meta import info_of
+from ..base.meta import info_of, refuse_piecewise
 
 
 def _info(gm):
@@ -73,6 +73,7 @@ def calibrate(gm: fx.GraphModule, batches: Iterable, *, margin: float = 4.0, max
     or lose more than ``max_rel_error`` relative error in it, moved to float32. ``batches``: input tuples like
     convert()'s ``example_inputs``. ``margin``: headroom on the largest value seen (4: values over 65504/4 move)."""
     info = _info(gm)
+    refuse_piecewise(info, "autocastfx.calibrate")
     batches = [b if isinstance(b, tuple) else (b,) for b in batches]
     if not batches:
         raise ValueError("calibrate() needs at least one batch of inputs")

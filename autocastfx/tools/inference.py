@@ -26,7 +26,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 from ..core import rewrite as _rewrite
 from ..base import keys as K
-from ..base.meta import fetch, require_info
+from ..base.meta import fetch, refuse_piecewise, require_info
 
 _aten = torch.ops.aten
 _CONVS = {F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d, _aten.conv1d.default,
@@ -41,6 +41,7 @@ def for_inference(gm: fx.GraphModule, example_inputs: tuple | None = None, *,
     from ..base.meta import example_inputs_of
 
     info = require_info(gm, ValueError)
+    refuse_piecewise(info, "autocastfx.for_inference")
     if example_inputs is None and example_kwargs is None:
         example_inputs, example_kwargs = example_inputs_of(gm)
     f32 = float32_eval_program(gm)
