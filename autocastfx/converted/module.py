@@ -335,6 +335,8 @@ class _Switchable(_GuardsChildren):
                 c._non_persistent_buffers_set = {b for b in m._non_persistent_buffers_set if b in c._buffers}
             if c is not None and _READ in m.__dict__:
                 c.__dict__[_READ] = m.__dict__[_READ]
+                c.__dict__.update({k: copy.deepcopy(m.__dict__[k], memo) for k in m.__dict__[_READ]
+                                   if k in m.__dict__ and k not in c.__dict__})
         return out
 
     def __reduce_ex__(self, protocol):
@@ -769,6 +771,47 @@ def install(gm: fx.GraphModule, programs: dict[str, fx.GraphModule] | None = Non
         gm.meta[K.PROGRAMS] = Programs(graphs, current, owners=kept)
         gm.graph = graphs[current]
     gm.recompile()
+
+
+class _Unannounced:
+    """First base of a class made over the model's: its ``__init_subclass__`` does nothing, so the model class's
+    hook (a registry of its subclasses) is not told of it."""
+
+    @classmethod
+    def __init_subclass__(cls, **kwargs):
+        pass
+
+
+_AS_MODEL: dict[tuple[type, type], type] = {}
+
+
+def _module_init(self, *args, **kwargs):
+    nn.Module.__init__(self)
+
+
+def as_model_class(part: nn.Module, original: nn.Module) -> None:
+    """Make ``part`` (a converted part in place of the model's module ``original``) an instance of ``original``'s
+    class too, where that class is a layer's (see :func:`_layer_class`): ``isinstance(m, nn.Linear)`` (to freeze
+    it) and the model's own ``isinstance`` checks then see it as the model does. Its plain settings come along,
+    read-only (the graph holds them as constants)."""
+    cls = original_class(original)
+    if cls is nn.Module or not _layer_class(cls) or isinstance(part, cls):
+        return
+    impl = type(part)
+    base = next(c for c in impl.__mro__ if c.__qualname__.split(".")[-1] != "GraphModuleImpl")
+    if (base, cls) not in _AS_MODEL:
+        # GraphModule.__init__ calls super().__init__() (a copy runs it): the model's class comes after it, through
+        # a class whose __init__ is nn.Module's
+        shim = type(cls.__name__, (_Unannounced, cls), {"__init__": _module_init, "__module__": cls.__module__,
+                                                        "__qualname__": cls.__qualname__})
+        _AS_MODEL[base, cls] = type(f"{base.__name__}As{cls.__name__}", (base, shim), {"__module__": base.__module__})
+    settings = {k: v for k, v in vars(original).items()
+                if k != "training" and k not in part.__dict__ and is_plain_setting(v)}
+    part.__dict__.update(settings)
+    part.__dict__[_READ] = frozenset(settings) | part.__dict__.get(_READ, frozenset())
+    part.__class__ = type("GraphModuleImpl", (_AS_MODEL[base, cls],), {})
+    add_model_surface(part)
+    part.recompile()
 
 
 def _stateless_twins(a, b) -> bool:

@@ -20,6 +20,7 @@ from ..capture.context import CaptureContext, free_sizes
 from ..core.plan import CastPlan
 from .parts import Conversions
 from ..base.quiet import warn_user
+from ..converted.module import as_model_class
 from ..converted.state import rebind
 from .packed import convert_packed, has_recurrent, takes_packed
 
@@ -83,6 +84,7 @@ def piecewise_units(model, tree, units, skipped, args, kwargs, conv: Conversions
         part.meta[BLOCK_META] = {"name": name, "inputs": dtypes, "plan": plan}
         keep_containers(part, m, {n[len(name) + 1:]: u for n, u in units.items() if n.startswith(name + ".")})
         parts[name] = part
+        as_model_class(part, m)  # isinstance(part, nn.Linear), as of the module it stands in for
         put_module(tree, name, part)
     for name in list(inputs):
         if name not in parts and name not in eager:
