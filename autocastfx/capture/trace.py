@@ -185,6 +185,8 @@ def _computes_as_model(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs
     rows = rows.pop() if len(rows) == 1 else 0
     infos = [n.meta.get(K.INFO) for n in gm.graph.nodes]
     largest = max((i.numel * i.dtype.itemsize for i in infos if isinstance(i, TensorInfo)), default=0)
+    if largest * (1 / rows if rows > 1 else 1) > _CHECK_BYTES:
+        return  # before counting FLOPs, which runs each matmul's shapes on meta
     flops = _flops(gm)
     devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices):  # each run from the same random state; the caller's kept
