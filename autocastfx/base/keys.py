@@ -4,7 +4,8 @@
 others are the passes' notes to one another, each written by one pass and read by the ones named beside it.
 """
 
-CONVERTED = "autocastfx"                           # gm.meta: the ConvertInfo of a module made by convert()
+CONVERTED = "autocastfx"                           # gm.meta: the ConvertInfo of a module made by convert();
+                                                   # node.meta: the node's rewrite.Decision (spelled "autocastfx")
 
 # node.meta
 INFO = "autocastfx_info"                           # TensorInfo of the value (propagate; read by every pass)

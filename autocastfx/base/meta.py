@@ -1,5 +1,5 @@
 """The vocabulary every layer shares: what a value is (TensorInfo), what a converted module carries (ConvertInfo)
-and how to tell one. Nothing here imports another part of autocastfx but its siblings in ``base``.
+and how to tell one. Imports nothing of autocastfx outside ``base``.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ _RAISE = object()
 
 
 def fetch(module: Any, target: str, missing: Any = _RAISE) -> Any:
-    """The attribute a ``get_attr`` node's dotted ``target`` names, read from ``module``; ``missing`` where a part
-    of the path is absent, or, with no ``missing`` given, an AttributeError naming the whole target."""
+    """The attribute a ``get_attr`` node's dotted ``target`` names in ``module``; ``missing`` where absent, or an
+    AttributeError when no ``missing`` is given."""
     obj = module
     for part in str(target).split("."):
         obj = getattr(obj, part, _RAISE)
@@ -67,8 +67,7 @@ def require_info(m: Any, error: type[Exception] = TypeError, fix: str = "convert
 
 
 def refuse_piecewise(info: ConvertInfo, what: str) -> None:
-    """ValueError where ``info`` is of a module converted piecewise: the model's own module tree around converted
-    parts, with no graph of its own for ``what`` to rewrite."""
+    """Raise ValueError if ``info`` is of a module converted piecewise, which has no graph of its own to rewrite."""
     if info.capture == "piecewise":
         raise ValueError(f"{what} rewrites one converted graph, and this module was converted piecewise: the "
                          "model's own Python around converted parts, with no graph of its own. Apply it to a "
@@ -108,8 +107,8 @@ def tensor_info(v: Any) -> Any:
 
 
 class ReadsThrough(nn.Module):
-    """A module standing in for a block (its ``block`` submodule): the model's code reads the block's
-    attributes through it (Hugging Face Swin's ``layer.downsample is not None``)."""
+    """A module standing in for its ``block`` submodule, through which the model's code reads the block's
+    attributes (Hugging Face Swin's ``layer.downsample is not None``)."""
 
     def __getattr__(self, name):
         try:
@@ -140,30 +139,29 @@ class ConvertInfo:
     extra_totals: dict[str, Any] = dataclasses.field(default_factory=dict)
     # id(parameter) of the model convert() was given -> all its names (a tied weight has several)
     source_params: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict, repr=False)
-    # the model's class and plain attributes (a config, sizes), to answer its own methods (modes._add_model_surface)
+    # the model's class and plain attributes (a config, sizes), to answer its own methods
+    # (converted.module.add_model_surface)
     model_class: type | None = dataclasses.field(default=None, repr=False)
     model_attrs: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     # the inputs of the captured call (calls.describe): a call of another shape is refused with both named
     call_signature: tuple = ()
-    # (flat input index, dims) free to vary (batch, sequence length): marked maybe-dynamic before a compiled call,
-    # so torch.compile does not recompile for a new batch size (calls.free_dims)
+    # (flat input index, dims) free to vary, marked maybe-dynamic so torch.compile does not recompile for a new
+    # batch size (calls.free_dims)
     free_dims: tuple = ()
-    # the model on the meta device: a failing call is rerun on it with meta inputs, so the model's own checks
-    # (an assert on the sequence length) raise their own message (calls.py)
+    # the model on the meta device: a failing call is rerun on it so the model's own checks raise their own message
     checks: Any = dataclasses.field(default=None, repr=False)  # converted.calls.ModelChecks
-    # (converted module, args, kwargs) -> the model converted for that call, tensors shared (api): a call of another
-    # structure (targets given where the example had none) is converted on first use (converted.calls)
+    # (converted module, args, kwargs, state) -> the model converted for a call of another structure, tensors shared
+    # (converted.calls)
     convert_call: Any = dataclasses.field(default=None, repr=False)
-    # the model's plain attributes its code read while captured, held as constants: a change refused at the next
-    # call (converted.state.StateGuard)
+    # guards the plain attributes the model's code read while captured: a change is refused at the next call
+    # (converted.state.StateGuard)
     state: Any = dataclasses.field(default=None, repr=False)
     # {mode: {module name: flag}}: what the model's own train()/eval() sets (frozen batch norms), where it has one
     mode_flags: dict | None = dataclasses.field(default=None, repr=False)
 
 
 def names_by_id(model: nn.Module) -> dict[int, tuple[str, ...]]:
-    """id(parameter) -> every name it has in ``model``, first one first (tied weights have several, and the
-    graph keeps one of them)."""
+    """id(parameter) -> every name it has in ``model``, in order (a tied weight has several)."""
     names: dict[int, tuple[str, ...]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names[id(p)] = names.get(id(p), ()) + (n,)
@@ -178,8 +176,8 @@ def module_path(node: fx.Node) -> str | None:
 
 
 def issuer_path(node: fx.Node) -> str | None:
-    """Qualified name of the module whose code issued ``node`` (``""``: the root), from ``nn_module_stack``; None
-    where the graph does not say."""
+    """Qualified name of the module whose code issued ``node`` (``""``: the root), from ``nn_module_stack``, or
+    None."""
     stack = node.meta.get("nn_module_stack")
     if stack:
         path = list(stack.values())[-1][0]

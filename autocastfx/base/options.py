@@ -13,13 +13,11 @@ SAVED = ("pad_multiple", "keep_io_types", "memory_format")
 
 @dataclasses.dataclass(frozen=True)
 class ConvertOptions:
-    """The options of one ``convert()`` call (``info.options`` of a converted module), built once ``convert()`` has
-    checked every value (api._check_inputs, layout.check_memory_format).
+    """The checked options of one ``convert()`` call (``info.options`` of a converted module).
 
-    ``dtype``: the low dtype, resolved from ``"auto"``/``None`` (core.devices). ``policy``: the frozen
-    ``autocastfx.Policy``. ``pad_multiple``: 1 turns padding off. ``keep_io_types``: outputs in the model's dtypes.
-    ``memory_format``: "auto", "channels_last" or "preserve" (core.layout). ``blocks``: "auto", a list of names, or
-    None: converted block by block (tree)."""
+    ``dtype``: the low dtype, resolved from ``"auto"``/``None`` (core.devices). ``pad_multiple``: 1 turns padding
+    off. ``keep_io_types``: outputs in the model's dtypes. ``memory_format``: "auto", "channels_last" or "preserve"
+    (core.layout). ``blocks``: "auto" or a list of names converts block by block (tree); None converts one graph."""
     dtype: torch.dtype = torch.float16
     policy: Any = None
     pad_multiple: int = 8

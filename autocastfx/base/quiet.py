@@ -22,10 +22,8 @@ _TORCH_INTERNAL_WARNINGS = (
 )
 
 
-# Warning filters and logger levels are the process's. warnings.catch_warnings and a saved-and-restored level are
-# not thread-safe (CPython's documentation: threads entering and leaving interleaved leave one's state behind).
-# So under one lock the first caller in installs them and the last one out removes exactly what was installed;
-# meanwhile another thread's torch-internal messages are hidden too.
+# Warning filters and logger levels are process-wide, and warnings.catch_warnings is not thread-safe (CPython's
+# documentation), so under one lock the first caller in installs them and the last one out removes them.
 _LOCK = threading.Lock()
 _ACTIVE: dict[str, list] = {"warnings": [], "logs": []}   # per kind: [depth, what was installed or saved]
 _QUIET_LOGGERS = {"torch.fx.experimental.symbolic_shapes": logging.ERROR, "torch._export": logging.ERROR,
@@ -95,8 +93,7 @@ def torch_internal_warnings_off():
 
 
 def quiet_torch_logs():
-    """Meanwhile, torch.export's and fake tensors' loggers speak only of errors (a failing capture logs a traceback
-    per op that raises; the raised error says it all)."""
+    """Meanwhile, torch.export's, dynamo's and fake tensors' loggers show only errors."""
     return _shared("logs")
 
 

@@ -1,12 +1,7 @@
-"""The model around its converted blocks, captured by torch.export: one graph, each block a ``call_module``.
-
-For models ``symbolic_trace`` cannot follow (Hugging Face models branch on configuration objects, build caches
-and masks). The model is exported with each block's call signature preserved (``preserve_module_call_signature``)
-and unflattened (``torch.export.unflatten``); :func:`graph_around` inlines the other submodules into one graph,
-evaluates the pytree packing around each block call away and calls the converted blocks in place of the exported
-ones, so the root is planned as a traced one is. During the export each block stands in as
-:class:`_Float32Results`: the code around the blocks is traced in float32, and the root's plan decides where the
-blocks' low results are cast.
+"""The model around its converted blocks as one graph, each block a ``call_module``, captured by torch.export for
+models ``symbolic_trace`` cannot follow. Blocks keep their call signatures through the export and unflatten, and
+:func:`graph_around` inlines the rest; meanwhile each block stands in as :class:`_Float32Results`, so the root's plan
+decides where the blocks' low results are cast.
 """
 from __future__ import annotations
 
@@ -34,10 +29,9 @@ class AroundError(RuntimeError):
 
 
 class _Float32Results(ReadsThrough):
-    """A converted block as torch.export sees it: only its signature and its result's structure, shapes and dtypes
-    matter. A block whose every result has its first input's shape (a decoder layer) gives copies of that input, so
-    the export does not trace it; otherwise the float32 block it was converted from runs, or, where that is not
-    known, the converted block with its low results given back in float32."""
+    """A converted block as torch.export sees it, giving float32 results of the right structure and shapes: copies
+    of its first input where its result template allows (a decoder layer), else the float32 block it came from, else
+    the converted block's results cast up."""
 
     def __init__(self, unit: nn.Module, sources: Mapping[int, tuple]):
         super().__init__()
@@ -75,8 +69,12 @@ class _Float32Results(ReadsThrough):
 def export_around(model: nn.Module, args: tuple, kwargs: dict, units: dict[str, nn.Module], export,
                   sources: Mapping[int, tuple]) -> fx.GraphModule:
     """``model`` (holding the converted blocks ``units`` by qualified name) as one graph module that calls each block,
-    the model left as it was. ``export(model, args, kwargs, preserve)`` is the caller's torch.export; ``sources``:
-    what stands in for each block meanwhile. Raises AroundError where torch.export cannot keep a block's signature."""
+    the model left as it was; AroundError where that cannot be done.
+
+    Args:
+        export: the caller's torch.export, called as ``export(model, args, kwargs, preserve)``.
+        sources: what stands in for each block meanwhile (``CaptureContext.sources``).
+    """
     parents = {}
     for name, unit in units.items():
         parent, _, key = name.rpartition(".")
@@ -110,9 +108,8 @@ def export_around(model: nn.Module, args: tuple, kwargs: dict, units: dict[str, 
 
 @contextlib.contextmanager
 def _meta_state(ep):
-    """Make the program's parameters, buffers and constants meta tensors meanwhile (tied ones stay one):
-    ``torch.export.unflatten`` clones every one it reads, a second copy of the model's weights per export.
-    Yields name -> the real tensor, which :func:`_share_model_tensors` puts back."""
+    """Make the program's parameters, buffers and constants meta tensors meanwhile, as ``torch.export.unflatten``
+    clones every one it reads; yields name -> the real tensor, which :func:`_share_model_tensors` puts back."""
     state, constants = ep.state_dict, ep.constants
     memo: dict[int, Any] = {}
 
@@ -159,10 +156,9 @@ def _share_model_tensors(flat: nn.Module, sources: dict) -> None:
 
 
 def _release(ep) -> None:
-    """Drop the unflattened module (the model's tensors, the blocks' stand-ins) from the program's
-    ``graph_module.meta``: torch keeps the last export's graph alive
-    (``proxy_tensor._FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT``, its nodes, their graph, its owning module), so
-    without this the model's float32 weights outlive ``convert()`` until the next export."""
+    """Drop the unflattened module from the program's ``graph_module.meta``: torch keeps the last export's graph
+    alive (``proxy_tensor._FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT``), which would keep the model's float32 weights
+    past ``convert()``."""
     meta = getattr(getattr(ep, "graph_module", None), "meta", None)
     if isinstance(meta, dict):
         meta.pop("unflattened_module", None)

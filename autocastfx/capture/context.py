@@ -1,7 +1,5 @@
-"""CaptureContext: what a capture needs to know beyond the model and its inputs, passed explicitly.
-
-One ``convert()`` call makes one context; the tree of blocks derives the ones its parts are captured in
-(``replace``): never a module global, so two conversions never see each other's state.
+"""CaptureContext: what a capture needs beyond the model and its inputs, made per ``convert()`` call and passed
+explicitly (never a module global), so two conversions never see each other's state.
 """
 from __future__ import annotations
 
@@ -15,12 +13,12 @@ import torch.nn as nn
 
 @dataclasses.dataclass(frozen=True)
 class CaptureContext:
-    """``meta_device``: the device a meta-device model will run on (None: a real model); shapes are propagated as
-    fake tensors of it and torch.export's ``device=meta`` constants retargeted to it. ``dynamic_sizes``: sizes of
-    the model's inputs free to vary (:func:`free_sizes`); a block exported alone leaves these sizes free.
-    ``sources``: id(converted block) -> (the model's block, its result template), what torch.export traces for a
-    block inside the model around it (capture.around). ``watch(module, name)``: called on every attribute read of
-    the capture's copy (capture.watch), so the tree of blocks can tell which attributes a conversion depends on."""
+    """What one capture is told beyond the model and its inputs.
+
+    ``meta_device``: the device a meta-device model will run on (None: a real model). ``dynamic_sizes``: sizes of
+    the model's inputs free to vary (:func:`free_sizes`), left free when a block is exported alone. ``sources``:
+    id(converted block) -> (the model's block, its result template), for capture.around. ``watch(module, name)``:
+    called on every attribute read of the capture's copy (capture.watch)."""
     meta_device: torch.device | None = None
     dynamic_sizes: frozenset[int] = frozenset()
     sources: Mapping[int, tuple[nn.Module, Any]] = dataclasses.field(

@@ -1,10 +1,6 @@
-"""Open up opaque calls: functions hidden from symbolic tracing are traced with torch.export and inlined.
-
-``torch.fx.wrap`` (torchvision's ``shifted_window_attention``, a user's helper) makes symbolic tracing record a
-function as one ``call_function`` node, keeping every matmul inside out of the plan's reach. Each such node is
-traced by ``torch.export`` on its example arguments, and its aten graph replaces the node; sizes stay free where the
-function's code allows. A function is left whole, with the reason in the report, when it has no tensor-core op, takes
-a computed non-tensor argument, returns other than a tensor or a tuple read by indexing, or cannot be exported.
+"""Open up the functions ``torch.fx.wrap`` hides from symbolic tracing (torchvision's ``shifted_window_attention``):
+each call is traced by torch.export on its example arguments and its aten graph replaces the node, so the plan
+reaches the matmuls inside. A call that cannot be opened runs whole, with the reason in the report.
 """
 from __future__ import annotations
 
@@ -68,8 +64,8 @@ def _example(info: TensorInfo) -> torch.Tensor:
 def inline_opaque_calls(gm: fx.GraphModule, traces: dict | None = None) -> list[InlineDecision]:
     """Inline every opaque call that holds a tensor-core op; returns a decision for each opaque call.
 
-    ``traces`` caches each trace by function, constant arguments and tensor dtypes and shapes, so repeated blocks
-    and the train and eval captures trace a call once (pass one dict to several calls to share it)."""
+    ``traces`` caches each trace by function, constant arguments and tensor dtypes and shapes; pass one dict to
+    several calls to share it."""
     decisions = []
     traces = {} if traces is None else traces
     for node in list(gm.graph.nodes):

@@ -37,11 +37,9 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy, ctx: CaptureCon
             share_tensors: bool = False) -> Captured:
     """Capture ``model`` in training mode and in eval mode (and as it is, when its modules are in mixed modes).
 
-    One deep copy serves every capture, its modes switched between them: the programs share the leaf modules and
-    the model's tensors. Where the code read no mode, the one capture serves both; where only torch's dropout and
-    batch-norm modules read it (as one op's flag), the other programs are derived from the training capture. A
-    model that cannot be captured in a mode has that mode's program derived from the capture it has, and a
-    warning says so."""
+    One deep copy serves every capture, so the programs share the leaf modules and the model's tensors. Where the
+    code read no mode one capture serves both; where only torch's dropout and batch-norm modules read it, or a mode
+    cannot be captured (with a warning), the other programs are derived from one capture."""
     work = copy_model(model, share_tensors)
     with watch_reads(watchable(work), ctx.watch) if ctx.watch is not None else contextlib.nullcontext(), \
             watch_state(work) as state:
@@ -160,11 +158,9 @@ _FLAG_ONLY = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDrop
 
 
 def flag_only(module: nn.Module, code) -> bool:
-    """Whether a read of ``module``'s mode by ``code`` is one whose only use is the training flag of the one op
-    the module's forward calls: ``code`` is the forward of one of torch's dropout modules, or of its batch norms
-    where they keep running statistics with a momentum (a hook or another module reading the flag is not). Its
-    eval capture would be the training capture with that flag off. Exact classes only: a subclass may read the
-    mode in code of its own."""
+    """Whether ``code``'s read of ``module``'s mode only sets the training flag of the one op its forward calls:
+    ``code`` is the forward of one of torch's dropout modules, or of its batch norms where they keep running
+    statistics with a momentum. Exact classes only: a subclass may read the mode in code of its own."""
     cls = original_class(module)
     if cls not in _FLAG_ONLY or code is not cls.forward.__code__:
         return False

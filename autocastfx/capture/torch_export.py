@@ -16,11 +16,9 @@ from ..base.quiet import quiet_torch_logs, torch_internal_warnings_off
 
 
 # torch's fake-tensor dispatch cache slows an export with free sizes: a cache hit rebuilds its output's symbolic
-# sizes and strides at more cost than the op's meta function (pytorch/pytorch#191500; fix under review in
-# pytorch/pytorch#192047). A static export gains from it. torch reads the flag when a FakeTensorMode is made, so
-# ``config.patch`` turns it off around each export with free sizes: per thread on torch 2.12 and newer; on 2.11 the
-# config is the process's, conversions take turns (``api``'s lock), and an export in another thread at the same
-# time may run with or without the cache, which changes its speed, never its result.
+# sizes and strides at more cost than the op's meta function (pytorch/pytorch#191500, pytorch/pytorch#192047), so
+# it is turned off around each such export. On torch 2.11 that config is process-wide: an export in another thread
+# may then run with or without the cache, which changes its speed, never its result.
 
 
 def run_export(model: nn.Module, args: tuple, kwargs: dict | None = None,
@@ -64,10 +62,9 @@ def capture_export(model: nn.Module, args: tuple, kwargs: dict, ctx: CaptureCont
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict, preserve: tuple[str, ...] = (), *, ctx: CaptureContext):
-    """torch.export with the batch size, and the sequence length of token inputs, free (``Dim.AUTO``) where the
-    model allows it; a static export where that fails (code that needs concrete sizes). Other sizes (image height
-    and width, feature widths) stay the example's: free spatial sizes make a windowed vision model's export spend
-    long in symbolic reasoning on its padding arithmetic (docs/benchmarks.md, "Free sizes in torch.export")."""
+    """torch.export with the batch size, and the sequence length of token inputs, free (``Dim.AUTO``), else static.
+    Other sizes stay the example's, as free spatial sizes make a windowed vision model's export slow
+    (docs/benchmarks.md, "Free sizes in torch.export")."""
     target = ctx.meta_device
     if target is not None:  # on the meta device: the inputs too, and the device the program will run on after
         args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
@@ -91,9 +88,9 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, preserve: tuple[str, ..
 
 def _constants_with_values(ep, model: nn.Module, args: tuple, kwargs: dict, target: torch.device,
                            preserve: tuple[str, ...]) -> None:
-    """Fill the constants a model on meta makes from Python values (``x[:, [-1]]``'s index, ``torch.tensor([...])``):
-    on meta no loading fills them, and a real tensor indexed by a meta one gives garbage without an error. They
-    come from a second export of a copy whose tensors are fake tensors of ``target``; CaptureError where not."""
+    """Fill the constants a model on meta makes from Python values (``x[:, [-1]]``'s index, ``torch.tensor([...])``),
+    which no loading fills, from a second export of a copy whose tensors are fake tensors of ``target``;
+    CaptureError where that fails."""
     lifted = set(ep.graph_signature.lifted_tensor_constants)  # not the model's non-persistent buffers (loaded)
     missing = {k for k, v in ep.constants.items() if k in lifted and isinstance(v, torch.Tensor) and v.is_meta}
     if not missing:
@@ -150,9 +147,8 @@ def _retarget_devices(gm: fx.GraphModule, old: torch.device, new: torch.device) 
 
 
 class _DataDependent(Exception):
-    """A data-dependence error of the model's code, carried through torch.export as a non-RuntimeError: for a
-    RuntimeError saying "data-dependent" torch.export prints the graph so far to stderr (pytorch/pytorch#146298),
-    pages of noise when convert() goes on to capture piecewise. The model's own error is raised after the export."""
+    """A data-dependence error of the model's code, carried through torch.export as a non-RuntimeError, since for a
+    RuntimeError saying "data-dependent" torch.export prints the graph so far to stderr (pytorch/pytorch#146298)."""
 
 
 @contextlib.contextmanager
@@ -191,8 +187,7 @@ def _forward_as(model: nn.Module, forward):
 @contextlib.contextmanager
 def _explicit_keywords(model: nn.Module, kwargs: dict):
     """Meanwhile ``model.forward`` names every keyword input it takes through ``**kwargs`` (a Hugging Face layer's
-    ``position_ids``): torch.export matches dynamic shapes against the bound signature in one place and the flat
-    keyword inputs in another, which differ for a ``**kwargs`` forward, so its dynamic export would fail."""
+    ``position_ids``), without which torch.export's dynamic export of a ``**kwargs`` forward fails."""
     import inspect
 
     try:

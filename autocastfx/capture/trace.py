@@ -91,9 +91,12 @@ def capture_graph(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, c
              ) -> tuple[fx.GraphModule, str]:
     """Capture ``model`` by symbolic tracing, falling back to torch.export; returns the graph and the method used.
 
-    ``method`` (``"symbolic_trace"`` or ``"torch.export"``) forces one way: a second capture in another mode must
-    take the way the first took. ``check=False`` skips running a traced graph on the example inputs (the caller
-    propagates it). ``reads`` collects the modules whose ``training`` flag the model's code read."""
+    Args:
+        method: ``"symbolic_trace"`` or ``"torch.export"`` forces one way (a capture in another mode must take the
+            way the first took).
+        check: False skips propagating the graph and checking its values (the caller propagates it).
+        reads: collects the modules whose ``training`` flag the model's code read.
+    """
     if method == "torch.export":
         return capture_export(model, args, kwargs, ctx, check=check, reads=reads)
     try:
@@ -128,8 +131,8 @@ def _grad_modes() -> tuple:
 
 
 def _in_reentrant_checkpoint() -> bool:
-    """Whether the caller runs inside ``torch.utils.checkpoint(..., use_reentrant=True)``, whose forward runs under
-    ``no_grad`` and whose backward recomputes with gradients: traced, its ops are the model's, with gradients."""
+    """Whether the caller runs inside ``torch.utils.checkpoint(..., use_reentrant=True)``, whose forward's
+    ``no_grad`` does not mean the ops lose their gradients."""
     frame = sys._getframe(2)
     while frame is not None:
         code = frame.f_code
@@ -147,8 +150,8 @@ def _root_hooks(model: nn.Module) -> bool:
 
 @contextlib.contextmanager
 def tensors_kept(model: nn.Module):
-    """Meanwhile the model's code may run for real (a forward that moves a step counter or a running statistic):
-    its buffers, plain tensor attributes and plain settings (an int it counts with) get their values back on exit."""
+    """Meanwhile the model's code may run for real: its buffers, plain tensor attributes and plain settings (an int
+    it counts with) get their values back on exit."""
     tensors = {id(t): t for t in itertools.chain(model.buffers(), (v for m in model.modules() for v in vars(m).values()
                                                                    if isinstance(v, torch.Tensor)))
                if not t.is_meta and not isinstance(t, nn.Parameter)}
@@ -167,17 +170,16 @@ def tensors_kept(model: nn.Module):
 
 
 _CHECK_BYTES = 16 << 20  # the largest activation of the check's rows
-_CHECK_FLOPS = 3e9  # the matmul and convolution FLOPs of one of its runs (one 224x224 image: ViT-Tiny 2.5e9, ResNet-18 3.6e9)
+_CHECK_FLOPS = 3e9  # the matmul and convolution FLOPs of one of its runs (about one image through a small vision model)
 
 
 def _computes_as_model(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: dict) -> None:
-    """CaptureError where the traced graph, run on the example, gives other values than the model's own call: a
-    branch on ``isinstance(x, torch.Tensor)`` (False for a traced value) or on any other fact of the trace rather
-    than of the call. Both run in float32 in the caller's grad mode on copies of the inputs, from the same random
-    state (the caller's put back after): one row of a shared batch (two where the model's call refuses one, as a
-    batch norm in training may). Nothing is checked on meta tensors, where the model's own call fails, where one
-    activation of those rows would exceed ``_CHECK_BYTES`` (converting needs little activation memory), or where a
-    run would exceed ``_CHECK_FLOPS``."""
+    """CaptureError where the traced graph, run on the example, gives other values than the model's own call (a
+    branch on ``isinstance(x, torch.Tensor)`` or another fact of the trace rather than of the call).
+
+    Both run in the caller's grad mode, from the same random state, on copies of one row of the inputs' shared
+    batch (two where the model refuses one, as a batch norm in training may). Nothing is checked on meta tensors,
+    where the model's own call fails, or past ``_CHECK_BYTES`` or ``_CHECK_FLOPS``."""
     tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     if any(t.is_meta for t in itertools.chain(tensors, model.parameters(), model.buffers())):
         return
@@ -224,8 +226,8 @@ def _flops(gm: fx.GraphModule) -> int:
 def _run(model: nn.Module, args: tuple, kwargs: dict, take: int, run, state: tuple, devices: list,
          must: bool = False) -> list | None:
     """The tensors ``run`` returns on copies of the first ``take`` rows of the inputs (all where ``take`` is 0),
-    from the random ``state``, in the caller's grad mode (a branch on it is the trace's too), the model's buffers and
-    settings put back after; None where it raises, unless ``must``."""
+    from the random ``state``, the model's buffers and settings put back after; None where it raises, unless
+    ``must``."""
     a, k = torch.utils._pytree.tree_map_only(
         torch.Tensor, lambda t: (t[:take] if take else t).detach().clone(), (args, kwargs))
     torch.set_rng_state(state[0])
@@ -249,12 +251,9 @@ _RANDOM = frozenset(getattr(torch.ops.aten, n) for n in (
 
 
 class _RealOps(TorchDispatchMode):
-    """Notes (``why``) ops that symbolic tracing runs for real, their inputs untraced, leaving a graph constant.
-
-    Flagged: a random draw (``h + torch.randn(8)``, a layer drop by ``torch.rand(()).item()``), which would be the
-    same draw at every call, and an in-place update of the model's own tensors (a moving-average buffer, a step
-    counter), which would happen once, at trace time. Updated tensors get their values back on exit. Either sends
-    the capture to torch.export, which records both as ops."""
+    """Notes (``why``) ops that symbolic tracing would run once and bake into the graph: a random draw from no
+    traced input (``h + torch.randn(8)``) and an in-place update of the model's own tensors (a step counter); either
+    sends the capture to torch.export. Updated tensors get their values back on exit."""
 
     def __init__(self, model: nn.Module):
         super().__init__()

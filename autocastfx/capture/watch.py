@@ -1,8 +1,6 @@
-"""What the model's code reads while it is captured: modules' ``training`` flags, attributes of blocks.
-
-Only the capture's own copy of the model is watched: each of its modules has its class swapped meanwhile for a
-subclass that reports attribute reads (as ``fully_shard`` swaps in an ``FSDP<class>``). Neither the model's classes
-nor ``nn.Module`` change, and no other module, in this thread or another, is touched.
+"""What the model's code reads while it is captured: modules' ``training`` flags and plain attributes. Only the
+capture's own copy is watched, each module's class swapped meanwhile for a subclass that reports attribute reads, so
+neither the model's classes nor ``nn.Module`` change.
 """
 from __future__ import annotations
 import contextlib
@@ -28,8 +26,8 @@ class _Unannounced:
 
 
 def _reporting(cls: type) -> type:
-    """A subclass of ``cls`` that calls the callbacks of the instance on every attribute read; made for one watch
-    and dropped with it (nothing is kept of the classes a process captured)."""
+    """A subclass of ``cls`` that calls the callbacks of the instance on every attribute read; made per watch, not
+    cached."""
     def __getattribute__(self, name):
         for callback in _CALLBACKS.get(id(self), ()):
             callback(self, name)
@@ -106,8 +104,7 @@ def _unwatched(v):
 @contextlib.contextmanager
 def watch_training(model: nn.Module, reads: list | None):
     """Meanwhile append ``(module, code object)`` to ``reads`` for every read of ``training`` by a module of
-    ``model`` (the capture's copy); ``None`` watches nothing. A capture that reads none has no mode-dependent code
-    (leaf modules switch by themselves and are not run by a capture), so its eval capture would be the same graph."""
+    ``model`` (the capture's copy); ``None`` watches nothing."""
     if reads is None:
         yield
         return
@@ -133,9 +130,8 @@ _MODULE_OWN = frozenset(vars(nn.Module())) | {"forward"}  # nn.Module's bookkeep
 
 
 def fingerprint(v: Any, depth: int = 0) -> Any:
-    """What a value read as a constant is compared by: plain values and containers of them by value, a plain tensor
-    by identity and version (an in-place change), anything else (a function, a config, a tensor in a container) by
-    identity."""
+    """What a value read as a constant is compared by: plain values and containers of them by value, a tensor that
+    is not a parameter by identity and version, anything else by identity."""
     if isinstance(v, torch.Tensor):  # a parameter moves at every step: by identity
         return ("id", id(v)) if isinstance(v, nn.Parameter) else ("tensor", id(v), v._version)
     if v is None or isinstance(v, (bool, int, float, complex, str, bytes, torch.dtype, torch.device)):
@@ -172,8 +168,8 @@ def state_name(m: nn.Module, name: str) -> bool:
 
 @contextlib.contextmanager
 def watch_state(model: nn.Module):
-    """Yields a :class:`StateUse` of ``model`` (the capture's copy), filled on exit with the plain attributes of its
-    modules (not those inside converted blocks, which watch their own) read meanwhile."""
+    """Yields a :class:`StateUse` of ``model`` (the capture's copy) that collects the plain attributes of its
+    modules read meanwhile (not those inside converted blocks, which watch their own)."""
     mods = watchable(model)
     paths = {id(m): n for n, m in model.named_modules()}
     use = StateUse()

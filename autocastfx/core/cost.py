@@ -1,14 +1,6 @@
-"""The padding gate: what cuDNN and cuBLAS do with misaligned channel and feature counts, as data with its
-evidence, and the rules that read it.
-
-Padding adds FLOPs and bytes for certain and saves time only where the library would otherwise run a worse
-kernel, so each convolution and linear is judged on its own by ``RULES``, in order; the first that speaks for a
-dim decides it, with a reason naming the rule and its numbers. Arithmetic intensity is FLOPs over activation bytes:
-both grow with the batch, so it does not depend on the example's batch size, which is rarely the training batch.
-
-``gate="trial"`` replaces all but the grouped and growth-cap rules, on a CUDA device, by a timed trial of every
-candidate padding (forward and backward, like ``cudnn.benchmark``), cached per shape; the timer is a parameter, so
-the logic runs on the CPU with a stub.
+"""The padding gate: whether padding a convolution's or linear's dims makes cuDNN or cuBLAS run a faster kernel,
+judged by ``RULES`` (data with its evidence). ``gate="trial"`` instead times each candidate padding on the CUDA device,
+keeping only the grouped and growth-cap rules.
 """
 from __future__ import annotations
 
@@ -207,7 +199,7 @@ def _compute_bound(site: Site, in_now: int, o_to: int, i_to: int, left: str, hw:
                    ) -> tuple[tuple[int, int], str]:
     """The dims with the lowest modeled time, if MARGIN times faster than now, and the reason."""
     def align(o: int, i: int) -> int:
-        return alignment(o) if site.thin_input else alignment(o, i)  # a thin input's kernel is rule 2's business
+        return alignment(o) if site.thin_input else alignment(o, i)  # a thin input is the thin_input rules' business
 
     def modeled(o: int, i: int) -> float:
         return _growth(site, o, i) / ALIGN_EFFICIENCY[align(o, i)]
@@ -251,8 +243,8 @@ def _finish(site: Site, o: int, i: int, notes: list[tuple[str, str]], max_growth
 
 @dataclasses.dataclass(frozen=True)
 class TrialCase:
-    """One timed configuration: an op at the example's shapes, padded to (out, inp), on one device; also the
-    cache key, so a shape is timed once per device and process."""
+    """One timed configuration (an op at the example's shapes, padded to (out, inp), on one device), and the key of
+    ``TRIAL_CACHE``."""
     kind: str                   # "conv" | "linear"
     x_shape: tuple[int, ...]    # true input shape
     w_shape: tuple[int, ...]    # true weight shape

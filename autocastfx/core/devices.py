@@ -1,11 +1,5 @@
-"""Which dtype pays on which device: ``convert(dtype="auto")``.
-
-CUDA GPUs run float16 and bfloat16 on tensor cores (float16 by default, with loss scaling). A CPU is fast only in
-the dtypes its instruction set computes natively (bfloat16: AVX512-BF16 or AMX-BF16; float16: AVX512-FP16 or
-AMX-FP16); elsewhere the kernels convert element by element, so ``"auto"`` computes in float32 and keeps the model's
-dtypes. Where the flags cannot be read, one small matmul per dtype, timed once per process, decides.
-``ONEDNN_MAX_CPU_ISA`` below a dtype's native instructions makes it emulated whatever the flags say: oneDNN runs
-the low dtypes' matmuls and convolutions, and that variable caps it.
+"""Which dtype pays on which device (``convert(dtype="auto")``): float16 on CUDA; on a CPU, a low dtype only where
+its instructions are native (read from the CPU flags and ``ONEDNN_MAX_CPU_ISA``, else timed), else float32.
 """
 from __future__ import annotations
 
@@ -21,8 +15,8 @@ NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("av
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
 ACCEPTED = ("torch.float16 or torch.bfloat16 (None: float16, the default) or 'auto' (the dtype that pays on the "
             "model's device, float32 compute where no low dtype does)")
-# oneDNN's instruction sets, lowest first, as ONEDNN_MAX_CPU_ISA names them (oneDNN's "CPU dispatcher control"), and
-# the one that holds each low dtype's native instructions
+# oneDNN's instruction sets, lowest first, as ONEDNN_MAX_CPU_ISA names them, and the one that holds each low dtype's
+# native instructions: a cap below it leaves the dtype emulated whatever the flags say
 ONEDNN_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
                "AVX512_CORE_BF16", "AVX10_1_512", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16", "AVX10_2_512",
                "AVX10_2_512_AMX_2")
@@ -69,8 +63,8 @@ def _onednn_variable() -> str:
 
 
 def onednn_cap() -> str | None:
-    """The instruction set ``ONEDNN_MAX_CPU_ISA`` (or its older name ``DNNL_MAX_CPU_ISA``) caps oneDNN at; None where
-    neither is set, or set to ``ALL``/``DEFAULT`` or a name oneDNN does not know (it ignores those too)."""
+    """The instruction set ``ONEDNN_MAX_CPU_ISA`` (or ``DNNL_MAX_CPU_ISA``) caps oneDNN at; None where unset or set to
+    a name oneDNN ignores (``ALL``, ``DEFAULT``, unknown)."""
     name = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
     name = ONEDNN_ALIASES.get(name, name)
     return name if name in ONEDNN_ISAS else None
@@ -180,8 +174,8 @@ def slow_note(dtype: torch.dtype, device: torch.device) -> str | None:
 
 
 def resolve(dtype, device: torch.device) -> tuple[torch.dtype, str | None]:
-    """(the dtype to convert to, what the report says of it). ``None`` is float16; ``"auto"`` chooses by device,
-    float32 included; an explicit dtype with no fast kernels on the device is warned about."""
+    """(the dtype to convert to, what the report says of it). ``None`` is float16; ``"auto"`` chooses by device;
+    an explicit dtype with no fast kernels on the device is warned about."""
     if isinstance(dtype, str):
         if dtype != "auto":
             raise ValueError(f"dtype must be {ACCEPTED}, got {dtype!r}")

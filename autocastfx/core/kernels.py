@@ -1,15 +1,6 @@
-"""What the CUDA kernels accept, as data with its evidence: the contract the cast plan obeys.
-
-PyTorch's CPU kernels accept almost any mix of dtypes, so a plan that calls ``native_layer_norm`` with a float16
-activation and float32 parameters runs on the CPU and fails on the first CUDA forward. Each rule says, for one aten
-op as dispatched, whether CUDA accepts a low activation with float32 parameters, and if not, which arguments must
-share a dtype. ``build_plan`` reads the rules to pick each norm's form; ``tests/test_contract.py`` checks every aten
-call of the test models against them on the CPU, so a change that would break CUDA fails in CI without a GPU.
-Evidence is a measurement or the reason a rule holds without one;
-``tests/test_gpu.py::test_cuda_norm_kernels_match_contract`` re-checks the rules on a GPU.
-
-The CPU has the opposite gap: a few aten ops have no float16/bfloat16 CPU kernel (``CPU_GAPS``). The plan runs them in
-float32 on the CPU, and ``tests/test_cpu_contract.py`` probes the installed torch for kernels added or dropped.
+"""The dtype contract the cast plan obeys, as data with its evidence: which CUDA kernels refuse a low activation with
+float32 parameters (``CUDA_RULES``; the CPU accepts such mixes, so tests/test_contract.py checks them without a GPU),
+and which aten ops have no low-precision CPU kernel (``CPU_GAPS``).
 """
 from __future__ import annotations
 
@@ -23,9 +14,8 @@ _H100 = "H100 80GB, torch 2.11.0+cu130, 2026-11-22 (float16 activation, float32 
 
 @dataclasses.dataclass(frozen=True)
 class KernelRule:
-    """One aten op on CUDA. ``same_dtype``: positions of the tensor arguments that must share one dtype
-    (empty when the kernel accepts mixed dtypes). ``graph_ops`` / ``modules``: the graph-level op names and leaf
-    module types that dispatch to it, so the plan can apply the rule before anything runs."""
+    """One aten op on CUDA. ``same_dtype``: positions of the tensor arguments that must share one dtype.
+    ``graph_ops`` / ``modules``: the graph-level op names and leaf module types that dispatch to it."""
     op: str
     accepts_mixed: bool
     same_dtype: tuple[int, ...]
@@ -115,8 +105,8 @@ def rule_for(op_name: str | None, module: nn.Module | None = None) -> KernelRule
 
 
 def norm_form(op_name: str | None, module: nn.Module | None = None) -> tuple[bool, str]:
-    """(mixed allowed, why) for a norm: mixed means a low-precision activation with float32 parameters and
-    statistics; otherwise the norm runs whole in float32 and the plan places the casts around it."""
+    """(mixed allowed, why) for a norm: mixed is a low-precision activation with float32 parameters and statistics;
+    otherwise the norm runs whole in float32."""
     r = rule_for(op_name, module)
     if r is None:
         return True, "norm: follows its input; parameters and statistics float32"
@@ -127,8 +117,7 @@ def norm_form(op_name: str | None, module: nn.Module | None = None) -> tuple[boo
 
 
 def violations(op: str, args: tuple, dtype_of) -> list[str]:
-    """The ways one aten call breaks the contract: ``dtype_of(arg)`` gives a tensor argument's dtype or None.
-
+    """The ways one aten call breaks the contract; ``dtype_of(arg)`` gives a tensor argument's dtype or None.
     Tensor lists (the fused optimizers' params and grads) are compared element by element."""
     r = RULES_BY_OP.get(op)
     if r is None or r.accepts_mixed:
@@ -165,7 +154,7 @@ _LOW = (torch.bfloat16, torch.float16)
 @dataclasses.dataclass(frozen=True)
 class CpuGap:
     """An aten op the CPU runs in float32 only (NotImplementedError ``message`` in each of ``dtypes``).
-    ``graph_ops`` / ``modules``: the op names and leaf module types that reach it, for the plan to check early."""
+    ``graph_ops`` / ``modules``: the op names and leaf module types that reach it."""
     op: str
     dtypes: tuple[torch.dtype, ...]
     message: str

@@ -1,17 +1,6 @@
-"""Memory layout: a convolutional model runs channels_last (NHWC) end to end.
-
-cuDNN's tensor-core convolutions work in NHWC; fed NCHW tensors, every convolution transposes its input, weight
-and output, forward and backward. ``memory_format``: ``"auto"`` (default) means channels_last for a model with 2-D
-convolutions on a CUDA device, else nothing changes (a model converted on the CPU computes exactly as before);
-``"channels_last"`` applies on any device (the CPU tests use it); ``"preserve"`` leaves layouts as they are.
-
-In channels_last each graph input that reaches a convolution is converted once, at the start, and convolutions read
-their weights channels_last through the graph (``weights_channels_last``), so the float32 parameter keeps its layout
-and its gradient comes back in it. The layout then flows through elementwise ops, norms, pooling, ``cat`` and casts.
-One run on the example inputs finds where NCHW is needed: an op that fails on channels_last strides (a ``view``:
-a channel shuffle) or reads strides gets a contiguous copy, or the NCHW original where one is at hand; 4-D graph
-outputs are returned contiguous; a convolution still reading NCHW gets a channels_last copy. ``reshape`` and
-``flatten`` copy to NCHW order themselves where they must (the report lists them). Inserted nodes are tagged in
+"""Memory layout: a model with 2-D convolutions runs channels_last (NHWC) end to end, which cuDNN's tensor-core
+convolutions need (``memory_format="auto"``: only on CUDA). Inputs that feed convolutions are converted once at the
+start, and runs on the example inputs find where NCHW is still needed; inserted nodes are tagged in
 ``node.meta[K.LAYOUT]`` with their reason.
 """
 from __future__ import annotations
@@ -34,11 +23,11 @@ _CONV2D = frozenset({"conv2d", "conv_transpose2d", "convolution", "_convolution"
 _STRIDED = frozenset({"as_strided", "stride", "data_ptr", "storage_offset", "is_contiguous"})  # read strides
 _RESHAPES = frozenset({"view", "view_as", "_unsafe_view", "reshape", "reshape_as", "flatten", "unflatten"})
 _TAG = K.LAYOUT
-_ROUNDS = 4  # each round can only add conversions; a graph settles in one or two
+_ROUNDS = 4  # each round can only add conversions
 
 
 def check_memory_format(value: Any) -> str:
-    """The memory_format option's name; a clear error for anything else."""
+    """The memory_format option's name; ValueError or TypeError for anything else."""
     by_object = {torch.channels_last: "channels_last", torch.preserve_format: "preserve"}
     if isinstance(value, torch.memory_format):
         if value not in by_object:
@@ -93,7 +82,7 @@ def is_conv2d(node: fx.Node) -> bool:
 
 
 def plan_layout(gm: fx.GraphModule, memory_format: str) -> LayoutPlan:
-    """Choose the layout. Layout nodes of an earlier conversion are taken out first (convert is re-entrant)."""
+    """Choose the layout, after taking out an earlier conversion's layout nodes (convert is re-entrant)."""
     requested = check_memory_format(memory_format)
     undo(gm)
     n = sum(1 for node in gm.graph.nodes if is_conv2d(node))
@@ -173,8 +162,8 @@ def _is_nhwc(v: Any) -> bool:
 
 
 def weights_channels_last(gm: fx.GraphModule, plan: LayoutPlan) -> None:
-    """Every 2-D convolution reads its weight channels_last: its low-dtype cast writes NHWC, or a float32 weight
-    gets a ``contiguous`` node. Called after the casts are in the graph; parameters are not changed."""
+    """Every 2-D convolution reads its weight channels_last (its cast writes NHWC, else a ``contiguous`` node), so
+    the float32 parameter and its gradient keep their layout. Runs after the casts are in the graph."""
     if plan.memory_format != "channels_last":
         return
     for node in list(gm.graph.nodes):

@@ -1,17 +1,6 @@
-"""train() and eval() on every converted module, whatever captured it: one program per mode.
-
-A captured graph bakes the mode the model was in: ``torch.export`` writes ``aten.dropout(x, p, True)`` and
-``aten.batch_norm(..., True, ...)`` with literal flags, and symbolic tracing writes ``F.dropout(x, p, training=True)``
-for a ``training=self.training`` argument (leaf modules such as nn.Dropout, as ``call_module`` nodes, switch by
-themselves). So a converted module holds a program per mode (:class:`Programs`), each captured (``capture.programs``)
-and planned on its own, and ``gm.train()``/``gm.eval()`` swap them (``converted.module``).
-
-Where a mode's program is not captured (only torch's own dropout and batch-norm modules read the mode, or a capture
-in that mode fails), it is derived from a capture (:func:`derived`): the nodes whose flag, dropout probability,
-batch-norm target or statistics counter came from ``self.training`` (:func:`flag_marks`; a literal
-``training=True`` cannot be told from ``self.training`` and follows the mode too) are set for that mode, each to
-its own module's mode in the program of the modes as given. PyTorch's helpers for exported programs
-(``move_exported_model_to_train/eval``, in ``torchao.quantization.pt2e``) are the same idea on patterns.
+"""train() and eval() on every converted module: a captured graph bakes in the mode the model was in, so a converted
+module holds one program per mode (:class:`Programs`), each planned on its own and swapped by ``gm.train()`` and
+``gm.eval()``. A mode that is not captured is derived from a capture by setting the flags that came from the mode.
 """
 from __future__ import annotations
 
@@ -32,8 +21,8 @@ _aten = torch.ops.aten
 
 @dataclasses.dataclass(frozen=True)
 class ModeArg:
-    """Where a node keeps its training flag: a positional index or a keyword, or a target swap."""
-    kind: str                      # "flag" | "counter" | "swap"
+    """Where a node keeps its mode: an argument (by position or keyword), or its target."""
+    kind: str                      # "flag" | "value" | "counter" | "swap"
     index: int | None = None
     keyword: str | None = None
     train_target: object = None    # for "swap": the target in training mode ...
@@ -72,7 +61,7 @@ if hasattr(_aten, "_batch_norm_with_update") and hasattr(_aten, "_batch_norm_no_
                                                        _aten._batch_norm_no_update.default),
               _aten._batch_norm_no_update.default: (_aten._batch_norm_with_update.default,
                                                      _aten._batch_norm_no_update.default)}
-_METHOD_FLAGS = {"dropout": (1, "training")}  # x.dropout(p, training) is rare; kept for completeness
+_METHOD_FLAGS = {"dropout": (1, "training")}  # x.dropout(p, training)
 if hasattr(F, "multi_head_attention_forward"):
     _FLAGS[F.multi_head_attention_forward] = (13, "training")
 # attention whose dropout probability modules write as ``p if self.training else 0.0`` (Hugging Face, timm)
@@ -100,8 +89,9 @@ def _get(node: fx.Node, index: int, keyword: str):
 
 
 def _marks(gm: fx.GraphModule, mode_at_capture) -> dict[fx.Node, ModeArg]:
-    """The nodes whose training flag, dropout probability, batch-norm target or statistics counter came from the
-    mode (``mode_at_capture(node)``: the mode the node's module was captured in), not yet marked."""
+    """The nodes whose training flag, dropout probability, batch-norm target or statistics counter matches
+    ``mode_at_capture(node)``, the mode the node's module was captured in; a literal ``training=True`` cannot be told
+    from ``self.training`` and is marked too."""
     marks: dict[fx.Node, ModeArg] = {}
     for node in gm.graph.nodes:
         mark = None
@@ -162,15 +152,7 @@ def set_node(node: fx.Node, mark: ModeArg, mode: bool) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# One program per mode, each planned on its own.
-#
-# The model is captured in training mode and in eval mode (and as it is, when its modules are in mixed modes):
-# whatever differs between those captures is what depends on the mode, whatever wrote it (a ``training=`` flag, a
-# hand-written drop-path, an ``if self.training`` branch). Where only torch's own dropout and batch-norm modules
-# read the mode, or where a mode cannot be captured, a program is derived from a capture instead, its marked flags
-# set for that mode (:func:`derived`). Every pass runs on each program on its own; the converted module holds their
-# graphs over the same parameters and buffers, and ``gm.train()``/``gm.eval()`` swap graphs
-# (``converted.module``).
+# One program per mode: whatever differs between the captures is what depends on the mode.
 
 TRAIN, EVAL, GIVEN = "train", "eval", "given"
 
@@ -180,8 +162,8 @@ class Programs:
     """What ``gm.meta[K.PROGRAMS]`` holds: a graph per mode, over the converted module's tensors."""
     graphs: dict[str, fx.Graph]
     current: str
-    # each program's forward as written the first time it ran (see converted.module), and whether a switch is
-    # recompiling (a recompile of anyone else drops them)
+    # each program's forward as written the first time it ran (converted.module), and whether a switch is
+    # recompiling (any other recompile drops them)
     code: dict[str, dict] = dataclasses.field(default_factory=dict, repr=False)
     switching: bool = False
     # the modules that issued nodes which differ between programs, by name, and the mode each had at conversion

@@ -1,15 +1,7 @@
-"""Tensor-core padding: channel and feature dims of convolutions and linears grown to a multiple of 8.
-
-Tensor cores run FP16/BF16 GEMMs and convolutions at full rate only when M, N and K are multiples of 8. A weight
-parameter is zero-padded *inside the graph* (``F.pad`` of the true-shaped parameter), the activation too where
-needed, and the result sliced back, so the result is exact, forward and backward. Through a chain of
-zero-preserving ops (ReLU, dropout, max pooling, ...) the zero channels flow on to the next padded layer with no
-slice and re-pad. Parameters keep their true shapes, so ``state_dict()`` and optimizers see only true values and
-padded slices cannot drift from zero.
-
-Padding must never slow a step down, so a gate decides op by op (``autocastfx.core.cost``): the cost model
-(default), a timed trial on the CUDA device, or ``"always"``. None grows an op's FLOPs past ``max_growth``, and
-grouped convolutions keep their groups. Every decision, padded or skipped, is in the report with its reason.
+"""Tensor-core padding: the channel and feature dims of convolutions and linears grown to a multiple where a gate
+(``core.cost``) says it pays. Weights are zero-padded inside the graph (``F.pad``) and outputs sliced back, so the
+result is exact and parameters keep their true shapes; zero channels flow through zero-preserving ops to the next
+padded layer without a slice.
 """
 from __future__ import annotations
 
@@ -107,7 +99,8 @@ def plan_padding(gm: fx.GraphModule, multiple: int, max_growth: float = DEFAULT_
         gate: ``"model"`` (the cost model, default), ``"trial"`` (time the candidates on the model's CUDA device or
             with ``timer``; the cost model where there is neither) or ``"always"`` (within ``max_growth``).
         layout: the memory format the convolutions will run in.
-        hardware: the target the cost model judges for (default: the model's CUDA device, else an H100).
+        hardware: the target the cost model judges for (default: the model's CUDA device, else
+            ``cost.DEFAULT_CAPABILITY``'s).
     """
     gate = DEFAULT_GATE if gate is None else gate
     if gate not in PAD_GATES:
@@ -216,9 +209,8 @@ _BN_PADDED: dict[type, type] = {}
 
 
 def _padded_bn_class(cls: type) -> type:
-    """A subclass of the given BatchNorm type that runs on channel-padded inputs: its own parameters and
-    buffers keep their true shapes (state_dict unchanged); gamma and beta of the padded channels are zero, so
-    those channels stay exactly zero, and the running statistics of the true channels are updated in place."""
+    """A subclass of the given BatchNorm type that runs on channel-padded inputs, its parameters and buffers
+    keeping their true shapes; zero gamma and beta keep the padded channels exactly zero."""
     if cls not in _BN_PADDED:
         def forward(self, x):
             c, extra = self.num_features, self.padded_to - self.num_features

@@ -1,7 +1,5 @@
-"""The passes over one captured graph, in the order they run: ``run_passes``.
-
-Each pass is a function of its own file; this one says in which order they run and why. The graph module comes
-from capture (one program, in one mode, TensorInfo recorded); what comes back is what the passes decided.
+"""The passes over one captured graph (one program, in one mode, TensorInfo recorded), in the order they run:
+``run_passes``.
 """
 from __future__ import annotations
 

@@ -188,13 +188,13 @@ _ROUTE_DEPTH = 8  # ops between a gate and its choice (a router is a few: softma
 
 
 def find_routers(gm: fx.GraphModule, policy: Policy) -> tuple[dict[str, str], set[str]]:
-    """The gating networks of ``gm``: a low linear or matmul, narrower than its input, whose result reaches a topk,
-    argmax or sort through at most ``_ROUTE_DEPTH`` elementwise, shape and softmax ops.
+    """The gating networks of ``gm``, which run in float32 because a rounded near-tie sends a token to another
+    expert: a low linear or matmul, narrower than its input (so not an LM head), whose result reaches a topk, argmax
+    or sort through at most ``_ROUTE_DEPTH`` elementwise, shape and softmax ops.
 
-    Returns ({node: reason} for each gate, the ops up to its choice and the choice; the set of gates). In the low
-    dtype a near-tie of a router's scores sends a token to another expert, which no later precision recovers
-    (Switch Transformer, Megatron and DeepSeek-V3 keep routers in float32). A wider matmul (an LM head before a
-    sampler's top-k) is left as it is, where float32 would cost most."""
+    Returns:
+        ({node: reason} for each gate, the ops up to its choice and the choice; the set of gates).
+    """
     if not policy.fp32_routers:
         return {}, set()
     out: dict[str, str] = {}
@@ -277,7 +277,7 @@ class _Planning:
 
 def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, keep_io_types: bool, free_inputs: frozenset[str] = frozenset()) -> CastPlan:
     """The cast plan of ``gm``: a label (low or float32) for every float value, by a min-cut over the casts.
-    ``free_inputs``: placeholders whose dtype the plan chooses too (a block's inputs, cast once by the caller)."""
+    ``free_inputs``: placeholders whose dtype the plan chooses too (a block's inputs, cast on entry)."""
     routers, gates = find_routers(gm, policy)
     st = _Planning(gm, policy, low, keep_io_types, free_inputs,
                    dict(gm.named_parameters(remove_duplicate=False)), routers, gates)

@@ -1,10 +1,8 @@
 """Op classes, the default tables, and the frozen Policy that says which op runs in which precision.
 
-Every op is named by a bare *op name* that is the same whether it appears as ``torch.nn.functional.conv2d``,
-``torch.conv2d``, ``x.conv2d(...)`` or ``aten.conv2d.default``: the tables are written once for all three
-capture forms. Leaf modules are classified by type.
-
-Precedence, lowest to highest: op name table < module type < qualified-name glob < node name.
+Ops are named by a bare *op name*, the same for ``F.conv2d``, ``torch.conv2d``, ``x.conv2d(...)`` and
+``aten.conv2d.default``; leaf modules are classified by type. Precedence, lowest first: op name or module type,
+qualified-name glob, node name.
 """
 from __future__ import annotations
 
@@ -46,8 +44,8 @@ LOW_OPS = _names("""
     scaled_dot_product_attention _scaled_dot_product_flash_attention
     _scaled_dot_product_efficient_attention _scaled_dot_product_cudnn_attention _native_multi_head_attention
 """)
-# (an RNN cell or a whole recurrent layer runs in the low dtype, state, weights and biases included, as CUDA
-# autocast casts it: kernels.py's _cudnn_rnn rule)
+# (an RNN cell or layer runs low with its state, weights and biases, as CUDA autocast casts it: kernels.py's
+# _cudnn_rnn rule)
 
 NORM_OPS = _names("""
     batch_norm layer_norm group_norm instance_norm rms_norm native_batch_norm native_layer_norm
@@ -115,9 +113,8 @@ DEFAULT_OP_TABLE: Mapping[str, OpClass] = {
     **{n: OpClass.LOW for n in LOW_OPS},
 }
 
-# Leaf modules: kept as ``call_module`` nodes (their behaviour depends on train/eval or they read best whole).
-# Every other module, torch.nn's Conv/Linear/Embedding included, is traced through to functional calls,
-# so its parameters become graph values that the plan can store or cast.
+# Leaf modules, kept as ``call_module`` nodes. Every other module (Conv, Linear, Embedding included) is traced
+# through, so its parameters become graph values the plan can cast.
 _mods = nn.modules
 DEFAULT_MODULE_TABLE: Mapping[type, OpClass] = {
     **{t: OpClass.NORM for t in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
@@ -180,13 +177,11 @@ def op_name(node: torch.fx.Node) -> str:
 class Policy:
     """Which precision each op runs in. Frozen data; build variants with :meth:`override`.
 
-    ``op_table``: op name -> class. ``module_types``: leaf module type -> class. ``module_names``: (glob over
-    qualified module names, class), later entries win. ``node_names``: node name -> class. ``leaf_modules``: extra
-    module types kept whole when tracing. ``fp32_routers``: gating networks and the ops up to their routing choice
-    run in float32 (``plan.find_routers``); a class given by module or node name still wins. ``widest``:
-    autocast's widest-type rule: a FOLLOW or PROMOTE op with a float32 input runs in float32 and its parameters
-    stay float32, so a transformer's residual stream stays float32 as under torch.autocast; False lets the min-cut
-    put any value where the fewest bytes are cast (docs/policy.md).
+    ``module_names``: (glob over qualified module names, class), later entries win. ``leaf_modules``: extra module
+    types kept whole when tracing. ``fp32_routers``: gating networks and the ops up to their routing choice run in
+    float32 (``plan.find_routers``) unless classed by module or node name. ``widest``: autocast's widest-type rule,
+    so a FOLLOW or PROMOTE op with a float32 input runs in float32 (a transformer's residual stream stays float32);
+    False lets the min-cut place every value (docs/policy.md).
     """
 
     op_table: Mapping[str, OpClass] = dataclasses.field(default_factory=lambda: dict(DEFAULT_OP_TABLE))
@@ -266,7 +261,7 @@ class Policy:
 
     def by_name(self, node: torch.fx.Node, module_path: str | None) -> bool:
         """Whether a module-name glob or the node's own name classifies ``node``: the user's word, which the
-        plan's own accuracy rules (routers in float32) leave as it is."""
+        plan's own accuracy rules (routers in float32) leave alone."""
         return node.name in self.node_names or (module_path is not None and any(
             fnmatch.fnmatchcase(module_path, pattern) for pattern, _ in self.module_names))
 

@@ -38,11 +38,10 @@ def propagate(gm: fx.GraphModule, args: tuple, kwargs: dict, *, mode: str = "fak
               meta_device: torch.device | None = None) -> Any:
     """Store a ``TensorInfo`` (or a tuple of them) for every value in ``node.meta[K.INFO]``; return the output's.
 
-    ``mode="fake"`` never touches the model's parameters, buffers or RNG state. Where it cannot work (a
-    value-dependent shape such as ``nonzero``, an op without a fake kernel) the graph runs once for real, counted in
-    ``propagate_counts["fallback"]``, logged, and noted in ``gm.meta[K.PROPAGATED]``. ``mode="real"`` always runs
-    for real (the reference the fake run is tested against). ``meta_device``: the graph's meta tensors stand for
-    tensors of this device; a graph whose shapes need values is refused."""
+    ``mode="fake"`` never touches the model's parameters, buffers or RNG state; where it fails (a value-dependent
+    shape such as ``nonzero``, an op without a fake kernel) the graph runs once for real, as ``mode="real"`` always
+    does, and ``gm.meta[K.PROPAGATED]`` says which. ``meta_device``: the device the graph's meta tensors stand for;
+    a graph whose shapes need values is then refused."""
     if mode not in ("fake", "real"):
         raise ValueError(f"propagate mode must be 'fake' or 'real', got {mode!r}")
     token = _META_DEVICE.set(meta_device)  # read deep in the fake run (_meta): set for this call only

@@ -50,9 +50,9 @@ def undo(gm: fx.GraphModule) -> None:
 
 
 def absorb_casts(gm: fx.GraphModule) -> list[str]:
-    """Remove the model's own float<->float casts (``.float()``, ``.to(dtype)``, ``type_as``), whose dtypes the plan
-    decides now; returns their names. Integer/bool conversions stay. A cast that also changes the memory format
-    becomes ``x.contiguous(memory_format=...)``, which follows whatever dtype arrives."""
+    """Remove the model's own float-to-float casts (``.float()``, ``.to(dtype)``, ``type_as``), as the plan decides
+    those dtypes; returns their names. A cast that also changes the memory format becomes
+    ``x.contiguous(memory_format=...)``."""
     removed = []
     for node in list(gm.graph.nodes):
         if node.op not in ("call_method", "call_function") or op_name(node) not in CAST_OPS:
@@ -152,8 +152,8 @@ def _mutated_in_place(value: fx.Node, depth: int = 0) -> bool:
 
 
 def apply_plan(gm: fx.GraphModule, plan: CastPlan) -> None:
-    """Insert the planned casts, switch the fp32_out ops to ``dtype=torch.float32``, record decisions; a
-    float32-compute plan (``plan.dtype`` float32) gets neither where its values already are float32."""
+    """Insert the planned casts, switch the fp32_out ops to ``dtype=torch.float32`` and record every node's
+    Decision; a float32-compute plan gets no cast or dtype= for values already float32."""
     graph = gm.graph
     low = plan.dtype
     by_name = {n.name: n for n in graph.nodes}
@@ -225,9 +225,8 @@ def apply_plan(gm: fx.GraphModule, plan: CastPlan) -> None:
 
 
 def entry_casts(gm: fx.GraphModule) -> list[str]:
-    """Each float input taken as ``x.to(dtype)`` in the dtype the graph was converted for: a block converted for
-    a float16 input runs on a float32 one too, and on the float16 it was made for the call is free (``Tensor.to``
-    returns the tensor itself, no kernel runs)."""
+    """Cast each float input on entry to the dtype the graph was converted for, so a block converted for float16
+    also takes float32; on the dtype it was made for, ``Tensor.to`` returns the tensor itself."""
     graph = gm.graph
     places = [n for n in graph.nodes if n.op == "placeholder"]
     made = []
@@ -249,8 +248,8 @@ def entry_casts(gm: fx.GraphModule) -> list[str]:
 
 
 def rebuild_output_type(gm: fx.GraphModule) -> bool:
-    """Give back the model's own result type where tracing wrote it as a plain dict (a ModelOutput): one
-    ``rebuild_output`` call before the output. True if one was added."""
+    """Add a ``rebuild_output`` call before the output where tracing wrote the model's result type (a ModelOutput)
+    as a plain dict; True if one was added."""
     from ..base.runtime import rebuild_output
     from ..base.runtime import type_name
     cls = gm.meta.get(K.OUTPUT_TYPE)

@@ -1,8 +1,6 @@
-"""Weights: a converted module holds the float32 model's own parameters and buffers, and the graph casts them.
-
-The tensors are the model's, so an optimizer over ``model.parameters()`` trains it and ``gm.state_dict()`` is the
-float32 model. Each weight a low op reads is cast once per forward by one graph node shared by every use, so
-gradients arrive in float32 on the parameters. Also here: tied-weight names, and making a meta conversion real.
+"""Weights: a converted module holds the float32 model's own parameters and buffers, and its graph casts each weight
+a low op reads once per forward, so gradients arrive in float32. Also here: tied-weight names, making a meta
+conversion real, and sharing tensors between conversions.
 """
 from __future__ import annotations
 
@@ -17,8 +15,7 @@ from ..base.meta import info_of, is_converted, require_info
 
 
 def aliases(gm: nn.Module) -> tuple[dict[str, nn.Parameter], dict[int, list[str]]]:
-    """(every parameter name -> parameter, id(parameter) -> all its names, first one canonical): tied weights
-    appear under several names."""
+    """(every parameter name -> parameter, id(parameter) -> all its names, the first canonical)."""
     params = dict(gm.named_parameters(remove_duplicate=False))
     by_id: dict[int, list[str]] = {}
     for name, p in params.items():
@@ -111,14 +108,9 @@ def converted_units(gm: nn.Module) -> list[tuple[str, nn.Module]]:
     return out + ([("", gm)] if is_converted(gm) else [])
 
 
-# A traced graph reads a tied weight under one name; the converted module's ``state_dict`` and
-# ``_load_from_state_dict`` (converted.module._Switchable) run these two hooks so its state dict has the model's keys.
-
 def model_order(gm: nn.Module, model: nn.Module) -> None:
-    """Give ``gm``'s modules, parameters and buffers the model's order where both have them, so that
-    ``gm.parameters()`` and ``gm.state_dict()`` list them as the model does: an optimizer's state dict and an EMA
-    that zips parameters pair them by position. (``fx.GraphModule`` copies modules in the order the graph uses
-    them.)"""
+    """Give ``gm``'s modules, parameters and buffers the model's order (``fx.GraphModule`` orders them as the graph
+    uses them), so what pairs them by position with the model's (an optimizer's state dict, an EMA) still works."""
     mine = dict(gm.named_modules(remove_duplicate=False))
     for path, theirs in model.named_modules(remove_duplicate=False):
         m = mine.get(path)
@@ -132,6 +124,9 @@ def model_order(gm: nn.Module, model: nn.Module) -> None:
                 own.clear()
                 own.update(items)
 
+
+# A traced graph reads a tied weight under one name; converted.module._Switchable's state-dict hooks call
+# model_names_into_state_dict and model_names_from_state_dict so its state dict has the model's keys.
 
 _OWN_NAMES = "_autocastfx_own_names"
 
@@ -167,11 +162,9 @@ def model_names_into_state_dict(unit: nn.Module, out: dict, prefix: str) -> None
 
 
 def model_names_from_state_dict(unit: nn.Module, state_dict: dict, prefix: str) -> list[str]:
-    """Drop the tied-weight names the converted module does not have, taking the value the model's own load would
-    leave: the last of its names that ``state_dict`` holds (one name for a checkpoint that stores a tied weight
-    once; the later one where two hold different values, as ``load_state_dict`` copies them in order). Returns the
-    names of a tied weight that ``state_dict`` lacks, which the model's own load reports missing (safetensors'
-    ``load_model`` counts on it for the names it stored once)."""
+    """Drop the tied-weight names the converted module does not have, keeping the value the model's own load would
+    (the last of its names ``state_dict`` holds). Returns the tied-weight names ``state_dict`` lacks, which the
+    model's own load reports missing (safetensors' ``load_model`` relies on it)."""
     info = info_of(unit)
     missing: list[str] = []
     if info is None or unit.__dict__.get(_OWN_NAMES):  # within own_names(): the names are gm's own
@@ -204,12 +197,16 @@ def _require(gm: nn.Module):
 
 def materialize(gm: nn.Module, device, state_dict: dict | None = None, *, buffers=None, strict: bool = True
                 ) -> nn.Module:
-    """Make a module converted on the meta device real on ``device``, in place; returns ``gm``.
+    """Make a module converted on the meta device real on ``device``, in place, keeping buffers already real;
+    returns ``gm``.
 
-    ``gm.to_empty`` allocates, keeping buffers that were real already (``init_empty_weights(include_buffers=False)``);
-    ``buffers`` (a module or name -> tensor: rotary tables, which no checkpoint holds) fills those it names;
-    ``state_dict`` fills the parameters (float32 or low values, upcast); without it, initialise them afterwards.
-    Raises ValueError naming every buffer left without a value: running with it would compute garbage."""
+    Args:
+        state_dict: the parameters' values (float32 or low, upcast); without it, initialise them afterwards.
+        buffers: a module or name -> tensor for the buffers no checkpoint holds (rotary tables).
+
+    Raises:
+        ValueError: naming every buffer left without a value.
+    """
     _require(gm)
     kept = {n: b.detach().clone() for n, b in gm.named_buffers(remove_duplicate=False) if not b.is_meta}
     gm.to_empty(device=device)
@@ -244,7 +241,7 @@ def _is_persistent(gm: nn.Module, name: str) -> bool:
 
 
 # A module converted again for a call of another structure (converted.calls.other_call) runs on the first
-# conversion's tensors: the same Parameter objects (training either trains both) and buffers.
+# conversion's Parameter objects and buffers.
 
 def tensor_holders(other: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) for every module of ``other`` that holds parameters or buffers."""
@@ -254,8 +251,7 @@ def tensor_holders(other: nn.Module) -> list[tuple[str, nn.Module]]:
 def pair_modules(main: nn.Module, other: nn.Module, mains: dict[str, nn.Module] | None = None,
                  holders: list[tuple[str, nn.Module]] | None = None) -> list[tuple[nn.Module, nn.Module]]:
     """(module of ``other``, module of ``main`` at the same name) for each tensor-holding module of ``other``, for
-    :func:`share_tensors`; ``holders`` and ``mains`` are found where not given. ValueError names the first ``main``
-    lacks."""
+    :func:`share_tensors`; ValueError names the first that ``main`` lacks."""
     mains = dict(main.named_modules(remove_duplicate=False)) if mains is None else mains
     pairs = []
     for name, m in tensor_holders(other) if holders is None else holders:
