@@ -1,12 +1,6 @@
-"""convert() and convert_graph(): options checked once, then capture and the core passes, or the tree of blocks.
-
-    convert                       options checked and frozen (ConvertOptions), the capture context made
-      _convert_any                a low-precision checkpoint: its float32 twin on meta, then its values
-        _convert_model            blocks as modules of their own (tree), else one graph, else piecewise (tree)
-          _convert_one_graph      capture (both modes) + core.pipeline.run_passes + ConvertInfo (tensors shared)
-    convert_graph                 the same passes on a module the caller captured (symbolic_trace, torch.export)
-
-The tree of blocks gets ``_convert_one_graph`` and the whole conversion as callbacks, so it never imports this file.
+"""``convert()`` and ``convert_graph()``: options checked once, then the model captured and rewritten by the core
+passes, as one graph or as a tree of blocks. The tree gets this file's conversions as callbacks
+(``tree.parts.Conversions``), so it never imports it.
 """
 from __future__ import annotations
 
@@ -54,14 +48,22 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
             master_weights: bool = False, keep_io_types: bool = True, memory_format: str = "auto",
             blocks: Any = "auto") -> fx.GraphModule:
     """Rewrite ``model`` into an explicit mixed-precision ``torch.fx.GraphModule`` over the same parameters and
-    buffers (as ``torch.compile(model)``: training either trains both, and either's ``state_dict()`` is the trained
-    float32 model); ``model``'s modules and code are not changed.
+    buffers, whose ``state_dict()`` is the float32 model; ``model``'s modules and code are not changed.
 
-    ``dtype``: ``torch.float16`` (the default, ``None``), ``torch.bfloat16``, or ``"auto"``: the one with fast
-    kernels on the model's device (float16 on CUDA, bfloat16 on a CPU with native bfloat16, else float32 compute:
-    no casts, the model's dtypes kept); the report says which and why. An explicit dtype without fast kernels on
-    the device warns (``autocastfx.SlowDtypeWarning``). See the README for the other options. Raises ValueError for
-    bad options, TypeError for a model that is not an ``nn.Module``, ``autocastfx.CaptureError`` if capture fails.
+    Args:
+        dtype: ``torch.float16`` (the default, ``None``), ``torch.bfloat16``, or ``"auto"``: the one with fast
+            kernels on the model's device, else float32 compute (the report says which and why). An explicit dtype
+            without fast kernels warns (``autocastfx.SlowDtypeWarning``).
+        blocks: ``"auto"`` converts the repeated children of ``nn.ModuleList``s as modules of their own; a list of
+            names or a function ``(name, module) -> bool`` picks others; ``None`` makes one graph. The README
+            describes the other options.
+
+    Raises ValueError for bad options, TypeError for a model that is not an ``nn.Module``,
+    ``autocastfx.CaptureError`` if capture fails.
+
+    Example::
+
+        gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
     """
     if master_weights is not False:
         raise ValueError("master_weights=True is gone: a converted module's parameters are the float32 model, and "
@@ -89,22 +91,14 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
 
 def convert_graph(gm: fx.GraphModule, example_inputs: tuple | None = None, config: ConvertOptions | None = None,
                   *, example_kwargs: dict | None = None) -> fx.GraphModule:
-    """Convert a module the caller already captured as one graph, as ``prepare_pt2e`` takes one.
-
-    Runs ``convert()``'s passes (cast plan, padding, layout, casts as nodes) and no capture: the graph given is the
-    program converted, whatever captured it.
+    """Run ``convert()``'s passes, without capture, on a module the caller already captured as one graph (as
+    ``prepare_pt2e`` takes one); the result shares ``gm``'s tensors.
 
     Args:
         gm: a ``torch.fx.GraphModule`` whose matmuls and convolutions are function or aten calls
-            (``torch.export.export(model, args).module()``); one calling ``nn.Linear`` or a convolution module as a
-            leaf (plain ``torch.fx.symbolic_trace``) is refused (ValueError). The result shares its tensors.
-        example_inputs: a tuple of ``gm``'s positional inputs, for every value's shape and dtype;
-            ``example_kwargs`` its keyword inputs.
-        config: an ``autocastfx.ConvertOptions`` (``ConvertOptions(dtype=torch.bfloat16)``); ``None`` for the
-            defaults. Its ``blocks`` does not apply: the graph is converted whole.
-
-    Returns:
-        The converted ``GraphModule``, as ``convert()`` returns it (``report()``, ``train_step``, ``export``).
+            (``torch.export.export(model, args).module()``); one calling a Linear or convolution module as a leaf
+            (plain ``torch.fx.symbolic_trace``) is a ValueError.
+        config: an ``autocastfx.ConvertOptions``; ``None`` for the defaults. Its ``blocks`` does not apply.
 
     Example::
 
@@ -131,10 +125,8 @@ def convert_graph(gm: fx.GraphModule, example_inputs: tuple | None = None, confi
 
 # One conversion at a time per process, as captures are not thread-safe: torch.fx's Tracer patches
 # nn.Module.__call__ and __getattr__ process-wide while tracing (torch/fx/_symbolic_trace.py, _Patcher), and
-# torch.export keeps tracing state in module globals (pytorch/pytorch#195099, in its loader). Concurrent conversions
-# fail (NameError, CaptureError) or fall back to another capture. Re-entrant: a conversion converts its blocks and
-# parts through here. Left as torch makes it: a module another thread calls during an fx trace is taken into that
-# trace (NameError "module is not installed as a submodule"), as the patch is torch.fx's own.
+# torch.export keeps tracing state in module globals (pytorch/pytorch#195099). Re-entrant: a conversion converts its
+# blocks and parts through here. A module another thread calls during an fx trace still enters that trace.
 _CONVERTING = threading.RLock()
 
 
@@ -191,11 +183,9 @@ def _low_weights(model) -> dict[str, torch.dtype]:
 
 def _convert_low_model(model: nn.Module, low: dict, args: tuple, kwargs: dict, options: ConvertOptions,
                        ctx: CaptureContext) -> nn.Module:
-    """Convert a model holding float16/bfloat16 parameters or buffers (``from_pretrained(...,
-    torch_dtype=torch.bfloat16)``, or one low buffer in a float32 model): each is made float32 in place first, as
-    ``model.float()`` does (the same Parameter objects, the exact upcast of their values), so the converted module
-    shares the model's tensors and an optimizer built over ``model.parameters()`` before ``convert()`` trains what
-    it runs. The model itself is float32 after, which a warning says."""
+    """Convert a model holding float16/bfloat16 parameters or buffers after upcasting each in place, as
+    ``model.float()`` does, so the converted module shares the model's Parameter objects (an optimizer built
+    before ``convert()`` trains what it runs); a warning says the model is float32 after."""
     if any(is_converted(m) for name, m in model.named_modules() if name):
         raise ValueError("convert() takes a low-precision model without converted blocks inside; convert its "
                          "blocks after, or convert model.float()")
@@ -233,8 +223,8 @@ def _meta_twin(model: nn.Module, everything: bool = False) -> nn.Module:
 
 
 def _keep_checks(out: nn.Module, model: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Keep the model on meta on the converted module for its own input checks (calls.model_check), used where it
-    runs the example's call (tried once, at the first failing call): one needing values or a real device cannot."""
+    """Keep the model on meta on the converted module, for its own input checks (``calls.model_check``) and
+    conversions for other calls."""
     info = out.meta.get(K.CONVERTED) if isinstance(getattr(out, "meta", None), dict) else None
     if info is None or isinstance(model, fx.GraphModule) or not hasattr(out, "graph"):
         return
@@ -339,9 +329,8 @@ def _mode_flags(model: nn.Module) -> dict | None:
 
 def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: ConvertOptions, ctx: CaptureContext,
                   entry_casts: bool = False) -> fx.GraphModule:
-    """``model`` captured as one graph (both modes), planned and rewritten by the core passes, owning its tensors.
-    ``entry_casts``: a block converted as its own module takes inputs and gives outputs in its plan's dtypes (with
-    ``keep_io_types``, outputs in its first input's dtype); inputs already in that dtype are not copied."""
+    """``model`` captured as one graph (both modes), planned and rewritten by the core passes, sharing its tensors.
+    ``entry_casts``: a block converted as its own module casts its inputs on entry to its plan's dtypes."""
     model_class, model_attrs = _model_surface(model)
     guard = None
     if isinstance(model, fx.GraphModule) and not _gemm_leaves(model):  # the graph is the program: converted as it is
@@ -394,9 +383,9 @@ def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: Con
 
 
 def _gemm_leaves(gm: fx.GraphModule) -> list[tuple[str, str]]:
-    """(target, class name) of each call the graph makes of a module holding a Linear or a convolution, as a leaf
-    (plain ``torch.fx.symbolic_trace``): a pass over the graph cannot reach their matmuls. None in a module autocastfx
-    converted (its tracer traces through them) or one torch.export captured (aten ops)."""
+    """(target, class name) of each call the graph makes of a module holding a Linear or a convolution as a leaf
+    (plain ``torch.fx.symbolic_trace``), whose matmuls a pass over the graph cannot reach; none in a converted
+    module."""
     if K.CONVERTED in gm.meta:
         return []
     leaves = [(str(n.target), gm.get_submodule(n.target)) for n in gm.graph.nodes if n.op == "call_module"]
@@ -472,9 +461,8 @@ def _keep_non_persistent(gm: nn.Module, model: nn.Module) -> None:
 
 @contextlib.contextmanager
 def _one_recompile(gm: fx.GraphModule):
-    """Generate and compile ``gm``'s code once, after the passes. Each pass calls ``gm.recompile()``, as a pass run
-    alone must, but inside ``convert()`` none needs the code (an interpreter propagates shapes), and each recompile
-    writes and compiles the whole forward again."""
+    """Generate ``gm``'s code once, after the passes, whose own ``gm.recompile()`` calls are skipped (none needs
+    the code inside ``convert()``)."""
     gm.recompile = no_recompile  # an instance attribute, in front of the method
     try:
         yield

@@ -1,1 +1,2 @@
-"""The converted module: its class and runtime (module.py), and the calls it was converted for (calls.py)."""
+"""The converted module: its class and runtime (module.py), its calls (calls.py), and the guards on the model
+state its programs read (state.py)."""

@@ -1,9 +1,6 @@
-"""Calls of a converted module: checks against the captured call, sizes left free under torch.compile, and
-conversions for calls of another structure.
-
-A graph is captured for one call: which inputs are positional, keyword, or ``None``. A differing call would fail in
-the generated code with torch's message (``forward() takes 2 positional arguments``, ``Expected a proper Tensor but
-got None``); the errors here say what the module was converted for, what it was given, and how to convert for it.
+"""Calls of a converted module, whose graph is captured for one call (which inputs are positional, keyword or
+``None``): errors that name the captured call, sizes left free under torch.compile, and conversions for calls of
+another structure.
 """
 from __future__ import annotations
 
@@ -84,9 +81,8 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 class ModelChecks:
-    """The model on the meta device (structure and code, no memory), kept to tell a failing call's own errors
-    (:func:`model_check`). Shared by copies; dropped when the conversion's information is pickled (the converted
-    module itself does not pickle), as the model may hold what does not pickle (a lambda hook)."""
+    """The model on the meta device, kept to tell a failing call's own errors (:func:`model_check`). Shared by
+    copies; dropped when pickled, as the model may hold what does not pickle (a lambda hook)."""
 
     def __init__(self, model: nn.Module | None, example: tuple = ((), {})):
         self.model = model
@@ -131,10 +127,8 @@ def _run_on_meta(model: nn.Module, args: tuple, kwargs: dict, training: bool) ->
 
 def model_check(checks: ModelChecks | None, args: tuple, kwargs: dict, error: BaseException,
                 training: bool = False) -> None:
-    """Raise the model's own error, ``error`` chained, where its code refuses this call; else return.
-
-    The model on meta runs meta copies of the inputs in the converted module's mode; an ``assert`` in its code or
-    a ``torch._check`` it calls is raised as written. Any other failure is ignored: ``error`` is the one to see."""
+    """Raise the model's own error (an ``assert`` or ``torch._check`` in its code, run on meta copies of the
+    inputs), ``error`` chained, where its code refuses this call; else return."""
     if checks is None or checks.model is None or not accepts(checks):
         return
     try:
@@ -169,9 +163,8 @@ def _is_model_check(e: BaseException) -> bool:
 
 
 # ------------------------------------------------------------------------ sizes free to vary under torch.compile
-# torch.compile specialises a first call's sizes and recompiles on the first new one. Sizes free to vary (every
-# input's batch, a token input's sequence length) are marked maybe-dynamic before a compiled call, so the first
-# compile leaves them free; where the model's code fixes one, the compiler specialises it as before, with no error.
+# torch.compile specialises a first call's sizes; those free to vary are marked maybe-dynamic before a compiled
+# call, so the first compile leaves them free (where the model's code fixes one, the compiler specialises it).
 
 def free_dims(args: tuple, kwargs: dict) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """(flat input index, dims) of the example's sizes free to vary (:func:`free_axes`); sizes of 0 and 1 are
@@ -201,19 +194,15 @@ def mark_free_dims(free: tuple, args: tuple, kwargs: dict) -> None:
 
 
 # --------------------------------------------------------------------------- calls of another structure
-# A call of another structure (which inputs are given or None: targets where the example had none, a mask left
-# out) is converted on first use from the model on meta and kept beside the first. It uses the first's parameters
-# and buffers (one set of weights), looked up again at every call, as a module may have been replaced since.
-# One conversion per structure and module state (modes, and settings the model's code reads, such as a dropout's
-# ``p``), given to the model on meta first, so a frozen batch norm or a setting changed after convert() is
-# followed. Where no conversion can be made (no model kept, a failure), the call is refused naming both calls.
+# A call of another structure (targets where the example had none, a mask left out) is converted on first use
+# from the model on meta, one conversion per structure and module state, sharing the first's tensors.
 
 MAX_OTHER_CONVERSIONS = 16  # the oldest is dropped past this (a loop that keeps changing a setting)
 
 
 class OtherCalls:
-    """Conversions for other calls of one converted module, by call key and module state. Not copied (a copy
-    converts again on first use) and left out when the conversion's information is pickled."""
+    """Conversions for other calls of one converted module, by call key and module state; not copied, not
+    pickled."""
 
     def __init__(self):
         self.by_key: dict[tuple, tuple[nn.Module, list]] = {}  # (call key, state) -> (module, its tensor holders)
@@ -287,9 +276,8 @@ def bound_key(model: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
 
 def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict) -> tuple[nn.Module | None, tuple, dict]:
     """``(module, args, kwargs)`` for a call of another structure: the model converted for it (on first use) in
-    the state of ``gm``'s modules, sharing ``gm``'s tensors, with the call spelled as that conversion's was. The
-    module is None (``gm`` runs the call) where the call is the captured one spelled another way (``gm(idx=x)``
-    for ``gm(x)``) or where it cannot be told (no model kept)."""
+    the state of ``gm``'s modules, sharing ``gm``'s tensors, the call spelled as that conversion's was; the module
+    is None (``gm`` runs it) for the captured call spelled another way, or where no model is kept."""
     checks = info.checks
     if checks is None or checks.model is None or info.convert_call is None:
         return None, args, kwargs
@@ -333,9 +321,8 @@ def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict) -> tuple[nn.
 
 
 def module_state(mods: dict[str, nn.Module]) -> tuple:
-    """What a conversion for another call depends on beyond its structure, from a converted module's modules by
-    name: each one's mode, and the public plain settings of those the model's own code runs (not the converted
-    graphs, nor the modules whose settings the graph holds as constants, which refuse a new value)."""
+    """What a conversion for another call depends on beyond its structure: each module's mode, and the public plain
+    settings of those the model's own code runs (not graphs, nor modules whose settings a graph holds)."""
     out = []
     for name, m in mods.items():
         if isinstance(m, fx.GraphModule) or getattr(type(m), "_autocastfx_fixed_settings", False):
@@ -348,9 +335,8 @@ def module_state(mods: dict[str, nn.Module]) -> tuple:
 
 
 def apply_module_state(model: nn.Module, state: tuple) -> None:
-    """Give ``model``'s modules (the model on meta) the modes and settings of :func:`module_state`: a module named
-    there takes its mode and its settings of the same name and type; any other (a dropout a torch.export capture
-    holds no module for) takes its nearest parent's mode, as ``train()`` would."""
+    """Give ``model``'s modules the modes and settings of :func:`module_state`; a module not named there (a dropout
+    a torch.export capture holds no module for) takes its parent's mode, as ``train()`` would."""
     given = {name: (training, settings[0] if settings else ()) for name, training, *settings in state}
     modes: dict[str, bool] = {}
     for name, m in model.named_modules():
@@ -366,8 +352,8 @@ def apply_module_state(model: nn.Module, state: tuple) -> None:
 
 
 def widened(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The inputs with free sizes (:func:`free_dims`'s rule) of 1 made 2 by repetition, as an example to capture
-    from: a capture fixes sizes of 1, so a conversion for a one-sequence first call would refuse a later batch."""
+    """The inputs with free sizes of 1 made 2 by repetition, as an example to capture from (a capture fixes sizes
+    of 1)."""
     def widen(t):
         if not isinstance(t, torch.Tensor):
             return t

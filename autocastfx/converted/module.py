@@ -1,9 +1,6 @@
-"""The converted module's class: its call, its switch between modes, and the model's surface.
-
-:func:`install` gives the GraphModule from ``convert()`` its own class over ``_Switchable``: ``train()``/``eval()``
-(a graph per mode where the programs differ, else the flags of ``core.modes``), the call (ambient autocast off
-inside, calls of another structure sent to their own conversion, the model's own checks on failure), the model's
-surface (``gm.generate()``, ``gm.config``), tied weights' state-dict names, and copies that keep all of it.
+"""The converted module's class (:func:`install`): ``train()``/``eval()`` switching between each mode's program,
+the call (ambient autocast off, other call structures sent to their own conversion), the model's surface
+(``gm.generate()``, ``gm.config``), tied weights' state-dict names, and copies that keep all of it.
 """
 from __future__ import annotations
 
@@ -46,8 +43,8 @@ def set_mode(gm: fx.GraphModule, mode: bool) -> fx.GraphModule:
 
 
 def follow_module_modes(gm: fx.GraphModule) -> None:
-    """Run the program of the modes ``gm``'s modules are now in, after a capture of an enclosing model switched and
-    restored them one by one: train or eval where all agree, the conversion-time program where mixed as then."""
+    """Run the program of the modes ``gm``'s modules are now in (after an enclosing capture switched them one by
+    one): train or eval where all agree, else the conversion-time program."""
     programs: Programs | None = gm.meta.get(K.PROGRAMS)
     if programs is None:
         return
@@ -68,9 +65,8 @@ _CODE_FIELDS = ("_code", "_lineno_map", "_prologue_start", "_in_spec", "_out_spe
 
 
 def _switch_graph(gm: fx.GraphModule, programs: Programs, key: str) -> None:
-    """Run the program ``key``: its graph and the ``forward`` generated when it first ran. Reusing that function
-    object lets torch.compile's cache (per code object) find each mode's code, so ``gm.train()``/``gm.eval()``
-    under ``torch.compile(gm)`` compiles each mode once. Any other recompile (a graph edit) drops the kept code."""
+    """Run the program ``key`` with the ``forward`` generated when it first ran: the same code object lets
+    torch.compile's cache find each mode's code, so each mode compiles once."""
     for k, g in programs.graphs.items():  # the program running now, kept as it is before it is left
         if g is gm._graph and k not in programs.code:
             programs.code[k] = _running_code(gm)
@@ -98,10 +94,9 @@ def _running_code(gm: fx.GraphModule) -> dict:
 
 
 def _keep_wrapped_call(cls: type) -> None:
-    """Before a recompile, give a class made over the converted module's (FSDP2's ``FSDP<name>`` from ``fully_shard``)
-    its base's call wrapper. Otherwise GraphModule.recompile gives it a wrapper calling ``super().__call__``, the
-    base's ``call_wrapped``, which calls the instance's wrapper again: endless recursion on the next call (the
-    GraphModule-subclass problem of pytorch/vision#5826, pytorch/pytorch#73866). The module's own class has one."""
+    """Before a recompile, give a class made over the converted module's (FSDP2's from ``fully_shard``) its base's
+    call wrapper, else GraphModule.recompile's wrapper recurses endlessly (pytorch/vision#5826,
+    pytorch/pytorch#73866)."""
     if "_wrapped_call" in vars(cls):
         return
     for base in cls.__mro__[1:]:
@@ -154,9 +149,8 @@ _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps")
 
 
 def _without_autocast():
-    """``autocast(enabled=False)`` for each device type whose autocast the caller left on, else a null context: the
-    module already sets every op's dtype, and an ambient autocast would recast its plan (a bfloat16 module run in
-    float16). The caller's code around the module, the loss included, still autocasts."""
+    """``autocast(enabled=False)`` for each device type whose autocast the caller left on: an ambient autocast
+    would recast the module's plan (a bfloat16 module run in float16)."""
     on = [d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
     if not on:
         return contextlib.nullcontext()
@@ -167,8 +161,8 @@ def _without_autocast():
 
 
 class _GuardsChildren:
-    """A module whose held children (see :class:`_Held`) are not replaced by modules of another class, or of other
-    settings or shapes (:func:`check_replacement`): the converted root and held plain containers."""
+    """A module (the converted root, a held plain container) whose held children may not be replaced by modules of
+    another class, settings or shapes (:func:`check_replacement`)."""
 
     def __setattr__(self, name, value):
         if name in self.__dict__.get(_READ, ()):
@@ -230,8 +224,8 @@ def _check_state_eagerly(gm: nn.Module) -> None:
 
 
 class _Switchable(_GuardsChildren):
-    """Mixed into the converted module's class so copies keep working modes: GraphModule's ``copy.deepcopy`` builds
-    a fresh class over the first base whose qualified name does not end in ``GraphModuleImpl``: the one made here."""
+    """Mixed into the converted module's class; copies keep it, as GraphModule's ``copy.deepcopy`` builds a fresh
+    class over the first base not named ``GraphModuleImpl``."""
 
     def train(self, mode: bool = True):
         return set_mode(self, mode)
@@ -252,9 +246,7 @@ class _Switchable(_GuardsChildren):
         out = super().recompile()
         cls = getattr(self.__dict__.get("meta", {}).get("autocastfx"), "model_class", None)
         if cls is not None and "forward" in vars(type(self)):
-            # the model's signature, for code that reads it to choose what to pass (Hugging Face's generate passes
-            # position_ids and the attention mask only where forward takes them): a call of another structure
-            # than the captured one gets its own conversion
+            # the model's signature, for code that reads it to choose what to pass (Hugging Face's generate)
             try:
                 type(self).forward.__signature__ = inspect.signature(cls.forward)
             except (TypeError, ValueError):
@@ -311,7 +303,7 @@ class _Switchable(_GuardsChildren):
                 _calls.fixed_size(args, kwargs, e)  # else a size torch.export fixed at the example's: said so
             raise
 
-    # the model's own names for its tied weights in the state dict (see weights.py)
+    # the model's own names for its tied weights in the state dict (core/weights.py)
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
         out = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
         _weights.model_names_into_state_dict(self, out, prefix)
@@ -324,8 +316,7 @@ class _Switchable(_GuardsChildren):
                                       error_msgs)
 
     def __deepcopy__(self, memo):
-        """GraphModule's copy registers every buffer persistent and drops the names a module refuses to have set:
-        the copy keeps both (a rotary table stays out of the state dict, as in the model)."""
+        """A copy that keeps non-persistent buffers and read-only names, which GraphModule's copy drops."""
         out = super().__deepcopy__(memo)
         add_model_surface(out)  # the copy's class is made anew
         copies = dict(out.named_modules(remove_duplicate=False))
@@ -340,8 +331,7 @@ class _Switchable(_GuardsChildren):
         return out
 
     def __reduce_ex__(self, protocol):
-        """Refused (``torch.save(gm)``, a multiprocessing argument, ``copy.copy``): a GraphModule is rebuilt from
-        these as a plain one running its current program's code, whatever its mode."""
+        """Refused (``torch.save(gm)``, ``copy.copy``): it would rebuild a plain GraphModule of one program."""
         raise TypeError(
             f"a converted module ({type(self).__name__}) does not pickle or copy.copy: torch.save(gm) would write a "
             "file that loads, if at all, as a plain GraphModule running the one program it was saved in, whatever "
@@ -363,8 +353,8 @@ class _Switchable(_GuardsChildren):
 
 
 def _refuse_low_parameters(gm: nn.Module, fn) -> None:
-    """ValueError where ``fn`` (of ``gm.half()``, ``gm.to(torch.float64)``) would give float32 parameters (the
-    model's, which the programs cast per op) another floating dtype: they are what the optimizer trains."""
+    """ValueError where ``fn`` (``gm.half()``, ``gm.to(torch.float64)``) would give the float32 parameters another
+    floating dtype."""
     if not any(p.dtype == torch.float32 for p in gm.parameters()):
         return
     probe = fn(torch.empty(0))
@@ -378,9 +368,8 @@ def _refuse_low_parameters(gm: nn.Module, fn) -> None:
 
 
 def _check_owner_modes(gm: fx.GraphModule, programs: Programs) -> None:
-    """Check before a call that the modules whose modes the programs hold as op flags match the running program.
-    In their conversion-time modes, that program runs (a model converted with frozen batch norms: ``gm.train()``,
-    then those modules ``.eval()`` again); any other mixture is a ValueError, as no program computes it."""
+    """Before a call, check that the modules whose modes the programs hold as op flags match the running program;
+    their conversion-time mixture (frozen batch norms) runs that program, any other is a ValueError."""
     kept = gm.__dict__.get("_autocastfx_owners")  # the modules, found once per Programs (a copy has its own)
     if kept is None or kept[0] is not programs:
         kept = gm.__dict__["_autocastfx_owners"] = (programs, [gm.get_submodule(n) for n in programs.owners],
@@ -407,8 +396,8 @@ def _check_owner_modes(gm: fx.GraphModule, programs: Programs) -> None:
 
 
 def settle_programs(gm: nn.Module) -> None:
-    """Make each converted module in ``gm`` run its modules' current modes' program, as its next call would
-    (ValueError for a mixture no program computes), for what reads the running graph uncalled (export, save)."""
+    """Make each converted module in ``gm`` run its current modes' program, as its next call would, for what reads
+    the running graph uncalled (export, save)."""
     for m in gm.modules():
         programs = m.__dict__.get("meta", {}).get(K.PROGRAMS) if isinstance(m, _Switchable) else None
         if programs is not None and programs.owners:
@@ -416,8 +405,8 @@ def settle_programs(gm: nn.Module) -> None:
 
 
 def _check_nested_modes(gm: nn.Module) -> None:
-    """:func:`_check_owner_modes` for every converted block inside ``gm`` whose programs hold modules' modes (found
-    once), so that a call one of them refuses is refused before any has run."""
+    """:func:`_check_owner_modes` for every converted block inside ``gm``, so a refused call is refused before any
+    block has run."""
     nested = gm.__dict__.get("_autocastfx_nested")
     if nested is None:
         nested = gm.__dict__["_autocastfx_nested"] = [
@@ -435,9 +424,8 @@ def _check_owner_modes_eagerly(gm: fx.GraphModule, programs: Programs) -> None:
 
 
 def _check_fsdp_param_dtype(unit: nn.Module) -> None:
-    """ValueError where FSDP2 would hand this unit's graph a low-precision copy of a parameter the plan reads in
-    float32 (``fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=...))`` over a group that holds a norm's
-    weight): the graph casts the weights it reads low itself, and a float32 reader would get rounded values."""
+    """ValueError where FSDP2's ``param_dtype`` would hand this unit's graph a low-precision copy of a parameter the
+    plan reads in float32."""
     low_read = set(_weights.low_read_names(unit))
     nested = [m for name, m in unit.named_modules() if name and is_converted(m)]
     inner = {id(p) for m in nested for p in m.parameters()}
@@ -476,9 +464,8 @@ _SETTINGS = "_autocastfx_settings"
 
 
 def _layer_class(cls: type) -> bool:
-    """A class whose instance is its parameters, its buffers and plain settings: one of torch.nn's own layers (not a
-    container; not a recurrent layer, which keeps lists of its tensors; not a lazy one, which changes class as it
-    runs), or a model's own class that does none of nn.Module's work its own way (``_MODULE_PROTOCOL``)."""
+    """A class whose instance is its parameters, buffers and plain settings: one of torch.nn's layers (not a
+    container, recurrent or lazy layer), or a model's class that overrides none of ``_MODULE_PROTOCOL``."""
     if cls.__module__.startswith("torch.nn.modules."):
         return (cls.__module__ != "torch.nn.modules.container"
                 and not issubclass(cls, (nn.RNNBase, nn.modules.lazy.LazyModuleMixin)))
@@ -487,10 +474,9 @@ def _layer_class(cls: type) -> bool:
 
 
 class _Held:
-    """Mixed into a converted module's parameter holder (:func:`adopt_model_classes`). The graph holds its ops and
-    settings as constants, so writing a setting (a batch norm's ``momentum``, as ``torch.optim.swa_utils.update_bn``
-    does) is refused (:class:`_Setting`) rather than silently unread, and a hook warns, as the module is never called.
-    No ``__setattr__`` of its own: FSDP2 swaps a parameter by ``_parameters`` alone where a module has none."""
+    """Mixed into a converted module's parameter holder (:func:`adopt_model_classes`), which the graph never calls:
+    writing a setting is refused (:class:`_Setting`) and a hook warns. No ``__setattr__`` of its own: FSDP2 swaps a
+    parameter by ``_parameters`` alone where a module has none."""
 
     _autocastfx_fixed_settings = True  # read by calls.module_state: nothing to compare
 
@@ -549,8 +535,7 @@ class _Setting:
 
 
 class _Constant(_Setting):
-    """A plain attribute of the model (a temperature, a residual scale), answered by the converted module and
-    refused on write as a held module's setting is: its forward read it while it was captured."""
+    """A plain attribute of the model (a temperature), answered by the converted module and refused on write."""
 
     def __init__(self, name: str, value: Any):
         super().__init__(name)
@@ -670,12 +655,9 @@ def _hold(sub: nn.Module, cls: type, settings: dict) -> bool:
 
 
 def adopt_model_classes(gm: nn.Module, model: nn.Module) -> None:
-    """Give each plain container of ``gm`` (holding a module's tensors for the graph: ``c.weight``) the class and
-    plain settings of the model's module of that name, where it has no children, a layer's class
-    (:func:`_layer_class`) and only tensors and plain settings. Then loops that find modules by class still find
-    them instead of silently nothing: freezing batch norms (``if isinstance(m, nn.BatchNorm2d): m.eval()``), norms
-    left out of weight decay, freezing by layer type. The settings are read-only (:class:`_Held`), as the graph runs
-    each op as converted. Other containers stay plain, held too."""
+    """Give each plain container of ``gm`` the class and read-only settings of the model's module of that name where
+    :func:`_adoptable`, so loops that find modules by class (freezing batch norms, weight-decay groups) still find
+    them; other containers stay plain, held too."""
     models = dict(model.named_modules(remove_duplicate=False))
     for name, sub in gm.named_modules(remove_duplicate=False):
         if not name or type(sub) is not nn.Module:
@@ -721,10 +703,9 @@ def _refused(name: str):
 
 
 def add_model_surface(gm: nn.Module) -> None:
-    """Put on the converted module's own class (one per module) what the model has and GraphModule lacks: methods,
-    properties and class attributes (``gm.generate()``, also read from ``type(self)``, as Hugging Face's ``generate``
-    finds its decoding loop), plain attributes (``gm.config``), and ``dtype``, the float32 model's. On the class,
-    not in a ``__getattr__``, so the generated forward's attribute reads stay as fast as a GraphModule's."""
+    """Put on the converted module's own class what the model has and GraphModule lacks: methods, properties and
+    class attributes (``gm.generate()``), plain attributes (``gm.config``) and ``dtype`` (float32). On the class,
+    not in a ``__getattr__``, so the generated forward's attribute reads stay fast."""
     info = gm.meta.get("autocastfx")
     cls = getattr(info, "model_class", None)
     if cls is None:
@@ -791,9 +772,7 @@ def _module_init(self, *args, **kwargs):
 
 def as_model_class(part: nn.Module, original: nn.Module) -> None:
     """Make ``part`` (a converted part in place of the model's module ``original``) an instance of ``original``'s
-    class too, where that class is a layer's (see :func:`_layer_class`): ``isinstance(m, nn.Linear)`` (to freeze
-    it) and the model's own ``isinstance`` checks then see it as the model does. Its plain settings come along,
-    read-only (the graph holds them as constants)."""
+    class too where that is a layer's class (:func:`_layer_class`), its plain settings read-only."""
     cls = original_class(original)
     if cls is nn.Module or not _layer_class(cls) or isinstance(part, cls):
         return

@@ -1,7 +1,6 @@
-"""What a converted module's programs take from the model as it was at convert(): the plain attributes and config
-fields its code read (held as constants: a temperature, a dropout probability, a function to call), and the
-parameters, buffers and modules it runs on. A later change to one, on the model or through the converted module, is
-refused at the next call, since the programs would go on with what they had."""
+"""Guards on what a converted module's programs took from the model at convert() (the plain attributes its code
+read, held as constants, and the parameters, buffers and modules it runs on): a later change to one is refused at
+the next call."""
 from __future__ import annotations
 
 import operator
@@ -17,9 +16,8 @@ from ..capture.watch import StateUse, fingerprint
 
 
 class StateGuard:
-    """The attributes read at capture, by module: each module by weak reference (the converted module does not
-    keep the model alive), the values by identity, and containers and plain tensors also by content. Shared by
-    copies of the converted module; dropped when it is pickled."""
+    """The attributes read at capture: modules by weak reference (the model is not kept alive), values by identity,
+    containers and plain tensors also by content. Shared by copies; dropped when pickled."""
 
     def __init__(self, reads: frozenset = frozenset(), unowned: frozenset = frozenset()):
         self.reads = reads  # (module path, name) read at capture
@@ -76,7 +74,7 @@ class StateGuard:
     def check(self) -> None:
         """ValueError naming the first attribute whose value changed since capture."""
         try:
-            for ref, get, values, *_ in self.modules:  # by identity first: a few hundred nanoseconds a module
+            for ref, get, values, *_ in self.modules:  # by identity first, the cheap check
                 m = ref()
                 if m is not None and get(m.__dict__) != values:
                     raise LookupError
@@ -165,8 +163,8 @@ def _holds_tensor(v: Any, depth: int = 0) -> bool:
 
 
 def _held(m: nn.Module) -> tuple:
-    # by id: the guard keeps no tensor or module of the model alive that the converted module does not hold; last,
-    # the first parameter's dtype, which ``model.half()`` changes in place (with every other one)
+    # by id, so the guard keeps nothing of the model alive; last the first parameter's dtype, which model.half()
+    # changes in place
     first = next(iter(m._parameters.values()), None)
     return (*map(id, m._parameters.values()), *map(id, m._buffers.values()), *map(id, m._modules.values()),
             getattr(first, "dtype", None))
@@ -194,8 +192,8 @@ def _short(v: Any) -> str:
 
 
 def guard_for(state: StateUse | None, model: nn.Module) -> StateGuard | None:
-    """The guard of what ``state`` says the capture of ``model``'s copy read, watching ``model`` (None: nothing read).
-    ValueError where the model's code changes an attribute it reads (a counter the forward moves)."""
+    """The guard of what ``state`` says the capture read, watching ``model`` (None: nothing read); ValueError where
+    the model's code changes an attribute it reads (a counter the forward moves)."""
     if state is None:
         return None
     leaves = state.leaves
@@ -241,9 +239,9 @@ def rebind(unit: nn.Module, module: nn.Module) -> None:
 
 
 def follow_model(other: nn.Module, guard: StateGuard | None, settings: frozenset = frozenset()) -> None:
-    """Bind the guard of ``other`` (a conversion for another call, made from the model as it was at convert(), with
-    the converted module's module ``settings`` ((module name, attribute)) applied) to the model ``guard`` watches;
-    ValueError where an attribute ``other``'s conversion read has changed on the model since."""
+    """Bind the guard of ``other`` (a conversion for another call, with the module ``settings`` ((module name,
+    attribute)) applied) to the model ``guard`` watches; ValueError where an attribute ``other``'s conversion read,
+    outside ``settings``, has changed on the model since."""
     info = other.meta.get("autocastfx") if isinstance(getattr(other, "meta", None), dict) else None
     mine, model = getattr(info, "state", None), guard.root() if guard is not None and guard.root else None
     if mine is None or model is None:

@@ -1,22 +1,9 @@
-"""Hugging Face ``Trainer`` with autocastfx's loss-scaled step: one line, ``autocastfx.integrations.hf.Trainer``
-in place of ``transformers.Trainer``.
+"""Hugging Face ``Trainer`` trained through autocastfx's step, in place of ``transformers.Trainer``; the step's state
+is saved beside each checkpoint's optimizer as ``autocastfx_step.pt``.
 
     from autocastfx.integrations.hf import Trainer
     trainer = Trainer(model=model, args=TrainingArguments(...), train_dataset=..., eval_dataset=...)
-    trainer.train()                                   # or train(resume_from_checkpoint=True)
-
-How it hooks in (transformers 5.x):
-- ``train()`` converts the model first, so a checkpoint to resume from loads into the converted module; the
-  example inputs are the collated first examples of the training set, read without the sampler so the data order
-  is the one a float32 run sees;
-- ``create_optimizer()`` builds the optimizer as usual and the step over it (``loss_fn=lambda out: out.loss``;
-  ``accum_steps`` from ``gradient_accumulation_steps``; ``clip_grad_norm`` from ``max_grad_norm``, taken from the
-  Trainer's own clipping); the Trainer holds a stand-in optimizer whose ``step()`` and ``zero_grad()`` do nothing,
-  since the step has already updated; the learning-rate scheduler drives the real optimizer;
-- ``training_step()`` runs the step on the batch;
-- checkpoints hold the step's state in ``autocastfx_step.pt`` beside the optimizer's, and resuming loads it;
-- ``log()`` adds ``loss_scale``, ``skipped_steps`` and ``grad_norm`` to each training log, read from the device only
-  when the Trainer logs.
+    trainer.train()
 """
 from __future__ import annotations
 
@@ -70,11 +57,8 @@ class _Applied(torch.optim.Optimizer):
 
 
 class Trainer(transformers.Trainer):
-    """``transformers.Trainer`` whose training runs through autocastfx's step.
-
-    Own keywords: ``dtype`` (float16 or bfloat16), ``convert_kwargs`` / ``step_kwargs`` (more
-    ``autocastfx.convert`` / ``autocastfx.train_step`` options); the rest go to ``transformers.Trainer``. Leave
-    ``TrainingArguments(fp16=...)`` off: the converted module already is the mixed-precision program."""
+    """``transformers.Trainer`` whose training runs through autocastfx's step; ``convert_kwargs`` / ``step_kwargs``
+    go to ``autocastfx.convert`` / ``autocastfx.train_step``. Leave ``TrainingArguments(fp16=..., bf16=...)`` off."""
 
     def __init__(self, *args, dtype: torch.dtype = torch.float16, convert_kwargs: dict | None = None,
                  step_kwargs: dict | None = None, **kwargs):
@@ -91,6 +75,7 @@ class Trainer(transformers.Trainer):
 
     # ------------------------------------------------------------------------------------ conversion
     def train(self, *args, **kwargs):
+        # converted first, so a checkpoint to resume from loads into the converted module
         if "autocastfx" not in getattr(self.model, "meta", {}):
             self.model = self.model_wrapped = self._convert(self.model)
         self.model_accepts_loss_kwargs = False  # the converted forward takes the inputs it was converted with
@@ -99,6 +84,7 @@ class Trainer(transformers.Trainer):
         return super().train(*args, **kwargs)
 
     def _convert(self, model):
+        # the first examples read without the sampler, so the data order stays a float32 run's
         n = min(self.args.per_device_train_batch_size, len(self.train_dataset))
         batch = self.data_collator([self.train_dataset[i] for i in range(n)])
         batch = {k: v.to(self.args.device) if torch.is_tensor(v) else v for k, v in batch.items()}

@@ -1,28 +1,9 @@
-"""Lightning with autocastfx's loss-scaled step: a precision plugin, ``MixedPrecision``.
+"""Lightning precision plugin, ``MixedPrecision``, that converts the LightningModule's network on its first call and
+trains it through autocastfx's step; the LightningModule is written as for float32, with one optimizer.
 
     from autocastfx.integrations.lightning import MixedPrecision
     trainer = lightning.Trainer(plugins=[MixedPrecision()], accumulate_grad_batches=2, gradient_clip_val=1.0)
-    trainer.fit(lit_module)                      # or fit(lit_module, ckpt_path=...); validate(), test() as usual
-
-The LightningModule is written as for float32: it holds its network at an attribute, its ``training_step`` calls
-that network and returns the loss, ``configure_optimizers`` returns one optimizer over ``self.parameters()`` and
-optionally a scheduler.
-
-How it hooks in (Lightning 2.x):
-- ``connect()`` refuses what the step cannot honour (manual optimization, several optimizers, clipping by value,
-  more than one device); the network is converted on its first call, with that call's inputs, and takes its place
-  at the attribute (``example_input=`` converts at setup instead); the random number generators are left as found;
-- the step is built over the real optimizer, which holds the converted module's float32 parameters, so Lightning's
-  scheduler reaches the updates; ``accum_steps`` comes from ``accumulate_grad_batches``, ``clip_grad_norm`` from
-  ``gradient_clip_val`` (clipped after unscaling inside the step, so ``clip_gradients()`` has nothing to do);
-- ``backward()`` hands the loss to ``step.after_forward``, which runs the whole update after an update's last
-  micro-batch; when Lightning ends an update early (an epoch's last, shorter window), so does the step;
-- ``optimizer_step()`` runs the closure and Lightning's hooks, and leaves the optimizer alone;
-- ``state_dict()`` is the step's (loss scale, micro-batch count, random state); the checkpoint's own ``state_dict``
-  holds the float32 weights as the model has them, so it loads into the unconverted LightningModule too; resuming
-  loads the weights, converts, and restores the step and the random state of the checkpoint;
-- ``loss_scale``, ``skipped_steps`` and ``grad_norm`` are logged at the Trainer's logging interval only: they are
-  device tensors, read only then.
+    trainer.fit(lit_module)
 """
 from __future__ import annotations
 
@@ -54,14 +35,14 @@ isolate_rng = importlib.import_module(pl.__name__ + ".utilities.seed").isolate_r
 
 class MixedPrecision(Precision):
     """Lightning precision plugin that converts the LightningModule's network and trains it through autocastfx's
-    step.
+    step (``self.step``); ``gradient_clip_val`` and ``accumulate_grad_batches`` become the step's.
 
-    ``dtype``: float16 or bfloat16. ``attribute``: the attribute that holds the network (default: the one child
-    module with parameters). ``convert_kwargs`` / ``step_kwargs``: more ``autocastfx.convert`` /
-    ``autocastfx.train_step`` options. ``example_input``: the network's inputs (a tensor, a tuple, a dict of keyword
-    inputs, or a callable taking the LightningModule and returning one) to convert at setup instead of on the first
-    call. After ``fit`` the LightningModule holds the converted module; ``self.step`` is the step (``step.stats``:
-    loss scale, skipped steps, gradient norm as device tensors)."""
+    Args:
+        attribute: the attribute that holds the network; default the one child module with parameters.
+        convert_kwargs: more ``autocastfx.convert`` options (``step_kwargs``: ``autocastfx.train_step``'s).
+        example_input: the network's inputs (a tensor, tuple, dict, or a callable taking the LightningModule), to
+            convert at setup instead of on the first call.
+    """
 
     def __init__(self, dtype: torch.dtype = torch.float16, attribute: str | None = None,
                  convert_kwargs: dict | None = None, step_kwargs: dict | None = None, example_input: Any = None):

@@ -1,1 +1,1 @@
-"""tools"""
+"""Tools over a converted module: report, diagnostics, export and save, deployment copy, drawing, command line."""

@@ -1,9 +1,6 @@
-"""Numerical diagnostics: find where the low dtype is unsafe before a run dies.
-
-``calibrate(gm, batches)`` runs the float32 model over real batches, records each value's largest magnitude and
-each low-precision op's own rounding error, and moves the nodes that would overflow or lose too much back to
-float32 (the reason is in the report). ``grad_histogram(model, inputs, loss_fn, *targets)`` shows where the
-activation gradients of a float32 step fall against the float16 range, and what loss scale keeps them there.
+"""Numerical diagnostics of where the low dtype is unsafe: ``calibrate`` moves nodes that overflow or lose too much
+on real batches back to float32, and ``grad_histogram`` shows a float32 step's activation gradients against the
+float16 range.
 """
 from __future__ import annotations
 
@@ -32,7 +29,7 @@ def _info(gm):
 
 
 def _float32_copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """The converted module's float32 form: casts and dtype= arguments out. Names are kept."""
+    """The converted module's float32 form (casts and dtype= arguments undone), node names kept."""
     f32 = copy.deepcopy(gm)
     for p in f32.parameters():
         p.data = p.data.float()
@@ -41,7 +38,7 @@ def _float32_copy(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 class _Probe(fx.Interpreter):
-    """Float32 run that records max |value| per node and, for low-precision ops, their own rounding error."""
+    """A float32 run recording max |value| per node and, for low-precision ops, their own rounding error."""
 
     def __init__(self, gm, low_nodes: dict[str, torch.dtype], amax: dict, err: dict):
         super().__init__(gm)
@@ -69,9 +66,14 @@ class _Probe(fx.Interpreter):
 
 def calibrate(gm: fx.GraphModule, batches: Iterable, *, margin: float = 4.0, max_rel_error: float = 0.05,
               rounds: int = 3) -> fx.GraphModule:
-    """A re-planned copy of ``gm`` (sharing its parameters and buffers) with the nodes that overflow the low dtype,
-    or lose more than ``max_rel_error`` relative error in it, moved to float32. ``batches``: input tuples like
-    convert()'s ``example_inputs``. ``margin``: headroom on the largest value seen (4: values over 65504/4 move)."""
+    """A re-planned copy of ``gm`` (sharing its tensors) with the nodes that overflow the low dtype, or lose more
+    than ``max_rel_error`` relative error in it, moved to float32.
+
+    Args:
+        batches: input tuples like convert()'s ``example_inputs``.
+        margin: headroom on the largest value seen: values over the low dtype's maximum / ``margin`` move.
+        rounds: re-plans at most, each on the previous plan.
+    """
     info = _info(gm)
     refuse_piecewise(info, "autocastfx.calibrate")
     batches = [b if isinstance(b, tuple) else (b,) for b in batches]
@@ -204,8 +206,8 @@ class _GradCollector(TorchFunctionMode):
 
 
 def grad_histogram(model: nn.Module, inputs: tuple, loss_fn: Callable, *targets: Any) -> GradHistogram:
-    """One float32 forward/backward of ``loss_fn(model(*inputs), *targets)`` on a copy of ``model``, with every
-    activation gradient collected (NVIDIA's SSD figure, for your own model)."""
+    """The activation gradients of one float32 forward/backward of ``loss_fn(model(*inputs), *targets)`` on a copy
+    of ``model``."""
     if isinstance(inputs, torch.Tensor):
         raise TypeError("inputs must be a tuple: write (x,) instead of x")
     m = copy.deepcopy(model).float()

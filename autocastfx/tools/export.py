@@ -1,9 +1,6 @@
-"""Export and save.
-
-``export(gm, path, example_inputs)``: a plain ``torch.export`` archive (.pt2) or ONNX model that loads without
-autocastfx. ``save(gm, path)`` / ``load(path)``: the converted module for resuming work, as its program (a
-torch.export archive holding the float32 parameters) and its policy, options and report as JSON. Nothing is
-unpickled as an arbitrary object: the JSON is checked against a schema, the program is torch.export's aten graph.
+"""``export``: a converted module as a .pt2 archive or ONNX model that loads without autocastfx. ``save``/``load``:
+the converted module as its torch.export program plus its policy, options and report as schema-checked JSON, so
+nothing is unpickled.
 """
 from __future__ import annotations
 
@@ -28,7 +25,7 @@ from ..core.policy import OpClass, Policy
 from .report import Report, Row
 
 FORMAT = "autocastfx.save"
-VERSION = 2  # 1 kept float32 masters beside stored-low weights; 2 holds the float32 parameters
+VERSION = 2  # 2: the program holds the float32 parameters
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -87,14 +84,19 @@ class ExportCheckError(RuntimeError):
 def export(gm: fx.GraphModule, path: str | os.PathLike, example_inputs: tuple | None = None, *,
            example_kwargs: dict | None = None, dynamic_shapes: Any = None, inference: bool | None = None,
            check: bool = True) -> Any:
-    """Write the converted module to ``path``, in the format its extension names.
+    """Write the converted module to ``path`` in the format its extension names: ``.pt2`` (returns the
+    ExportedProgram) or ``.onnx`` (returns the ONNXProgram).
 
-    ``.pt2``: a ``torch.export`` archive of the module in its current mode, which needs only torch to load and run;
-    returns the ExportedProgram. ``.onnx``: an ONNX model of :func:`autocastfx.for_inference`'s deployment copy
-    (eval program, batch norms folded, every weight low; ``inference=False`` exports the eval program as
-    converted), written by ``torch.onnx.export(dynamo=True)``; returns the ONNXProgram. With ``check=True`` it is
-    run in onnxruntime, where installed, against the module on the example inputs: :class:`ExportCheckError` if it
-    does not load or does not match."""
+    Args:
+        inference: export :func:`autocastfx.for_inference`'s deployment copy; the default for ONNX, which otherwise
+            exports the eval program as converted.
+        check: ONNX only: run the file in onnxruntime, where installed, against the module on the example inputs
+            (:class:`ExportCheckError` if it does not load or match).
+
+    Example::
+
+        autocastfx.export(gm, "model.pt2", (x,))
+    """
     fmt = os.path.splitext(os.fspath(path))[1].lower()
     if fmt not in FORMATS:
         raise ValueError(f"cannot tell which format to write from {os.fspath(path)!r}: export() writes "
@@ -114,8 +116,8 @@ def export(gm: fx.GraphModule, path: str | os.PathLike, example_inputs: tuple | 
 def export_onnx(gm: fx.GraphModule, path: str | os.PathLike, example_inputs: tuple | None = None, *,
                 example_kwargs: dict | None = None, dynamic_shapes: Any = None, inference: bool = True,
                 check: bool = True, rtol: float = 2e-2) -> Any:
-    """See :func:`export`. Uses the exporter's graph optimizer (smaller file); if the runtime refuses that file,
-    it is written and checked again without it."""
+    """See :func:`export`; a file written with the exporter's optimizer that the runtime refuses is written and
+    checked again without it."""
     import logging
 
     for need in ("onnx", "onnxscript"):
@@ -153,9 +155,8 @@ def export_onnx(gm: fx.GraphModule, path: str | os.PathLike, example_inputs: tup
 
 
 def _store_folded_casts_low(path: str) -> int:
-    """Store float16 again, with a Cast beside it, every float32 initializer whose values are all float16 values;
-    returns how many. The exporter's constant folding turns a float16 weight cast up where read into a float32
-    initializer (norms' weights, a class token broadcast to the batch)."""
+    """Store as float16, behind a Cast, every float32 initializer whose values are all float16 values (the
+    exporter's constant folding makes them of upcast float16 weights); returns how many."""
     import numpy as np
     import onnx
     from onnx import helper, numpy_helper
@@ -214,7 +215,7 @@ def _check_onnx(module: nn.Module, path: str, args: tuple, kwargs: dict, rtol: f
     try:
         import onnxruntime as ort
     except ImportError:
-        return None  # nothing to check it with here; onnx.checker at least
+        return None  # no onnxruntime here: the file goes unchecked
     try:
         session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     except Exception as e:  # noqa: BLE001 - the runtime's words are the message
@@ -262,7 +263,7 @@ def _policy_from_data(d: dict) -> Policy:
 
 def save(gm: fx.GraphModule, path: str | os.PathLike, example_inputs: tuple | None = None, *,
          example_kwargs: dict | None = None) -> None:
-    """Save a converted module with its policy, options and report (see the module docstring)."""
+    """Save a converted module as its torch.export program, with its policy, options and report, for :func:`load`."""
     from .report import report
     info = _info(gm)
     ep = export_program(gm, example_inputs, example_kwargs)
@@ -285,10 +286,7 @@ def _check(cond: bool, what: str, path) -> None:
 
 
 def load(path: str | os.PathLike) -> fx.GraphModule:
-    """Load what :func:`save` wrote: the converted module with its policy and report.
-
-    Raises FormatError (a ValueError) for a truncated, tampered or foreign file; never unpickles code.
-    """
+    """Load what :func:`save` wrote; FormatError for a truncated, tampered or foreign file."""
     path = os.fspath(path)
     try:
         with zipfile.ZipFile(path) as z:
@@ -338,8 +336,8 @@ def load(path: str | os.PathLike) -> fx.GraphModule:
 
 
 def model_explorer_overlay(gm: fx.GraphModule, ep: torch.export.ExportedProgram, graph_id: str = "main") -> dict:
-    """Node data for Google's Model Explorer over the exported program: each node coloured by compute dtype
-    (1 low, 0 float32, 0.5 follow/promote), with a sidecar of reasons and casts keyed by the same node ids."""
+    """Node data for Google's Model Explorer over the exported program (value 1 for a low node or a cast to low,
+    0 for float32), with a sidecar of reasons and casts keyed by the same node ids."""
     decisions = {n.name: n.meta["autocastfx"] for n in gm.graph.nodes if "autocastfx" in n.meta}
     low = _info(gm).dtype
     colour = {"low": "#f4a261", "fp32": "#4a90d9", "cast": "#e63946"}

@@ -1,9 +1,4 @@
-"""The converted graph as a picture: Graphviz DOT text, nodes coloured by compute dtype, casts marked.
-
-``to_dot(gm, depth=2)`` collapses every module at that depth of the module tree (``layer1.0`` in a ResNet)
-into one box that counts its nodes per dtype and its casts, so a ResNet-50 reads as ~20 boxes;
-``depth=0`` draws every node. Rendering to SVG/PNG needs Graphviz's ``dot`` program.
-"""
+"""The converted graph as a picture: Graphviz DOT text, nodes coloured by compute dtype, casts marked."""
 from __future__ import annotations
 
 import shutil
@@ -45,6 +40,8 @@ def _group(node: fx.Node, depth: int) -> str | None:
 
 
 def to_dot(gm: fx.GraphModule, depth: int = 2, title: str | None = None) -> str:
+    """DOT text of ``gm``, each module at ``depth`` of the module tree (``layer1.0``) collapsed into one box that
+    counts its nodes per dtype and its casts; ``depth=0`` draws every node."""
     info = gm.meta["autocastfx"]
     low = info.dtype
     short = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}

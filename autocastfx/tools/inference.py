@@ -1,18 +1,5 @@
-"""A deployment copy of a converted module: eval program, batch norms folded, every weight stored low.
-
-Serving needs none of training's float32 parameters, batch-norm statistics or float32 batch norms, which cost
-file size and casts. :func:`for_inference` makes the module to ship:
-
-1. the converted module's eval program back in float32 (casts taken out), on copies of its tensors;
-2. each eval batch norm directly after a convolution folded into it, in float32, so no exporter folds it in a mixed
-   form (torch.onnx's optimizer folds a float32 batch norm into a float16 convolution as float32 weights beside
-   float16 activations, a file onnxruntime refuses);
-3. converted again with the same dtype and policy (no padding pass), then every floating parameter stored low: a
-   weight the graph casts low is stored low and its cast removed; one also read in float32 (norm weights) is cast
-   up where read. Each weight is rounded once, as a float16 deployment rounds it anyway; no float32 copy is kept.
-
-The result is an ordinary converted module in eval mode: ``report()`` works on it, and ``autocastfx.export`` writes
-it to ``.pt2`` or ``.onnx``.
+"""A deployment copy of a converted module: eval program, batch norms folded, every weight stored low. The result is
+an ordinary converted module in eval mode, for ``report()`` and ``autocastfx.export``.
 """
 from __future__ import annotations
 
@@ -36,7 +23,9 @@ _BN_MODULES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 def for_inference(gm: fx.GraphModule, example_inputs: tuple | None = None, *,
                   example_kwargs: dict | None = None) -> fx.GraphModule:
-    """A new module for deployment (see the module docstring); ``gm`` is left as it is."""
+    """A new module for deployment, ``gm`` left as it is: ``gm``'s eval program in float32 on copies of its tensors,
+    batch norms after convolutions folded in float32, converted again with the same dtype and policy (no padding),
+    then every floating parameter stored low (cast up where the graph reads it in float32)."""
     from ..api import convert
     from ..base.meta import example_inputs_of
 
@@ -116,8 +105,9 @@ def _arg(node: fx.Node, i: int, name: str, default):
 
 
 def fold_batch_norms(gm: fx.GraphModule) -> list[str]:
-    """Fold every eval batch norm whose input is a convolution read by nothing else, in float32, in place;
-    returns the folded batch norms' node names."""
+    """Fold every eval batch norm whose input is a convolution read by nothing else, in float32, in place (an
+    exporter folding it later mixes float32 weights with float16 activations, which onnxruntime refuses); returns
+    the folded batch norms' node names."""
     folded = []
     for node in list(gm.graph.nodes):
         if node.op not in ("call_module", "call_function") or not node.args:

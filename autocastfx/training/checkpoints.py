@@ -1,7 +1,5 @@
-"""Checkpoints of a training step with ``torch.distributed.checkpoint`` (DCP): every rank writes its own shards.
-
-The module's parameters are the float32 model, so the model and optimizer parts are torch's own
-``get_state_dict``/``set_state_dict``; the step adds its loss-scale state and micro-batch count.
+"""Checkpoints of a training step with ``torch.distributed.checkpoint`` (DCP): torch's own model and optimizer
+state dicts, plus the step's loss-scale state and micro-batch count.
 """
 from __future__ import annotations
 
@@ -18,11 +16,9 @@ def _state(step: TrainStep, optimizer_state: bool | None = None) -> dict[str, An
     """The step's whole state as DCP reads and writes it.
 
     Args:
-        step: the training step.
-        optimizer_state: whether the optimizer's per-parameter state is part of it. None (saving): where the
-            optimizer has any; torch's set-up of a fresh optimizer's state (a step with zero gradients) would count
-            a step for Adam, so it is undone. True (loading a checkpoint that holds it): set up where missing, for
-            DCP to load into. False (loading one saved before the first update): left out, a set-up undone.
+        optimizer_state: whether the optimizer's per-parameter state is included; None: where it has any. torch
+            sets up a fresh optimizer's state by running a step (which counts for Adam), so that set-up is undone
+            unless it is kept for DCP to load into.
     """
     from torch.distributed.checkpoint.state_dict import get_state_dict
     opt = step.optimizer
@@ -57,13 +53,11 @@ def _holds_optimizer_state(path: str) -> bool:
 
 
 def save_checkpoint(step, path: str | os.PathLike) -> None:
-    """Write ``step``'s whole training state to the directory ``path`` (call it on every rank): the float32
-    parameters and buffers, the optimizer state by parameter name, the loss-scaler state.
+    """Write ``step``'s whole training state to the directory ``path``; call it on every rank.
 
     Args:
         step: a step made by :func:`autocastfx.train_step` (or a :class:`CudaGraphStep`), at the end of an
-            accumulation cycle: a save mid-cycle would lose that cycle's gradients, so it is a ValueError before
-            anything is written (``step.state_dict()`` keeps them, for the same number of processes).
+            accumulation cycle (mid-cycle is a ValueError, as the cycle's gradients would be lost).
         path: the checkpoint directory.
     """
     import torch.distributed.checkpoint as dcp
@@ -78,13 +72,8 @@ def save_checkpoint(step, path: str | os.PathLike) -> None:
 
 
 def load_checkpoint(step, path: str | os.PathLike) -> None:
-    """Read a checkpoint written by :func:`save_checkpoint` into ``step`` (call it on every rank), whatever the
-    number of ranks that wrote it: one process, DDP or FSDP2. Gradients of unfinished micro-batches are dropped.
-
-    Args:
-        step: a step over the same model, with its optimizer built the same way.
-        path: the checkpoint directory.
-    """
+    """Read a :func:`save_checkpoint` checkpoint into ``step``, whatever the number of ranks that wrote it; call it
+    on every rank. ``step``'s optimizer must be built as the saved one was; unfinished gradients are dropped."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
     outer, step = step, getattr(step, "step", step)

@@ -1,9 +1,6 @@
-"""Checks of the training step's inputs (against the example the module was converted with) and loss. They read
-host metadata only, never values, so they never wait on the device.
-
-Inputs are checked once per *signature*: the first call with a new one runs guarded, with buffers and RNG state
-saved, so a failure inside the forward is undone and reported in terms of the inputs the user wrote, not the padded
-shapes inside the converted graph.
+"""Checks of the training step's loss and inputs (against the conversion's example), on host metadata only.
+The first call with a new input signature runs guarded, so a failure inside the forward is undone and reported in
+terms of the user's inputs.
 """
 from __future__ import annotations
 
@@ -18,13 +15,13 @@ from ..base import keys as K
 
 
 class StepError(ValueError):
-    """The training step was given something it cannot train on. Raised before the step changed anything."""
+    """The training step was given something it cannot train on; raised before the step changed anything."""
 
 
 # ------------------------------------------------------------------------------------------------ the loss
 
 def check_loss(loss: Any) -> torch.Tensor:
-    """The loss must be one floating-point number connected to the weights; metadata only, no device read."""
+    """The loss, or StepError unless it is one floating-point number connected to the weights."""
     if not isinstance(loss, torch.Tensor):
         none = (" (None: a model that returns its loss only when given targets was converted without them: "
                 "convert it with the targets in the example, autocastfx.convert(model, (x, y)))"
@@ -84,8 +81,8 @@ class InputChecker:
 
     # --- before the run: what host metadata alone can tell
     def check(self, inputs: Any, targets: tuple) -> dict[str, Any]:
-        """Raise StepError for inputs that do not fit the forward, sit on another device, or change a floating
-        input's dtype (the cast plan was made for the example's dtypes). Returns the bound inputs by name."""
+        """The bound inputs by name; StepError for inputs that do not fit the forward, sit on another device, or
+        change a floating input's dtype (the cast plan assumes the example's)."""
         bound = self._bind(inputs)
         self._check_devices(inputs, bound, targets)
         self._check_dtypes(inputs, bound)
@@ -130,13 +127,12 @@ class InputChecker:
     # --- the guarded first run of a new signature
     @contextlib.contextmanager
     def guard(self, inputs: Any, bound: dict[str, Any]) -> Iterator[None]:
-        """Save buffers and the RNG state; on a failure restore them, and explain a failure inside the module's
-        forward in terms of the inputs that differ from the example."""
+        """Restore buffers and the RNG state on a failure, and explain one inside the forward by the inputs that
+        differ from the example."""
         buffers = [(b, b.detach().clone()) for b in unique_by_id(self.gm.buffers())]
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        # forwards are counted by TrainStep.call_model, not a forward hook: adding a hook for one call would make
-        # torch.compile recompile
+        # counted by TrainStep.call_model, not a forward hook: adding a hook would make torch.compile recompile
         forwards = self.forwards
         try:
             yield

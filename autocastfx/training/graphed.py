@@ -1,8 +1,5 @@
-"""The training step as CUDA graphs: one launch per step instead of hundreds.
-
-autocastfx's step never reads the device from the host (the optimizer skips overflowing updates itself, the scale
-moves on the device), so the whole step can be captured once and replayed. What a graph cannot do is refused before
-anything is changed, with the reason and the way out. ``docs/cuda_graphs.md`` has the rules.
+"""The training step captured once as CUDA graphs and replayed, which works because a fused-optimizer step never
+reads the device from the host; what a graph cannot do is refused up front (docs/cuda_graphs.md).
 """
 from __future__ import annotations
 
@@ -25,13 +22,9 @@ _REPLAY_RULE = ("a CUDA graph replays fixed shapes, dtypes and devices: make a C
 
 # ----------------------------------------------------------------------------------- the optimizer
 def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
-    """Make ``optimizer`` replayable inside a CUDA graph, in place (idempotent).
-
-    - ``capturable=True`` where the optimizer has the option: ``step()`` refuses to be captured without it.
-    - the lr becomes a float32 tensor on ``device`` (fused kernels read it through a float pointer), which
-      schedulers ``fill_`` in place, so a new lr reaches the replays. It is rounded to float32.
-    - state tensors on another device than their parameter (a CPU ``step`` count) move to it.
-    """
+    """Make ``optimizer`` replayable inside a CUDA graph, in place (idempotent): ``capturable=True``, the lr a
+    float32 tensor on ``device`` (fused kernels read it through a float pointer, so it is rounded to float32), and
+    state tensors moved to their parameter's device."""
     device = torch.device(device)
     if "capturable" in optimizer.defaults:
         optimizer.defaults["capturable"] = True
@@ -71,8 +64,7 @@ def baked_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
 
 def follow_optimizer_settings(optimizer: torch.optim.Optimizer, lrs: list[torch.Tensor],
                               baked: list[dict[str, Any]]) -> None:
-    """Before a replay: copy a replaced lr into the captured lr tensor the graph reads, and refuse a changed
-    setting, which the graph has baked in."""
+    """Before a replay: copy a replaced lr into the captured lr tensor, and refuse a changed baked-in setting."""
     groups = optimizer.param_groups
     if len(groups) != len(lrs):
         raise RuntimeError(f"the optimizer has {len(groups)} parameter groups, the graph was captured with "
@@ -119,8 +111,7 @@ class Signature:
 
 
 def signature(inputs: Any, targets: tuple) -> tuple[Signature, list[Any]]:
-    """The call's signature and flat leaves. Leaves that are neither tensors nor plain constants are refused:
-    the graph could not see them change."""
+    """The call's signature and flat leaves; TypeError for a leaf that is neither a tensor nor a plain constant."""
     flat, spec = tree_flatten_with_path((inputs, tuple(targets)))
     leaves, values = [], []
     for path, value in flat:
@@ -169,9 +160,8 @@ def check_devices(sig: Signature, device: torch.device) -> None:
 
 # ---------------------------------------------------------------------------- capture schedule
 def positions(accum_steps: int) -> list[tuple[str, int]]:
-    """The graphs to capture, in capture (and replay) order, with the micro-batch position each stands for.
-
-    ``first`` writes fresh gradients, ``middle`` adds to them, ``update`` adds the last and steps the optimizer."""
+    """The graphs to capture, in order, with the micro-batch position each stands for: ``first`` writes fresh
+    gradients, ``middle`` adds to them, ``update`` adds the last and steps the optimizer."""
     if accum_steps == 1:
         return [("update", 0)]
     return [("first", 0)] + ([("middle", 1)] if accum_steps > 2 else []) + [("update", accum_steps - 1)]
@@ -184,8 +174,8 @@ def kind_at(position: int, accum_steps: int) -> str:
 
 
 def ready_to_capture(calls: int, micro: int, warmup: int, accum_steps: int) -> bool:
-    """Capture at the start of an accumulation cycle, after ``warmup`` eager calls and at least one update
-    (the optimizer's state must exist before capture: created inside it, it would be re-created every replay)."""
+    """Capture at a cycle's start, after ``warmup`` eager calls and at least one update (optimizer state created
+    inside a capture would be re-created every replay)."""
     return calls >= max(warmup, accum_steps) and micro % accum_steps == 0
 
 
@@ -200,12 +190,11 @@ def _eager_capturable():
 # ------------------------------------------------------------------------------------------ capture
 def _record_graphs(step, device: torch.device, static_inputs: Any,
                    static_targets: tuple) -> tuple[dict[str, torch.cuda.CUDAGraph], dict[str, torch.Tensor]]:
-    """Record ``step`` on the static buffers, one graph per kind of micro-batch (:func:`positions`), in one memory
-    pool; returns the graphs and their loss tensors by kind. Nothing runs: the step's host state is put back.
+    """Record ``step`` on the static buffers, one graph per kind of micro-batch (:func:`positions`) in one memory
+    pool; returns the graphs and their loss tensors by kind, with the step's host state put back.
 
-    Gradients are None at a cycle's start, so the first graph allocates them from the pool and the update graph
-    frees them there. A later graph's tensors may lie in an earlier one's scratch memory (PyTorch, "Sharing memory
-    across captures"), so the clipping norm that ``stats.grad_norm`` reads lives in a tensor outside the pool."""
+    A later graph's tensors may lie in an earlier one's scratch memory (PyTorch, "Sharing memory across captures"),
+    so the clipping norm ``stats.grad_norm`` reads lives outside the pool."""
     micro = step.micro
     for p in step.all_params:
         p.grad = None
@@ -256,15 +245,13 @@ def portable_state_dict(step) -> dict[str, Any]:
 
 
 def load_keeping_tensors(step, sd: dict[str, Any]) -> bool:
-    """``step.load_state_dict(sd)``, copying the loaded optimizer state and lr into the previous tensors, which a
-    captured graph holds the addresses of. False when the loaded state does not fit them (a key, shape or
-    parameter's state missing on one side): the graphs must then be captured again."""
+    """``step.load_state_dict(sd)``, copying the optimizer state and lr into the tensors a captured graph holds;
+    False when the loaded state does not fit them (the graphs must be captured again)."""
     opt = step.optimizer
     before = {p: dict(s) for p, s in opt.state.items()}
     lrs = [g["lr"] for g in opt.param_groups]
     if isinstance(sd.get("optimizer"), dict) and "state" in sd["optimizer"]:
-        # Optimizer.load_state_dict keeps the given tensors where no cast is needed, so the state would train in
-        # the caller's dict: load copies.
+        # Optimizer.load_state_dict keeps the given tensors where no cast is needed: load copies
         sd = dict(sd, optimizer=dict(sd["optimizer"], state={
             k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()}
             for k, s in sd["optimizer"]["state"].items()}))
@@ -294,18 +281,11 @@ def load_keeping_tensors(step, sd: dict[str, Any]) -> bool:
 class CudaGraphStep:
     """``gstep(inputs, *targets) -> loss``: a :class:`TrainStep` replayed as CUDA graphs.
 
-    The first ``warmup`` calls (at least ``accum_steps``, up to the end of an accumulation cycle) run the eager step
-    on a side stream: real steps that create the optimizer's state and warm up cuBLAS and cuDNN. The last of them
-    also captures the step for its arguments' shapes (capture runs nothing, so it costs no step). After that each
-    call copies its tensors into :attr:`static_inputs` / :attr:`static_targets` and replays.
-
-    A replay returns the graph's own loss tensor, which the next replay overwrites: ``loss.clone()`` to keep it.
-    The capture fixes the arguments' shapes, dtypes, devices and Python constants, every optimizer setting but the
-    lr, and the model's train()/eval() mode: a change raises (``recapture()`` captures again). A new lr (a
-    scheduler's) is read by the replays. With ``init_scale="auto"`` capture waits for the first update.
-
-    Refused up front: a model not on one CUDA device, ``on_overflow="retry"`` (a host read per attempt), a
-    non-fused optimizer (it reads ``found_inf`` on the host to skip an update), DDP and FSDP2.
+    The first ``warmup`` calls (at least ``accum_steps``) run the eager step on a side stream, and the last of them
+    captures; later calls copy their tensors into :attr:`static_inputs` / :attr:`static_targets` and replay. A
+    replay's loss tensor is overwritten by the next replay (``loss.clone()`` to keep it). The capture fixes the
+    arguments' shapes, dtypes, devices and constants, every optimizer setting but the lr, and the train/eval mode:
+    a change raises (``recapture()`` captures again).
     """
 
     def __init__(self, step, *, warmup: int = 3):
@@ -364,16 +344,15 @@ class CudaGraphStep:
         return portable_state_dict(self.step)
 
     def reloaded(self) -> None:
-        """After ``autocastfx.load_checkpoint`` replaced the step's state: drop the graphs (they may read tensors
-        the optimizer no longer holds) to capture again after the warm-up, from a cycle's start."""
+        """Drop the graphs after ``autocastfx.load_checkpoint`` (they may read tensors the optimizer has
+        replaced), to capture again after the warm-up."""
         self._drop()
         self._calls = 0
         self._eager_to_cycle_start = self.step.micro % self.step.accum_steps != 0
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Load into the tensors the graphs read (their addresses must not change), then carry on replaying. A
-        state that does not fit them, or a changed optimizer setting, means capturing again; a position inside an
-        accumulation cycle means eager calls up to its end (the cycle's earlier gradients were not saved)."""
+        """Load into the tensors the graphs read (their addresses must not change); a state that does not fit
+        them or a changed setting means capturing again, and a mid-cycle position eager calls to the cycle's end."""
         fits = load_keeping_tensors(self.step, sd)
         make_capturable(self.step.optimizer, self.device)
         if not fits:

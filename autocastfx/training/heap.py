@@ -1,19 +1,6 @@
-"""``autocastfx.keep_cpu_memory()``: glibc told to keep freed memory for the next step, an explicit, process-wide
-setting that nothing in autocastfx makes by itself.
-
-A CPU training step allocates and frees the same large buffers every step. glibc's malloc gives the free top of its
-heap back to the system past its trim threshold and maps allocations above its mmap threshold afresh, so the next
-step faults those pages in again (docs/benchmarks.md). The CUDA caching allocator keeps freed blocks for this reason,
-and PyTorch's CPU launcher (``torch.backends.xeon.run_cpu``) preloads jemalloc or tcmalloc for it.
-
-:func:`keep_freed_memory` raises both thresholds with ``mallopt``, once, and only where glibc is the allocator (no
-jemalloc, tcmalloc or mimalloc preloaded) and the user set none of ``MALLOC_TRIM_THRESHOLD_``,
-``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TOP_PAD_`` or a ``glibc.malloc.*`` tunable in ``GLIBC_TUNABLES`` (their choice
-stands). The same without code: ``MALLOC_TRIM_THRESHOLD_=2147483647 MALLOC_MMAP_THRESHOLD_=1073741824 python ...``.
-
-Cost: resident memory stays at its peak instead of shrinking between steps (nothing new is allocated), in processes
-forked after it too (DataLoader workers), and it cannot be undone. Threads other than the main one allocate from
-arenas of at most 64 MiB, whose larger blocks are still mapped afresh.
+"""``autocastfx.keep_cpu_memory()``: glibc's malloc told (with ``mallopt``, once, process-wide) to keep freed memory
+for the next CPU training step instead of faulting the same pages in again; nothing in autocastfx calls it by itself.
+It stands aside where another allocator is preloaded or the user set glibc's malloc options.
 """
 from __future__ import annotations
 
@@ -23,9 +10,8 @@ import sys
 
 M_TRIM_THRESHOLD = -1  # glibc's malloc.h
 M_MMAP_THRESHOLD = -3
-KEEP_BYTES = 2 ** 31 - 1  # mallopt takes a C int: the heap's free top is trimmed only once it passes 2 GiB
-# an allocation over the mmap threshold gets pages of its own, given back when freed. glibc before 2.33 or so refuses
-# a threshold over 32 MiB (HEAP_MAX_SIZE / 2 on 64 bits): the second value is what it takes there
+KEEP_BYTES = 2 ** 31 - 1  # the largest C int, which mallopt takes
+# older glibc refuses an mmap threshold over HEAP_MAX_SIZE / 2: the second value is what it takes there
 MMAP_BYTES = (2 ** 30, 32 * 2 ** 20)
 _OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 _USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
@@ -79,8 +65,8 @@ def keep_freed_memory() -> bool:
         libc, _ = _libc()
         mallopt = libc.mallopt
         mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-        # the mmap threshold first: setting either one ends glibc's own moving of both, and a trim threshold alone
-        # would leave every block over 128 KiB mapped afresh
+        # both thresholds: setting either ends glibc's own moving of both, and the default mmap threshold would leave
+        # large blocks mapped afresh
         mmap = next((v for v in MMAP_BYTES if mallopt(M_MMAP_THRESHOLD, v) == 1), None)
         if mmap is not None and mallopt(M_TRIM_THRESHOLD, KEEP_BYTES) == 1:
             _state["kept"], _state["mmap"] = True, mmap
@@ -96,7 +82,7 @@ def kept() -> bool:
 
 
 def status() -> str:
-    """The state in words, for the step's docstring and the docs."""
+    """The state in words, for the first line of ``step.code``."""
     if _state["kept"]:
         return (f"freed CPU memory kept for the next step (glibc's trim threshold raised, mmap threshold "
                 f"{_state['mmap'] // 2 ** 20} MiB)")
@@ -104,12 +90,11 @@ def status() -> str:
 
 
 def keep_cpu_memory() -> bool:
-    """Tell glibc, once for this process, to keep freed memory for the next training step instead of handing it
-    back to the system (see the module docstring: process-wide, irreversible, inherited by forked workers).
+    """Tell glibc to keep freed memory for the next training step instead of handing it back to the system:
+    process-wide, irreversible, inherited by forked workers, and resident memory stays at its peak.
 
     Returns:
-        True if freed memory is kept now; False where it is not (another allocator is preloaded, the environment
-        sets glibc's malloc options, or the C library is not glibc): ``status()`` says why.
+        True if freed memory is kept now; False where it is not (``status()`` says why).
     """
     return keep_freed_memory()
 

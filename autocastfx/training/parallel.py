@@ -11,8 +11,8 @@ from .step import Local, compiled_module
 
 
 def loaded_class(module: str, name: str):
-    """Class ``name`` of torch module ``module`` if that module is imported, else None: no object can be an
-    instance of a class never loaded, and importing FSDP2 and DTensor would slow ``import autocastfx``."""
+    """Class ``name`` of ``module`` if that module is imported, else None (importing FSDP2 and DTensor would slow
+    ``import autocastfx``, and nothing is an instance of a class never loaded)."""
     return getattr(sys.modules.get(module), name, None)
 
 
@@ -27,8 +27,7 @@ def is_dtensor(t) -> bool:
 
 
 def parallel_for(model: nn.Module) -> Local:
-    """The answers for ``model``: DDP around a converted module, an FSDP2-sharded one, or one process; any of
-    them may be ``torch.compile``d (the step calls the compiled module, the parameters are the inner one's)."""
+    """The answers for ``model`` (DDP, FSDP2 or one process), ``torch.compile``d or not."""
     inner = compiled_module(model)
     if inner is not model:
         parallel = parallel_for(inner)
@@ -46,8 +45,8 @@ def parallel_for(model: nn.Module) -> Local:
 
 
 class DDP(Local):
-    """DistributedDataParallel around a converted module: the float32 parameters on every rank, gradients
-    all-reduced by DDP; the step reduces ``found_inf`` and skips DDP's all-reduce on all micro-batches but the last."""
+    """DistributedDataParallel around a converted module: ``found_inf`` reduced across ranks, DDP's all-reduce
+    skipped on all micro-batches but the last."""
     kind = "ddp"
     distributed = True
 
@@ -64,8 +63,8 @@ class DDP(Local):
 
 
 class FSDP(Local):
-    """A converted module sharded with FSDP2's ``fully_shard`` (by hand, or by :func:`shard`): the optimizer steps
-    float32 shards; the fused kernels work on their local tensors (no copy)."""
+    """A converted module sharded with FSDP2's ``fully_shard``: the fused kernels work on the shards' local
+    tensors."""
     kind = "fsdp"
     distributed = True
 
@@ -99,8 +98,7 @@ class FSDP(Local):
         return _GradientSync(self.model, last)
 
     def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The global 2-norm over every shard of every rank: local sums of squares, summed over the mesh (a
-        replicated tensor would be counted once per rank; FSDP2 shards every parameter, so none is)."""
+        """The global 2-norm over every shard of every rank (right only because FSDP2 replicates no parameter)."""
         local = self.locals(grads)
         sq = torch.stack(torch._foreach_norm(local, 2.0)).pow(2).sum() if local else torch.zeros(())
         dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.group)
@@ -109,8 +107,8 @@ class FSDP(Local):
     grads_in_params = False
 
     def drop_unsynced_grads(self) -> None:
-        """Forget the gradients of an unfinished accumulation cycle: with gradient sync off, FSDP2 keeps them
-        unsharded inside its own parameter state, where setting ``.grad = None`` on the shards does not reach."""
+        """Forget an unfinished accumulation cycle's gradients, which FSDP2 keeps unsharded in its own parameter
+        state, out of reach of ``.grad = None`` on the shards."""
         for m in self.model.modules():
             if not is_fsdp(m):
                 continue
@@ -122,15 +120,13 @@ class FSDP(Local):
                         unsharded.grad = None
 
     def allows_fused(self, optimizer: torch.optim.Optimizer) -> bool:
-        """DTensor runs the fused Adam and AdamW kernels on the shards (torch has sharding rules for them); other
-        fused kernels (SGD's) it refuses, so those optimizers run their foreach kernels and the step reads
-        ``found_inf`` on the host once per update to skip."""
+        """Only fused Adam and AdamW: DTensor has sharding rules for them and refuses other fused kernels."""
         return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
 
 
 def _param_groups(state) -> list:
-    """An FSDP2 state's parameter groups: a list in newer torch, one (or none) in torch 2.11. Anything else is an
-    FSDP2 this code does not know, where unsynced gradients could not be dropped: an error, not a silent skip."""
+    """An FSDP2 state's parameter groups (a list in newer torch, one or none in torch 2.11); RuntimeError for a
+    layout this code does not know, rather than silently keeping unsynced gradients."""
     if hasattr(state, "_fsdp_param_groups"):
         return list(state._fsdp_param_groups)
     if hasattr(state, "_fsdp_param_group"):

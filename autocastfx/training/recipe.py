@@ -1,9 +1,5 @@
-"""The training step's recipe, as plain Python over the step's frozen options.
-
-:func:`train_step` is what ``TrainStep`` runs on every call; ``print(step.code)`` shows these functions as written,
-under a line giving the options. ``step`` is the ``TrainStep``: its ``options`` (:class:`StepOptions`), scale
-``state``, ``parallel`` object (DistributedDataParallel, FSDP2), and the parameters and optimizer it trains. Nothing
-reads the device from the host but ``on_overflow="retry"`` and a non-fused optimizer's skip, one read each.
+"""The training step's recipe, as plain Python over the step's frozen options; ``print(step.code)`` shows these
+functions as written. Only ``on_overflow="retry"`` and a non-fused optimizer's skip read the device from the host.
 """
 from __future__ import annotations
 
@@ -139,7 +135,7 @@ def update(step, grads: list[torch.Tensor]) -> None:
         optimizer.step()
     for p in step.all_params:  # gradients freed: the next backward writes, not adds
         p.grad = None
-    S.record()  # and the stuck-at-min_scale flag, read later by the host without a sync
+    S.record()
     if o.dynamic and o.scaler.auto and S.auto_pending:  # the largest safe power of two for these gradients
         S.update_auto(grads)
     elif o.dynamic:

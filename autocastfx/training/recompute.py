@@ -1,16 +1,6 @@
-"""Per-block activation checkpointing and compilation of a converted module's blocks.
-
-Blocks are the converted submodules that ``convert(..., blocks="auto")`` (the default) makes of the repeated
-children of ``nn.ModuleList``s, each called from the root's graph as a ``call_module`` node (see
-:mod:`autocastfx.tree.blocks`). Both are applied block by block, as TorchTitan does to a transformer's layers.
-
-Checkpointing swaps a block's class for a subclass whose ``__call__`` runs the block's own ``__call__`` (hooks,
-forward, compiled code) under the checkpoint; the root's graph is unchanged. A GraphModule keeps its generated
-``forward`` on a per-instance class, so the subclass is made the way autocastfx.converted.module makes the
-converted module's class. Then ``copy.deepcopy`` (GraphModule's deepcopy rebuilds the instance's class over the
-first MRO class that is not a ``GraphModuleImpl``: the subclass), ``state_dict``, ``train()``/``eval()`` (a
-converted block switches its own graphs) and a later FSDP2 ``fully_shard`` (it subclasses the class it finds)
-keep working.
+"""Per-block activation checkpointing and compilation of a converted module's blocks (:mod:`autocastfx.tree.blocks`),
+applied block by block as TorchTitan does to a transformer's layers. Checkpointing swaps a block's class for a
+subclass whose ``__call__`` runs under the checkpoint; the root's graph is unchanged.
 """
 from __future__ import annotations
 
@@ -42,8 +32,8 @@ class _Recomputed:
 
 
 def _contexts(block: nn.Module):
-    """Checkpoint contexts: the forward as is; the recompute restores the block's buffers afterwards, so batch-norm
-    statistics (any buffer the forward updates) move once a step, not again in the recompute as torch's would."""
+    """Checkpoint contexts: the recompute restores the block's buffers afterwards, so batch-norm statistics move
+    once a step, not again in the recompute as torch's would."""
     return contextlib.nullcontext(), _buffers_kept(block)
 
 
@@ -66,8 +56,8 @@ def _is_impl(c: type) -> bool:
 
 
 def _base(m: nn.Module) -> type:
-    """The class to subclass: the module's class, or for a GraphModule the first MRO class that is not the
-    per-instance ``GraphModuleImpl`` (as GraphModule.__new__ and autocastfx.converted.module.install take it)."""
+    """The class to subclass: for a GraphModule the first MRO class that is not the per-instance
+    ``GraphModuleImpl``, which GraphModule's deepcopy also rebuilds over, so copies stay checkpointed."""
     if isinstance(m, fx.GraphModule):
         return next(c for c in type(m).__mro__ if not _is_impl(c))
     return type(m)
@@ -87,8 +77,8 @@ def checkpointed(m: nn.Module) -> bool:
 
 
 def block_names(gm: nn.Module) -> list[str]:
-    """Qualified names of ``gm``'s converted blocks (submodules with ``meta[K.BLOCK]``) in module order, leaving
-    out any block that holds another: recomputing the outer one would hold all its inner activations at once."""
+    """Qualified names of ``gm``'s converted blocks in module order, leaving out any block that holds another
+    (recomputing the outer one would hold all its inner activations at once)."""
     found = [(n, m) for n, m in gm.named_modules() if n and isinstance(getattr(m, "meta", None), dict)
              and BLOCK_META in m.meta]
     return [n for n, _ in found if not any(o != n and o.startswith(n + ".") for o, _ in found)]
@@ -116,20 +106,13 @@ def _resolve(gm: nn.Module, blocks: Iterable[str] | None, what: str) -> list[tup
 
 
 def checkpoint_blocks(gm: nn.Module, blocks: Iterable[str] | None = None, *, enabled: bool = True) -> nn.Module:
-    """Checkpoint each converted block of ``gm``, recomputing its activations in backward; in place, returns ``gm``.
+    """Checkpoint each converted block of ``gm`` (non-reentrant, RNG state preserved, so results match the plain
+    run bit for bit), in place; returns ``gm``. Apply it before ``shard()``/``fully_shard``.
 
-    ``blocks``: qualified names of the submodules to checkpoint; default every converted block (:func:`block_names`).
-    While gradients are recorded, each one's call runs under ``torch.utils.checkpoint.checkpoint(...,
-    use_reentrant=False, preserve_rng_state=True)``: backward keeps only its inputs and recomputes the rest with
-    the forward's RNG state, so dropout masks, losses and weights match the plain run bit for bit; its buffers
-    (batch-norm statistics) move once a step. Under ``torch.no_grad()`` it runs as before. Checkpointing a block
-    again does nothing.
-
-    ``enabled=False`` undoes it (for ``blocks``; default every checkpointed submodule), restoring the original
-    class. Do either before ``shard()``/``fully_shard``, as TorchTitan applies activation checkpointing before FSDP:
-    a block FSDP2 has sharded (a class made over the block's) is refused.
-
-    Raises ValueError for a module with no converted blocks (convert with ``blocks="auto"``, the default)."""
+    Args:
+        blocks: qualified names of the submodules; default every converted block (:func:`block_names`).
+        enabled: False undoes it, restoring the original class.
+    """
     if not isinstance(gm, nn.Module):
         raise TypeError(f"checkpoint_blocks() takes a module, got {type(gm).__name__}")
     if not enabled:
@@ -149,8 +132,8 @@ def checkpoint_blocks(gm: nn.Module, blocks: Iterable[str] | None = None, *, ena
             continue
         base = _base(m)
         if isinstance(m, fx.GraphModule) and any(_is_impl(c) for c in base.__mro__[1:]):
-            # a class another wrapper made over the GraphModule's own (FSDP2's fully_shard): GraphModule's call
-            # looks its wrapped call up on the instance's class, so a subclass over this one would call itself
+            # a class FSDP2's fully_shard made over the GraphModule's own: GraphModule's call looks its wrapped call
+            # up on the instance's class, so a subclass over this one would call itself
             raise ValueError(f"checkpoint_blocks: {name!r} is a {base.__name__}, a class made over the converted "
                              "block's (fully_shard / shard() makes one): checkpoint the blocks before sharding, as "
                              "TorchTitan applies activation checkpointing before FSDP")
@@ -175,11 +158,8 @@ def _undo(name: str, m: nn.Module) -> None:
 
 
 def compile_blocks(gm: nn.Module, blocks: Iterable[str] | None = None, **compile_kwargs: Any) -> nn.Module:
-    """Run ``block.compile(**compile_kwargs)`` (``nn.Module.compile``: ``torch.compile`` of the block's call, in
-    place) on each converted block of ``gm``, or on the submodules named in ``blocks``; returns ``gm``.
-
-    As TorchTitan compiles each transformer layer; the root's graph around the blocks stays eager and the training
-    step is unchanged. A checkpointed block runs its compiled code inside the checkpoint and again in the recompute."""
+    """``nn.Module.compile(**compile_kwargs)`` on each converted block of ``gm`` (or those named in ``blocks``), in
+    place; the root's graph around them stays eager. Returns ``gm``."""
     if not isinstance(gm, nn.Module):
         raise TypeError(f"compile_blocks() takes a module, got {type(gm).__name__}")
     for _, m in _resolve(gm, blocks, "compile_blocks"):

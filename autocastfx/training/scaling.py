@@ -1,10 +1,6 @@
-"""Loss-scale state on the device: static or dynamic scaling, growth, back-off, hysteresis, history.
-
-Nothing reads a value back to the host. ``poll()`` reads a host copy of the device's "stuck at min_scale" flag one
-step late, so ``LossScaleError`` comes within two steps without a device sync; ``check()`` reads the flag on demand.
-
-``init_scale="auto"`` runs the first update at a low probe scale, then jumps, on the device, to the largest power of
-two that keeps its unscaled gradients under the low dtype's maximum with a margin. That update is applied.
+"""Loss-scale state kept on the device: static or dynamic scaling, growth, back-off, hysteresis and history.
+``poll()`` reads a host copy of the "stuck at min_scale" flag one step late, so ``LossScaleError`` comes without a
+device sync.
 """
 from __future__ import annotations
 
@@ -14,9 +10,8 @@ import math
 import torch
 
 HISTORY = 1024  # steps of overflow and scale history kept on the device (a ring buffer)
-# init_scale="auto" keeps the first update's largest gradient AUTO_MARGIN times under the low dtype's maximum
-# (later gradients can be larger: docs/training.md), and starts no higher than AUTO_MAX_SCALE, the usual fixed
-# start; dynamic scaling grows above it by itself.
+# init_scale="auto" keeps the first update's largest gradient AUTO_MARGIN times under the low dtype's maximum, and
+# starts no higher than AUTO_MAX_SCALE (dynamic scaling grows above it).
 AUTO_MARGIN = 2.0**3
 AUTO_MAX_SCALE = 2.0**16
 
@@ -66,8 +61,7 @@ class ScalerConfig:
 
     @property
     def first_scale(self) -> float:
-        """The scale of the first step. "auto" probes at 1 (or min_scale if higher): gradients of a float32 loss
-        overflow float16 at scale 1 only in a model that no loss scale can train."""
+        """The scale of the first step; "auto" probes at 1 (or min_scale if higher)."""
         if self.mode == "off":
             return 1.0
         return max(1.0, self.min_scale) if self.auto else float(self.init_scale)
@@ -92,8 +86,7 @@ class ScaleState:
         self.overflow_history = torch.zeros(HISTORY, dtype=torch.bool, device=device)
         self.scale_history = torch.zeros(HISTORY, **f32)
         self.auto_pending = cfg.auto and cfg.mode == "dynamic"  # host flag: the first update sets the scale
-        # the host's view of `stuck`: the flag itself on the CPU; else a pinned copy refreshed without waiting by
-        # every update, read one step later
+        # the host's view of `stuck`: the flag itself on the CPU, else a pinned copy each update refreshes
         self.stuck_host = None if device.type == "cpu" else torch.zeros(
             (), dtype=torch.bool, pin_memory=device.type == "cuda")
         self._stuck_view = (self.stuck if self.stuck_host is None else self.stuck_host).numpy()
@@ -135,9 +128,8 @@ class ScaleState:
         torch.reciprocal(self.scale, out=self.inv_scale)  # exact: scales are powers of two
 
     def update_auto(self, grads: list[torch.Tensor]) -> None:
-        """The first update of init_scale="auto": the usual update (an overflow backs off), then a jump, on the
-        device, to the largest power of two keeping the unscaled ``grads`` AUTO_MARGIN times under the low dtype's
-        maximum, between min_scale and AUTO_MAX_SCALE."""
+        """The first update of init_scale="auto": the usual update, then (unless it overflowed) a jump to the
+        largest power of two keeping ``grads`` AUTO_MARGIN times under the low dtype's maximum."""
         self.update_dynamic()
         cfg = self.cfg
         if grads:
@@ -155,8 +147,8 @@ class ScaleState:
 
     # --- host reads
     def poll(self) -> None:
-        """Raise LossScaleError if a finished step found the scale stuck. On CUDA this reads the copy the previous
-        step started, waiting for that step only, so no step waits on its own work."""
+        """Raise LossScaleError if a finished step found the scale stuck; on CUDA it waits for the previous step
+        only."""
         if self.cfg.mode != "dynamic":
             return
         if self._events is not None:

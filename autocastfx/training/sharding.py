@@ -19,21 +19,17 @@ def _local_view(full: torch.Tensor, like) -> torch.Tensor:
 
 
 def shard(gm: nn.Module, mesh=None, reshard_after_forward: bool = True) -> nn.Module:
-    """Shard a converted module with FSDP2, in place (returns ``gm``): each rank holds 1/N of the float32
-    parameters, which its optimizer steps.
+    """Shard a converted module with FSDP2, in place (returns ``gm``); build the optimizer over ``gm.parameters()``
+    after.
 
-    Each converted block, then the root, gets two FSDP2 groups: the weights its graph reads only through a cast to
-    the low dtype, gathered low (``MixedPrecisionPolicy(param_dtype=low, reduce_dtype=float32)``: half the bytes, and
-    the graph's cast becomes a no-op), and the parameters the plan reads in float32 (norms, biases), gathered in
-    float32 and kept gathered through backward (they are small). Gradients are reduced in float32 into float32
-    shards. Plain ``fully_shard(gm)`` works too, gathering float32. Build the optimizer over ``gm.parameters()``
-    after this call.
+    Each converted block, then the root, gets FSDP2 groups for the weights its graph reads only in the low dtype,
+    gathered low, and for the parameters the plan reads in float32, gathered in float32; gradients are reduced in
+    float32. A module on the meta device shards on meta, for ``autocastfx.materialize``; ``gm.load_state_dict``
+    then takes full tensors, each rank copying its slice.
 
-    A module converted on the meta device shards on meta (nothing allocated; the mesh is the accelerator's under
-    NCCL, the CPU's under gloo, or pass ``mesh``); ``autocastfx.materialize(gm, device, state_dict, buffers=...)``
-    then allocates each rank's shards and copies in its slice of each full tensor of ``state_dict`` (float32, or
-    low values upcast). ``gm.load_state_dict`` of a sharded module takes full tensors; with a state dict from
-    ``torch.load(path, mmap=True)`` a rank reads its slices alone, never a whole weight.
+    Args:
+        mesh: the DeviceMesh; default one over the world, on the parameters' device type (on meta, the process
+            group backend's).
     """
     try:
         import torch.distributed.fsdp  # noqa: F401  (FSDP2: torch >= 2.6 wherever torch.distributed is built)
@@ -61,9 +57,8 @@ def shard(gm: nn.Module, mesh=None, reshard_after_forward: bool = True) -> nn.Mo
 
 
 def _shard_unit(unit: nn.Module, owners: "_Owners", mesh, reshard_after_forward) -> None:
-    """FSDP2 groups of one converted unit (see :func:`shard`). The root group is the unit itself: it holds the
-    low weights, or, where the unit holds float32 parameters of its own (a position table, a class token kept
-    float32 by the plan), those, the low weights' owners then being groups of their own."""
+    """FSDP2 groups of one converted unit; the unit's own group is gathered low, unless the unit holds float32
+    parameters of its own (a position table), when the low weights' owners get groups of their own."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     info = unit.meta["autocastfx"]
     low = info.dtype
@@ -88,9 +83,8 @@ def _shard_unit(unit: nn.Module, owners: "_Owners", mesh, reshard_after_forward)
 
 
 def _groups(unit: nn.Module, modules: list[nn.Module], mesh, reshard: bool, mp) -> list:
-    """FSDP2 groups over ``modules``: one for those the unit's graph calls, one for those whose weights it only
-    reads, which is returned (its forward never runs: it is gathered by hand). A mixed group would take FSDP2's
-    partial-forward path and lose the read weights' gradients."""
+    """FSDP2 groups over ``modules``: one for those the unit's graph calls, one (returned, to be gathered by hand)
+    for those whose weights it only reads; a mixed group would lose the read weights' gradients."""
     if not modules:
         return []
     from torch.distributed.fsdp import fully_shard
@@ -111,8 +105,7 @@ def _groups(unit: nn.Module, modules: list[nn.Module], mesh, reshard: bool, mp) 
 
 
 def _mesh_device(gm: nn.Module) -> str:
-    """The device type of the mesh ``shard()`` makes: the parameters' own, or on the meta device the one the
-    process group's backend drives (gloo: the CPU)."""
+    """The device type of the mesh ``shard()`` makes: the parameters', or on meta the backend's (gloo: the CPU)."""
     device = next(gm.parameters()).device
     if device.type != "meta":
         return device.type
@@ -121,9 +114,8 @@ def _mesh_device(gm: nn.Module) -> str:
 
 
 def _full_tensors_to_shards(unit, state_dict, prefix, *_):
-    """Load-state-dict pre-hook of a sharded unit: each full tensor for a sharded parameter becomes a DTensor over
-    a view of this rank's slice, so ``load_state_dict`` takes the float32 model's state dict on every rank.
-    DTensors and mismatched shapes pass as they are."""
+    """Load-state-dict pre-hook: a full tensor for a sharded parameter becomes a DTensor over a view of this rank's
+    slice; DTensors and mismatched shapes pass as they are."""
     from torch.distributed.tensor import DTensor  # a sharded unit's parameters are DTensors: loaded already
     for name, p in unit.named_parameters(remove_duplicate=False):
         value = state_dict.get(prefix + name)
@@ -144,9 +136,8 @@ def _graphs(unit: nn.Module) -> list:
 
 
 class _Owners(NamedTuple):
-    """Who holds a unit's trainable parameters, nested converted blocks left out: the submodules holding ones read
-    in float32, the submodules whose parameters are all read low, and the unit's own parameters' names where
-    one of them is read in float32."""
+    """Who holds a unit's trainable parameters (nested blocks left out): submodules holding any read in float32,
+    submodules read only low, and the unit's own parameter names where one is read in float32."""
     float32: list
     low: list
     own_float32: list
@@ -174,8 +165,7 @@ def _owners(unit: nn.Module, units: list[nn.Module]) -> _Owners:
             continue
         kinds.setdefault(id(owner), set()).add(kind)
         owners[id(owner)] = owner
-    # a group is gathered in one dtype: one that holds a parameter read in float32 is gathered in float32 (the
-    # graph casts its low-read weights as it always does)
+    # a group is gathered in one dtype: one holding a parameter read in float32 is gathered in float32
     if own["float32"]:
         own["float32"] += own["low"]
     kinds = {i: ({"float32"} if "float32" in k else k) for i, k in kinds.items()}

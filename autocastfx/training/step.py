@@ -1,10 +1,6 @@
-"""The training step: runs the mixed-precision recipe (training.recipe) on a converted module, its loss function
-and the user's optimizer.
-
-``TrainStep.__call__`` does the host-side work around the recipe: a new input signature is checked and guarded
-(training.checks), and after every call the host copy of the "stuck at min_scale" flag is read. What depends on how
-the model is spread over processes is asked of a ``parallel`` object: :class:`Local` here, training.parallel for
-DistributedDataParallel and FSDP2.
+"""The training step: the host-side work around training.recipe (input checks, the stuck-scale poll) on a
+converted module, its loss function and the user's optimizer. What depends on how the model is spread over processes
+is asked of a ``parallel`` object: :class:`Local` here, training.parallel and training.sharding for DDP and FSDP2.
 """
 from __future__ import annotations
 
@@ -48,7 +44,7 @@ class StepStats:
                 "grad_norm": None if self.grad_norm is None else float(self.grad_norm)}
 
     def history(self) -> list[tuple[float, bool]]:
-        """(scale used, overflowed) for the last steps, oldest first (at most 1024)."""
+        """(scale used, overflowed) for the last steps, oldest first (at most ``HISTORY``)."""
         n = int(self.steps)
         idx = [(i % HISTORY) for i in range(max(0, n - HISTORY), n)]
         scales, flows = self.scale_history.tolist(), self.overflow_history.tolist()
@@ -68,9 +64,9 @@ class Local:
     """What the step asks of the data-parallel wrapper, answered for one process.
 
     ``local``/``locals``: the tensors the fused kernels work on (a sharded parameter's local shard).
-    ``all_reduce_max``: one overflow decision for every process (emitted only where ``distributed``).
+    ``all_reduce_max``: one overflow decision for every process (called only where ``distributed``).
     ``sync(last)``: the context a micro-batch runs in (gradient sync on the last only). A sharded wrapper adds
-    ``grad_norm``, the norm over every shard; otherwise clipping uses torch's ``clip_grad_norm_``."""
+    ``grad_norm``, the norm over every shard."""
     kind = "local"
     distributed = False
 
@@ -172,11 +168,8 @@ def _checked_options(info, loss_fn, optimizer, loss_scale, init_scale, on_overfl
 class TrainStep:
     """``step(inputs, *targets) -> loss``; see :func:`train_step`.
 
-    The step owns the backward, the division by ``accum_steps``, unscaling, clipping, the optimizer step on the
-    float32 parameters, and frees every gradient after an update: a loop calls it once per micro-batch and writes
-    no ``loss.backward()``, ``clip_grad_norm_`` (it would see no gradients), ``optimizer.step()`` or ``zero_grad()``.
-    The learning rate (or an LR scheduler), ``eval()``/``train()`` and checkpoints (``gm.state_dict()`` for the
-    float32 model, :meth:`state_dict` for everything) stay the loop's. docs/training.md shows the loop."""
+    The step owns backward, unscaling, clipping, the optimizer step and freeing gradients, once per micro-batch; the
+    learning rate, ``eval()``/``train()`` and checkpoints stay the loop's (docs/training.md)."""
 
     def __init__(self, model, loss_fn, optimizer, *, loss_scale=DYNAMIC, init_scale="auto", growth_factor=2.0,
                  backoff_factor=0.5, growth_interval=2000, min_scale=1.0, hysteresis=1, on_overflow="skip",
@@ -220,7 +213,7 @@ class TrainStep:
 
     def call_model(self, model: nn.Module, inputs: Any) -> Any:
         """The module's forward, counted for the input checks; over ``torch.compile(gm)``, the inputs' free sizes
-        are marked first (before the compiler runs)."""
+        are marked dynamic first."""
         if self._compiled_free and not isinstance(inputs, Forwarded):
             args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs) \
                 if isinstance(inputs, dict) else ((inputs,), {})
@@ -250,8 +243,8 @@ class TrainStep:
         return loss
 
     def after_forward(self, output: Any, *targets) -> torch.Tensor:
-        """``step(inputs, *targets)`` after its forward, for a forward the caller ran itself (Lightning's
-        ``training_step``): the output must come from the converted module's forward in this grad-enabled region."""
+        """``step(inputs, *targets)`` for a forward the caller ran itself (Lightning's ``training_step``), in this
+        grad-enabled region."""
         check_grad_mode()
         loss = self._fn(Forwarded(output), *targets)
         self.state.poll()
@@ -263,13 +256,12 @@ class TrainStep:
         return StepStats(S.scale, S.steps, S.skipped, S.overflow_history, S.scale_history, self.grad_norm)
 
     def check(self) -> None:
-        """Raise LossScaleError now if the scale is stuck at min_scale with gradients still overflowing (a host
-        read; every call raises it within two steps anyway)."""
+        """Raise LossScaleError now if the scale is stuck at min_scale (one host read)."""
         self.state.check()
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything to resume bit for bit: scale state, module, optimizer, RNG. This process's view (under FSDP2,
-        its shards); ``autocastfx.save_checkpoint`` writes one checkpoint that loads on any number of ranks."""
+        """Everything to resume bit for bit (scale state, module, optimizer, RNG), as this process sees it (under
+        FSDP2, its shards)."""
         return {
             "scaler": self.state.state_dict(),
             "model": {k: v.clone() for k, v in self.gm.state_dict().items()},
@@ -281,8 +273,8 @@ class TrainStep:
         }
 
     def pending_grads(self) -> dict[str, torch.Tensor]:
-        """An unfinished accumulation cycle's gradients by parameter name (empty at a cycle's end), which a resumed
-        step continues. ValueError where they are not the parameters' ``.grad`` (FSDP2 keeps them in its state)."""
+        """An unfinished accumulation cycle's gradients by parameter name (empty at a cycle's end); ValueError
+        where FSDP2 holds them instead of ``.grad``."""
         if self.micro % self.accum_steps == 0:
             return {}
         if not self.parallel.grads_in_params:
@@ -335,12 +327,12 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, gm: nn.Module, info) -> N
 
 def _use_fused_skip(opt: torch.optim.Optimizer, parallel: Local) -> bool:
     """Whether the optimizer skips an overflowed update on the device (a ``fused=True`` kernel takes
-    ``found_inf``); otherwise the step reads ``found_inf`` on the host once per update, as ``GradScaler`` does."""
+    ``found_inf``) rather than after a host read."""
     if not getattr(opt, "_step_supports_amp_scaling", False) or not parallel.allows_fused(opt):
         return False
     if isinstance(opt, torch.optim.SGD):
-        # a fused SGD whose first update is skipped would keep its empty, uninitialised momentum buffers: start them
-        # at zero, PyTorch's own first-step buffer when dampening == 0
+        # a fused SGD whose first update is skipped would keep uninitialised momentum buffers: start them at zero,
+        # PyTorch's own first-step buffer when dampening == 0
         for group in opt.param_groups:
             if group["momentum"] and not group["dampening"]:
                 for p in group["params"]:
@@ -349,11 +341,9 @@ def _use_fused_skip(opt: torch.optim.Optimizer, parallel: Local) -> bool:
 
 
 def _load_optimizer(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
-    """Load a checkpoint's optimizer state into the step's optimizer, keeping its own kernel options.
-
-    The tensors are copied: the optimizer would keep the checkpoint's own where no cast is needed, and training on
-    would write into it. ``fused``/``foreach``/``capturable`` stay this optimizer's (a plain loop's checkpoint
-    carries ``fused=False``, which would leave a fused optimizer's ``found_inf`` unread)."""
+    """Load a checkpoint's optimizer state, copied (training on would write into the checkpoint's tensors), keeping
+    this optimizer's ``fused``/``foreach``/``capturable`` (a plain loop's ``fused=False`` would leave ``found_inf``
+    unread)."""
     opt_sd = dict(sd)
     opt_sd["state"] = {k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in st.items()}
                        for k, st in sd["state"].items()}

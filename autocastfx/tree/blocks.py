@@ -1,12 +1,6 @@
-"""Blocks: a model converted block by block, its blocks kept as modules; piecewise conversion of a model that
-does not capture as a whole.
-
-``convert(model, x, blocks="auto")`` converts each block (a repeated child of an ``nn.ModuleList``) as a module of
-its own at the same qualified name, then the model around them with each block a ``call_module`` node. One run of
-the model converts each block on its first call, with the inputs it gets there, so they have the dtypes the converted
-model will give it; blocks alike are planned once. Where the model around the blocks does not trace, it runs as its
-own Python and its children with matmuls and convolutions are converted each on its own. ``docs/blocks.md`` has
-the design.
+"""A model converted block by block: each block (by default a repeated child of an ``nn.ModuleList``) converted as a
+module of its own, during one run of the model, with the inputs it gets there, then the model around them with each
+block a ``call_module`` node, or piecewise where that does not trace (docs/blocks.md).
 """
 from __future__ import annotations
 
@@ -126,8 +120,8 @@ class _Stand(ReadsThrough):
 
 def _residual_template(unit: nn.Module, args: tuple, out: Any) -> Any:
     """The block's result structure with each tensor marked ``FIRST``, where every tensor has its first input's
-    shape (the same symbolic sizes in the unit's graph); None otherwise. torch.export then need not trace the
-    block to export the model around it (``around._Float32Results``)."""
+    (symbolic) shape, else None; with it torch.export need not trace the block to export the model around it
+    (``capture.around._Float32Results``)."""
     if not args or not isinstance(args[0], torch.Tensor):
         return None
     leaves, spec = torch.utils._pytree.tree_flatten(out)
@@ -153,8 +147,7 @@ def _residual_template(unit: nn.Module, args: tuple, out: Any) -> Any:
 
 @contextlib.contextmanager
 def _buffers_kept(block: nn.Module):
-    """Put ``block``'s buffers back, the same tensors with the same values, after a run that may update them
-    (batch-norm running statistics)."""
+    """Put ``block``'s buffers back, the same tensors with the same values, after a run that may update them."""
     kept = [(m, name, t, t.clone()) for m in block.modules() for name, t in m._buffers.items() if t is not None]
     try:
         yield
@@ -166,9 +159,9 @@ def _buffers_kept(block: nn.Module):
 
 
 def _as_unit_gives(unit: nn.Module, block: nn.Module, args: tuple, kwargs: dict) -> Any:
-    """What the converted block gives, for the rest of the one run: the model's block run in float32 (low kernels
-    are slow where emulated, and only dtypes and shapes matter here), cast to the converted block's output dtypes;
-    the converted block's own result where the two do not match up."""
+    """What the converted block gives, for the rest of the one run: the model's block run in float32 (emulated low
+    kernels are slow, and only dtypes and shapes matter here) cast to the unit's output dtypes, else the unit's own
+    result where the two do not match up."""
     graph = unit.graph
     out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
     want = [getattr(a.meta.get(K.INFO), "dtype", None) if isinstance(a, fx.Node) else None
@@ -193,9 +186,8 @@ class _CalledTwice(Exception):
 
 @contextlib.contextmanager
 def _fake_on(device: torch.device | None):
-    """For the one run of a model on the meta device (``device`` None: an ordinary run): a FakeTensorMode that
-    makes meta tensors fake tensors of ``device``, so the model's code runs as there, without values (Hugging Face
-    models skip their value checks for fake tensors, as under torch.export)."""
+    """For the one run of a model on the meta device: a FakeTensorMode that makes meta tensors fake tensors of
+    ``device``, so the model's code runs as there without values; nothing where ``device`` is None."""
     if device is None:
         yield
         return
@@ -234,10 +226,9 @@ def _as_meta(tree: Any) -> Any:
 
 def convert_tree(model: nn.Module, names: list[str], args: tuple, kwargs: dict, conv: Conversions,
                  options: ConvertOptions, ctx: CaptureContext, explicit: bool) -> nn.Module:
-    """Convert ``model`` with the blocks ``names`` as modules of their own (``conv.block``), the model around them
-    by ``conv.whole``. Where the model around the blocks does not trace, ``blocks="auto"`` (``explicit=False``)
-    converts the model as one graph, and goes piecewise only if that fails; named blocks are kept piecewise."""
-    # the model around the blocks: traced (symbolic_trace), else exported (torch.export: Hugging Face models)
+    """Convert ``model`` with the blocks ``names`` as modules of their own, the model around them by ``conv.whole``.
+    Where the model around does not convert, ``blocks="auto"`` (``explicit=False``) tries one graph before going
+    piecewise; named blocks go piecewise."""
     traced = _traces_around(model, names, options.policy)
     try:
         return _tree(model, names, args, kwargs, conv, options, ctx, piecewise=False)
@@ -255,8 +246,8 @@ def convert_tree(model: nn.Module, names: list[str], args: tuple, kwargs: dict, 
 
 
 def _tree(model, names, args, kwargs, conv, options, ctx, *, piecewise: bool, why: str | None = None) -> nn.Module:
-    """Convert the blocks ``names`` in one run of the model (each on its first call, by a :class:`_Maker`), then
-    the model around them: as one graph (:func:`_root`), or ``piecewise`` as the model's own Python."""
+    """Convert the blocks ``names`` in one run of the model (each on its first call), then the model around them:
+    as one graph (:func:`_root`), or ``piecewise`` as the model's own Python."""
     modes = {id(m): m.training for m in model.modules()}
     tree, keep = _tree_copy(model, names)
     make = _Maker(model, conv, options, ctx, args, kwargs, piecewise=piecewise, modes=modes)
@@ -306,9 +297,8 @@ def _put_back(tree: nn.Module, stands: dict[str, _Stand], keep: dict[int, nn.Mod
 
 
 class _Maker:
-    """Converts a :class:`_Stand`'s block with its first call's inputs, in the model's modes, the first input low
-    per :func:`_hidden_low`, reusing the plan of a block alike where there is one. A block that does not capture
-    on its own stays the model's module (``failed`` says why)."""
+    """Converts a :class:`_Stand`'s block with its first call's inputs, in the model's modes, reusing the plan of a
+    block alike; a block that does not capture on its own stays the model's module (``failed`` says why)."""
 
     def __init__(self, model: nn.Module, conv: Conversions, options: ConvertOptions, ctx: CaptureContext,
                  args: tuple, kwargs: dict, *, piecewise: bool, modes: dict[int, bool]):
@@ -359,9 +349,8 @@ class _Maker:
                 m.training = self.modes.get(id(o), m.training)
 
     def _convert(self, block: nn.Module, a: tuple, k: dict, given: tuple, key: Any) -> tuple:
-        """The block converted for the inputs ``a``, or for ``given`` ones in float32 where its float32 code
-        refuses a low input; returns (unit, the inputs it was converted for, their signature, the attributes
-        its conversion read). Raises the :class:`CaptureError` of a block that does not capture."""
+        """The block converted for the inputs ``a``, or for ``given`` in float32 where its code refuses a low input;
+        returns (unit, the inputs it was converted for, their signature, the attributes its conversion read)."""
         try:
             with no_autocast(a), _watch_attributes(block) as (read, seen):
                 unit = self.conv.block(block, a, k, self.block_options, self.block_ctx.replace(watch=seen))
@@ -378,9 +367,8 @@ class _Maker:
 
 
 def _hidden_low(args: tuple, low: torch.dtype) -> tuple:
-    """A block's first input (the hidden state of a stack) taken low where its values fit, as the blocks before
-    give it: the model around is planned to deliver it so, and every block of a stack is converted for the same
-    input. Other inputs (masks, rotary tables) keep their dtype."""
+    """A block's first input (a stack's hidden state) taken low where its values fit, as the blocks before give it,
+    so every block of a stack is converted for the same input; other inputs keep their dtype."""
     if not args or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point() \
             or args[0].dtype == low:
         return args
@@ -393,7 +381,7 @@ def _hidden_low(args: tuple, low: torch.dtype) -> tuple:
 
 def _planned_inputs(unit: nn.Module, args: tuple, kwargs: dict) -> list:
     """The dtype a converted block takes each float input in (``float_dtypes``'s order): the example's, or the one
-    its plan chose for a free input (``api._free_inputs``)."""
+    its plan chose for a free input (``core.pipeline._free_inputs``)."""
     given = float_dtypes((args, kwargs))
     chosen = {}
     for p, v in placeholder_values(unit, args, kwargs):
@@ -411,10 +399,8 @@ _PLAIN = (int, float, str, bool, type(None), torch.dtype, torch.device, torch.Si
 
 
 def _signature(block: nn.Module, args: tuple, kwargs: dict) -> Any:
-    """What a block's conversion depends on, but for its own classes' plain attribute values: classes, attribute
-    names, torch.nn modules' attributes (a traced graph calls them as they are), parameter, buffer and input
-    metadata, modes; None for anything else (the block is then converted on its own). The attributes the
-    conversion read are compared apart (:func:`_same_reads`), so an unread ``layer_idx`` does not split a plan."""
+    """A key of what a block's conversion depends on (None: convert it on its own), but for its own classes'
+    attribute values, which :func:`_same_reads` compares apart so an unread ``layer_idx`` does not split a plan."""
     parts: list = []
     for name, m in block.named_modules():
         items = [name, type(m), m.training]
@@ -450,8 +436,8 @@ def _is_torch_class(cls: type) -> bool:
 @contextlib.contextmanager
 def _watch_attributes(block: nn.Module):
     """Yields (a dict, the ``CaptureContext.watch`` callback); after conversion the dict maps (module name,
-    attribute) to each plain attribute of the block's own classes the capture read. The capture reads a copy, so a
-    read counts for every module of that class (only stricter). ``{None: None}`` where a value cannot be compared."""
+    attribute) to each plain attribute of the block's own classes the capture read (a read counts for every module
+    of that class, as the capture reads a copy), or is ``{None: None}`` where a value cannot be compared."""
     classes = {type(m) for m in block.modules() if not _is_torch_class(type(m))}
     names: set[tuple[type, str]] = set()
 
@@ -502,8 +488,8 @@ def _plain(v: Any) -> Any:
 
 
 def _fresh_containers(module: nn.Module, memo: dict) -> None:
-    """Enter in a ``copy.deepcopy`` memo a new empty container for each empty hook dict and name set of
-    ``module``'s modules, skipping ``deepcopy``'s slow generic path for ``OrderedDict``."""
+    """Enter in a ``copy.deepcopy`` memo a new empty container for each empty hook dict and set of ``module``'s
+    modules, skipping ``deepcopy``'s slow path for ``OrderedDict``."""
     for m in module.modules():
         for v in vars(m).values():
             if type(v) is collections.OrderedDict and not v and not vars(v):
@@ -529,8 +515,8 @@ def _reuse(ref: nn.Module, block: nn.Module, codes: dict) -> nn.Module | None:
                 return None
             memo[id(t)] = theirs[n]
     _fresh_containers(ref, memo)
-    # reuse the code already written for ``ref``'s graph: writing a graph's Python dominates a GraphModule copy
-    code = codes.get(id(ref))  # ``codes``: one conversion's id(block) -> (its graph, that graph's code)
+    # reuse the code already written for ``ref``'s graph: writing it is most of a GraphModule copy's time
+    code = codes.get(id(ref))  # id(block) -> (its graph, that graph's code)
     if code is None or code[0] is not ref._graph:
         code = codes[id(ref)] = (ref._graph, ref._graph.python_code(root_module="self"))
     with torch_internal_warnings_off():  # copying the specs of a block torch.export captured

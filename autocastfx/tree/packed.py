@@ -1,14 +1,7 @@
-"""Packed sequences: a recurrent layer the model calls with a ``PackedSequence``, converted as a part that runs low.
-
-torch.export captures neither packing (``pack_padded_sequence`` reads the lengths' values) nor the layer's call on a
-packed sequence (``aten.lstm.data``'s decomposition reads ``batch_sizes``), so such a model is converted piecewise.
-The call is one op on the packed sequence's fields, though (``torch.lstm(data, batch_sizes, [h0, c0], weights,
-...)``; ``torch.gru``, ``torch.rnn_tanh``, ``torch.rnn_relu`` alike), which symbolic tracing records. So a stand-in
-(:class:`_PackedLSTM`, :class:`_PackedRNN`) holding the layer's parameters and making that one call is converted;
-the policy classifies the op ``low`` like ``aten.lstm.input``, one dtype for the whole call (kernels.py's
-``_cudnn_rnn`` rule). The converted part takes the model's call through :class:`PackedCall`, which unpacks the
-sequence, calls the graph and packs its output as the layer does. Like every piecewise part it is float32 at its
-boundary.
+"""A recurrent layer the model calls with a ``PackedSequence``, converted as a part that runs low: torch.export
+captures neither the packing nor the call, but symbolic tracing records the call as one op on the packed fields
+(``torch.lstm(data, batch_sizes, ...)``), so a stand-in making that call is converted and :class:`PackedCall` packs
+and unpacks around it.
 """
 from __future__ import annotations
 
@@ -41,8 +34,8 @@ def _bind(a: tuple, k: dict) -> tuple | None:
 
 
 def takes_packed(m: nn.Module, a: tuple, k: dict, policy) -> bool:
-    """Whether ``m`` is torch's own LSTM, GRU or RNN (its forward not overridden, no hooks, not a leaf module the
-    policy classifies) called with a packed sequence of floats: what :func:`convert_packed` converts."""
+    """Whether ``m`` is torch's own LSTM, GRU or RNN (forward not overridden, no hooks, not a policy leaf) called
+    with a packed sequence of floats: what :func:`convert_packed` converts."""
     call = _bind(a, k)
     return (call is not None and isinstance(call[0], PackedSequence) and call[0].data.is_floating_point()
             and any(type(m) is t or (isinstance(m, t) and type(m).forward is t.forward) for t in _TYPES)
@@ -100,9 +93,9 @@ def _graph_inputs(layer, input: PackedSequence, hx) -> list:
 
 
 class PackedCall:
-    """Mixed into a converted packed layer's class: turns the model's call ``layer(packed, hx=None)`` into the
-    graph's inputs and packs the result as the layer does. The layer's sizes and flags (``mode``, ``hidden_size``,
-    ...) are answered from ``meta``, which copies and the classes made over this one (checkpoint_blocks) keep."""
+    """Mixed into a converted packed layer's class: turns the call ``layer(packed, hx=None)`` into the graph's
+    inputs and packs the result as the layer does. The layer's sizes and flags are answered from ``meta``, which
+    copies and subclasses (checkpoint_blocks) keep."""
 
     def __call__(self, input, hx=None):
         if not isinstance(input, PackedSequence):
@@ -120,16 +113,15 @@ class PackedCall:
         return super().__getattr__(name)
 
     def flatten_parameters(self) -> None:
-        """Nothing to do: the converted layer's weights are separate tensors of the low dtype (the model's code may
-        call this, as code written for cuDNN does)."""
+        """Nothing to do: the converted layer's weights are separate tensors (code written for cuDNN calls this)."""
 
 
 _CLASSES: dict[type, type] = {}
 
 
 def _take_packed_calls(part: nn.Module, stand_in: _Packed) -> None:
-    """Give ``part`` a class over its own with :class:`PackedCall` first (as converted.module.install does), its
-    code rewritten for it, the stand-in's surface, and the layer's sizes and flags in its meta."""
+    """Give ``part`` a class over its own with :class:`PackedCall` first, the stand-in's surface, and the layer's
+    sizes and flags in its meta."""
     base = next(c for c in type(part).__mro__ if c.__qualname__.split(".")[-1] != "GraphModuleImpl")
     sub = _CLASSES.get(base)
     if sub is None:

@@ -1,5 +1,5 @@
-"""What the tree's two ways (blocks, piecewise) share: the conversions they are given, putting parts in place,
-modes, the quiet run of the model, the report's description of the parts."""
+"""Helpers the blocks and piecewise conversions share: putting parts in place, modes, the quiet run of the model,
+the report's description of the parts."""
 from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
@@ -15,11 +15,11 @@ from ..converted.module import follow_module_modes, set_mode
 from ..core import weights as _weights
 
 
-BLOCK_META = K.BLOCK  # gm.meta of a converted block: its name, its inputs' dtypes, whence its plan
+BLOCK_META = K.BLOCK  # gm.meta of a converted part: its name, its inputs' dtypes, whence its plan
 
 
 def is_inside(name: str, outer) -> bool:
-    """Whether ``name`` is one of ``outer`` (qualified names) or inside one: its dotted prefixes looked up."""
+    """Whether ``name`` is one of the qualified names ``outer`` or inside one."""
     outer = outer if isinstance(outer, (set, frozenset, dict)) else set(outer)
     if name in outer:
         return True
@@ -96,9 +96,8 @@ def no_autocast(value: Any):
 
 @contextlib.contextmanager
 def quiet_run(tree: nn.Module, low: torch.dtype | None = None, inputs: Any = None):
-    """The one run: eval mode, no gradients, the RNG left as it was. With ``low``, the model's code between the
-    blocks runs under torch.autocast, so the float32 code after a block takes its low output (the converted
-    model's plan casts there instead); the blocks themselves run without it."""
+    """The one run: eval mode, no gradients, the RNG left as it was. With ``low``, the code between the blocks runs
+    under torch.autocast, so float32 code after a block takes its low output (the blocks disable it)."""
     auto = torch.autocast(_device_type(inputs), dtype=low) if low is not None and low != torch.float32 \
         else contextlib.nullcontext()
     with torch.random.fork_rng(devices=[]), torch.no_grad(), auto, warnings.catch_warnings():
@@ -127,8 +126,8 @@ def float_dtypes(value: Any) -> list:
 
 
 def keep_containers(gm: nn.Module, tree: nn.Module, units: dict) -> None:
-    """The blocks' containers (``layers``, a ModuleList) in place of the bare modules fx made on their paths,
-    holding what ``gm`` holds at each index (a converted block, or fx's copy of a module the graph reads)."""
+    """The blocks' containers (a ModuleList) in place of the bare modules fx made on their paths, holding what
+    ``gm`` holds at each index."""
     done = set()
     for name in units:
         parent = name.rpartition(".")[0]
@@ -163,8 +162,7 @@ class RootError(Exception):
 
 
 def data_dependent(e: BaseException) -> bool:
-    """Whether torch.export failed on a branch on a tensor's values (then no way of capturing takes the model
-    as one graph either)."""
+    """Whether torch.export failed on a branch on a tensor's values (no capture takes the model as one graph)."""
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
     seen = set()
     while e is not None and id(e) not in seen:
@@ -182,9 +180,8 @@ def why_not_captured(e: BaseException) -> str:
 
 
 class Conversions(NamedTuple):
-    """The per-graph conversions the tree is given by its caller (it never imports the entry point), each called
-    as ``(module, args, kwargs, options, ctx)``. ``whole``: the module converted without blocks (piecewise if it
-    does not capture); ``block``: a block as a converted module of its own, its inputs cast on entry to the dtypes
-    it was planned for (``options.keep_io_types``: its outputs in the dtypes the model gave)."""
+    """The conversions the tree is given by api.py (which it never imports), each called as ``(module, args, kwargs,
+    options, ctx)``. ``whole``: the module converted without blocks; ``block``: a block as a converted module of its
+    own, its inputs cast on entry to the dtypes it was planned for."""
     whole: Callable
     block: Callable

@@ -36,8 +36,9 @@ def convert_piecewise(model: nn.Module, args: tuple, kwargs: dict, conv: Convers
 
 def piecewise_units(model, tree, units, skipped, args, kwargs, conv: Conversions, options: ConvertOptions,
                ctx: CaptureContext, modes, reason, need_parts: bool = False) -> nn.Module | None:
-    """The model's own Python around converted parts: its children that hold matmuls or convolutions and
-    capture are converted (float32 at their boundaries), recursing into those that do not."""
+    """The model's own Python around converted parts: its children that hold matmuls or convolutions and capture
+    are converted (float32 at their boundaries), recursing into those that do not; None where ``need_parts`` and
+    none converts."""
     eager: dict[str, str] = {"": reason or "the model's forward does not capture as one graph"}
     parts: dict[str, nn.Module] = {}
     candidates = _candidates(tree, "", units)
@@ -109,8 +110,8 @@ def piecewise_units(model, tree, units, skipped, args, kwargs, conv: Conversions
 
 def _convert_part(m: nn.Module, a: tuple, k: dict, conv: Conversions, options: ConvertOptions,
                   ctx: CaptureContext) -> tuple[nn.Module, str, list]:
-    """One part, its warnings silenced: a recurrent layer called with a packed sequence as its call on the packed
-    fields (packed.py), any other module whole; (the part, its plan as the report says it, its inputs' dtypes)."""
+    """(the part, its plan in words, its inputs' dtypes) for one module, warnings silenced; a recurrent layer called
+    with a packed sequence through packed.py."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if takes_packed(m, a, k, options.policy):
