@@ -96,7 +96,7 @@ def test_code_is_the_recipe_that_runs_and_says_its_options():
     assert "_amp_foreach_non_finite_check_and_unscale_" in step.code
     # the optimizer steps the module's own float32 parameters: no float32 copies to fill, nothing copied back
     assert "_foreach_copy_" not in step.code and "master" not in step.code
-    assert "grads = [p.grad for p in step.all_params if p.grad is not None]" in step.code
+    assert "grads = [p.grad for p in params if p.grad is not None]" in step.code
     import inspect
     for f in (autocastfx.training.recipe.train_step, autocastfx.training.recipe.update):
         assert inspect.getsource(f) in step.code  # what runs, as written
@@ -614,7 +614,7 @@ def test_auto_scale_is_the_largest_safe_power_of_two_and_the_first_update_counts
     gm = autocastfx.convert(model, (x,), pad_multiple=1)
     o = torch.optim.SGD(gm.parameters(), lr=1e-3, fused=True)
     step = autocastfx.train_step(gm, F.cross_entropy, o, init_scale="auto")
-    assert "init auto" in step.code and "S.update_auto(grads)" in step.code
+    assert "init auto" in step.code and "S.update_auto(amax)" in step.code
     masters0 = [m.clone() for m in autocastfx.master_parameters(gm)]
     counter = SyncCounter()
     with counter:
@@ -776,3 +776,178 @@ def test_a_checkpoint_of_a_model_with_a_tied_head_saves_and_resumes(tmp_path):
     resumed = fresh()
     autocastfx.load_checkpoint(resumed, tmp_path / "tied")
     assert train(resumed, 3, 2) == expected
+
+
+# ------------------------------------------------------------------ what the step leaves as a plain loop would
+def _stack():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _batches(n=6):
+    return [data(seed=i) for i in range(n)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("late", ["unfrozen", "param_group"])
+def test_a_parameter_trained_after_the_step_was_built_is_unscaled_and_freed_as_a_plain_loop(dtype, late):
+    """A layer unfrozen, or a param group added, after train_step(): its gradient is unscaled and freed at each
+    update, so it trains as in the plain loop (before, a float16 update was times the scale and the gradient
+    summed over steps)."""
+    def run(use_step):
+        gm = autocastfx.convert(_stack(), (data()[0],), dtype=dtype)
+        first = gm.get_submodule("0")
+        temperature = nn.Parameter(torch.ones(()))  # a parameter of the loss, added to the optimizer later
+
+        def loss_fn(out, y):
+            return F.cross_entropy(out / temperature, y)
+        if late == "unfrozen":
+            first.requires_grad_(False)
+        opt = torch.optim.SGD(gm.parameters(), lr=0.1)
+        step = autocastfx.train_step(gm, loss_fn, opt, init_scale=2.0**10) if use_step else None
+        for i, (x, y) in enumerate(_batches()):
+            if i == 2:
+                if late == "unfrozen":
+                    first.requires_grad_(True)
+                else:
+                    opt.add_param_group({"params": [temperature]})
+            if step is not None:
+                step(x, y)
+            else:
+                loss_fn(gm(x), y).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return first if late == "unfrozen" else temperature
+    a, b = run(True), run(False)
+    if late == "unfrozen":
+        assert a.weight.grad is None
+        a, b = a.weight, b.weight
+    else:
+        assert a.grad is None
+    assert (a - b).abs().max().item() < 1e-6
+
+
+def test_the_steps_state_dict_is_a_snapshot_of_the_optimizer_too():
+    gm, opt, step, x, y = setup("adamw")
+    for _ in range(3):
+        step(x, y)
+    snap = step.state_dict()
+    frozen = copy.deepcopy(snap)
+    for _ in range(3):
+        step(x, y)
+    for k, st in snap["optimizer"]["state"].items():
+        for name, v in st.items():
+            assert torch.equal(v, frozen["optimizer"]["state"][k][name]), name
+
+
+def test_a_fused_optimizer_is_left_as_it_was_for_a_plain_step_after():
+    """The step hands the fused kernel found_inf for its own update only (as GradScaler does): a plain
+    optimizer.step() after a skipped update still updates."""
+    torch.manual_seed(0)
+    model = _stack()
+    x, y = data()
+    gm = autocastfx.convert(model, (x,), dtype=torch.float16)
+    opt = torch.optim.AdamW(gm.parameters(), lr=1e-2, fused=True)
+    step = autocastfx.train_step(gm, F.cross_entropy, opt, init_scale=2.0**16)
+    step(x * 1e4, y)
+    assert step.stats.summary()["skipped"] == 1
+    assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
+    w = gm.get_submodule("0").weight.detach().clone()
+    F.cross_entropy(gm(x), y).backward()
+    opt.step()
+    assert not torch.equal(w, gm.get_submodule("0").weight)
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "load_checkpoint", "param_group"])
+def test_a_skipped_first_fused_sgd_update_leaves_zero_momentum_whatever_came_before(how, tmp_path):
+    """torch's fused SGD allocates a new momentum buffer with empty_like and a skipped update leaves it so; the
+    step starts each new buffer at zero, after a load or for a group added later too."""
+    weights = [1e6, 1.0, 1.0, 1.0]  # the first update overflows float16 and is skipped
+
+    def make(fused):
+        gm = autocastfx.convert(_stack(), (data()[0],), dtype=torch.float16)
+        params = list(gm.parameters()) if how != "param_group" else list(gm.get_submodule("2").parameters())
+        opt = torch.optim.SGD(params, lr=0.01, momentum=0.9, fused=fused)
+        return gm, autocastfx.train_step(gm, lambda out, y, w: F.cross_entropy(out, y) * w, opt, init_scale=2.0**8)
+
+    def train(gm, step):
+        for i, ((x, y), w) in enumerate(zip(_batches(4), weights)):
+            if how == "param_group" and i == 0:
+                step.optimizer.add_param_group({"params": list(gm.get_submodule("0").parameters())})
+            step(x, y, torch.tensor(w))
+        return max(p.abs().max().item() for p in gm.parameters())
+
+    fresh = train(*make(True))
+    gm, step = make(True)
+    if how == "load_state_dict":
+        step.load_state_dict(make(False)[1].state_dict())
+    elif how == "load_checkpoint":
+        autocastfx.save_checkpoint(make(False)[1], tmp_path)
+        autocastfx.load_checkpoint(step, tmp_path)
+    assert math.isfinite(train(gm, step))
+    assert abs(train(*make(True)) - fresh) < 1e-6 and fresh < 1.0
+
+
+def test_a_retried_batch_updates_the_batch_norm_statistics_once():
+    """on_overflow="retry" redoes the batch from the buffers it started with: the statistics are those of one
+    forward of the batch, and the counter counts it once."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+    x, y = data()
+    ref = autocastfx.convert(copy.deepcopy(base), (x,), dtype=torch.float16)
+    gm = autocastfx.convert(base, (x,), dtype=torch.float16)
+    step = autocastfx.train_step(gm, lambda out, y: F.cross_entropy(out, y) * 1e3,
+                                 torch.optim.SGD(gm.parameters(), lr=0.01), init_scale=2.0**16, on_overflow="retry")
+    step(x, y)
+    assert step.stats.summary()["scale"] < 2.0**16  # it retried
+    ref(x)
+    bn, bn_ref = gm.get_submodule("1"), ref.get_submodule("1")
+    assert int(bn.num_batches_tracked) == 1
+    assert torch.equal(bn.running_mean, bn_ref.running_mean) and torch.equal(bn.running_var, bn_ref.running_var)
+
+
+def test_auto_init_scale_is_measured_before_clipping():
+    """init_scale="auto" sizes the scale on the gradients as computed, not as clipped: clipping does not lead to
+    a scale too large and the skipped updates that follow."""
+    def skipped(clip):
+        torch.manual_seed(0)
+        model = _stack()
+        x, y = data()
+        gm = autocastfx.convert(model, (x,), dtype=torch.float16)
+        step = autocastfx.train_step(gm, lambda out, y: F.cross_entropy(out, y) * 300.0,
+                                     torch.optim.AdamW(gm.parameters(), lr=1e-3), clip_grad_norm=clip)
+        for xb, yb in _batches(8):
+            step(xb * 30, yb)
+        return step.stats.summary()["skipped"], step.stats.summary()["scale"]
+    assert skipped(None) == skipped(1e-3)
+
+
+def test_a_checkpoint_loads_where_a_trainable_parameter_had_no_optimizer_state(tmp_path):
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head, self.aux = nn.Linear(16, 32), nn.Linear(32, 4), nn.Linear(32, 4)
+
+        def forward(self, x):
+            h = F.relu(self.body(x))
+            return self.head(h), self.aux(h)
+
+    torch.manual_seed(0)
+    base = TwoHeads()
+    x, y = data()
+
+    def make():
+        gm = autocastfx.convert(copy.deepcopy(base), (x,), dtype=torch.bfloat16)
+        return gm, autocastfx.train_step(gm, lambda out, y: F.cross_entropy(out[0], y),
+                                         torch.optim.AdamW(gm.parameters(), lr=1e-2))
+    gm, step = make()
+    step(x, y)
+    autocastfx.save_checkpoint(step, tmp_path)
+    gm2, step2 = make()
+    autocastfx.load_checkpoint(step2, tmp_path)
+    assert gm2.aux.weight not in step2.optimizer.state
+    for s in (step, step2):
+        for _ in range(2):
+            s(x, y)
+    for a, b in zip(gm.parameters(), gm2.parameters()):
+        assert torch.equal(a, b)

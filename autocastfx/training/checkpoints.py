@@ -25,13 +25,14 @@ def _state(step: TrainStep, optimizer_state: bool | None = None) -> dict[str, An
     fresh = not opt.state
     if optimizer_state is None:
         optimizer_state = not fresh
-    kept = getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None)
+    kept = {k: opt.__dict__[k] for k in ("grad_scale", "found_inf") if k in opt.__dict__}
     opt.grad_scale = opt.found_inf = None  # torch's set-up of missing state runs a step: never skipped
     try:
         with own_names(step.gm):
             model, optim = get_state_dict(step.gm, opt)
     finally:
-        opt.grad_scale, opt.found_inf = kept
+        del opt.grad_scale, opt.found_inf
+        opt.__dict__.update(kept)
     if not optimizer_state:
         if fresh:
             opt.state.clear()
@@ -41,15 +42,15 @@ def _state(step: TrainStep, optimizer_state: bool | None = None) -> dict[str, An
             "extra": {"micro": step.micro, "auto_pending": step.state.auto_pending}}
 
 
-def _holds_optimizer_state(path: str) -> bool:
-    """Whether the checkpoint at ``path`` holds per-parameter optimizer state (not one saved before any update)."""
+def _saved_keys(path: str) -> set[str]:
+    """The keys of the checkpoint at ``path`` (``optimizer.state.<parameter>.<name>`` for optimizer state)."""
     try:  # the reader dcp.load picks for this checkpoint id (a directory, or an fsspec URL)
         from torch.distributed.checkpoint._storage_utils import _storage_setup
         reader = _storage_setup(None, path, reader=True)
     except ImportError:
         from torch.distributed.checkpoint import FileSystemReader
         reader = FileSystemReader(path)
-    return any(k.startswith("optimizer.state.") for k in reader.read_metadata().state_dict_metadata)
+    return set(reader.read_metadata().state_dict_metadata)
 
 
 def save_checkpoint(step, path: str | os.PathLike) -> None:
@@ -75,22 +76,29 @@ def load_checkpoint(step, path: str | os.PathLike) -> None:
     """Read a :func:`save_checkpoint` checkpoint into ``step``, whatever the number of ranks that wrote it; call it
     on every rank. ``step``'s optimizer must be built as the saved one was; unfinished gradients are dropped."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
     outer, step = step, getattr(step, "step", step)
     path = os.fspath(path)
     # gradients first: torch sets up missing optimizer state (for DCP to load into) only where none is held
-    for p in step.all_params:
+    for p in step.trained_params():
         p.grad = None
     step.parallel.drop_unsynced_grads()
-    stateful = _holds_optimizer_state(path)
+    saved = _saved_keys(path)
+    stateful = any(k.startswith("optimizer.state.") for k in saved)
     fresh = not step.optimizer.state
     sd = _state(step, stateful)
+    # a parameter the saved optimizer held no state for (no gradient before the save: an unused head) gets none
+    state = {name: {k: v for k, v in st.items() if f"optimizer.state.{name}.{k}" in saved}
+             for name, st in sd["optimizer"]["state"].items()}
+    sd["optimizer"]["state"] = {name: st for name, st in state.items() if st}
     own = [{k: g[k] for k in ("fused", "foreach", "capturable") if k in g} for g in step.optimizer.param_groups]
     try:
         dcp.load(sd, checkpoint_id=path)
         with own_names(step.gm):
-            set_state_dict(step.gm, step.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"],
-                           options=StateDictOptions(strict=True))
+            set_model_state_dict(step.gm, sd["model"], options=StateDictOptions(strict=True))
+            # not strict: a parameter without saved state (above) keeps none; every other entry came from the load
+            set_optimizer_state_dict(step.gm, step.optimizer, sd["optimizer"], options=StateDictOptions(strict=False))
     except BaseException:
         if fresh:  # the set-up made for the load goes with it
             step.optimizer.state.clear()

@@ -73,20 +73,23 @@ def train_step(step, inputs, *targets) -> torch.Tensor:
         if not last:
             return loss.detach()
         with torch.no_grad():
-            update(step, unscale_and_check(step))
+            update(step, *unscale_and_check(step))
         return loss.detach()
+    buffers = [(b, b.clone()) for b in step.gm.buffers()] if o.retry else []
     for attempt in range(o.max_retries + 1 if o.retry else 1):
         loss = forward_backward(step, inputs, targets)
         with torch.no_grad():
-            grads = unscale_and_check(step)
+            params, grads = unscale_and_check(step)
             if not o.retry or attempt == o.max_retries or not bool(S.found_inf):  # retry: one host read
                 break
-            S.record()  # redo the batch at the lowered scale
+            S.record()  # redo the batch at the lowered scale, from the buffers it started with
             S.update_dynamic()
-            for p in step.all_params:
+            for p in params:
                 p.grad = None
+            for b, kept in buffers:
+                b.copy_(kept)
     with torch.no_grad():
-        update(step, grads)
+        update(step, params, grads)
     return loss.detach()
 
 
@@ -105,39 +108,48 @@ def forward_backward(step, inputs, targets: tuple) -> torch.Tensor:
     return loss
 
 
-def unscale_and_check(step) -> list[torch.Tensor]:
+def unscale_and_check(step) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The float32 gradients unscaled and checked for inf/NaN in one fused pass, into ``S.found_inf``; one skip
-    decision on every process where there are several. Returns the gradients (under FSDP2, the local shards)."""
+    decision on every process where there are several. Returns the trained parameters as they are now (a layer
+    unfrozen or a param group added since the step was built included) and their gradients (under FSDP2, the
+    local shards)."""
     o, S, P = step.options, step.state, step.parallel
-    grads = [p.grad for p in step.all_params if p.grad is not None]
+    params = step.trained_params()
+    grads = [p.grad for p in params if p.grad is not None]
     if o.sharded:
         grads = P.locals(grads)  # the shards' local tensors: the kernels below take plain ones
     S.found_inf.zero_()
     torch._amp_foreach_non_finite_check_and_unscale_(grads, S.found_inf, S.inv_scale)
     if o.distributed:
         P.all_reduce_max(S.found_inf)
-    return grads
+    return params, grads
 
 
-def update(step, grads: list[torch.Tensor]) -> None:
+def update(step, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
     """Clipping, the optimizer step (skipped on overflow), every gradient freed, and the scale update."""
     o, S, P, optimizer = step.options, step.state, step.parallel, step.optimizer
+    auto = o.dynamic and o.scaler.auto and S.auto_pending
+    amax = S.amax(grads) if auto else None  # the gradients as they are, before clipping
     if o.clip is not None:  # by global norm, after unscaling, into the step's own norm tensor (no host read)
         if o.sharded:
             step.grad_norm.copy_(P.grad_norm(grads))  # over every shard of every rank
             torch._foreach_mul_(grads, torch.clamp(o.clip / (step.grad_norm + 1e-6), max=1.0))
         else:
             step.grad_norm.copy_(torch.nn.utils.clip_grad_norm_(step.optimizer_params, o.clip, foreach=True))
-    if o.fused:
-        optimizer.grad_scale, optimizer.found_inf = None, S.found_inf  # the fused kernel skips on the device
-        optimizer.step()
+    if o.fused:  # the fused kernel skips on the device, as under GradScaler
+        step.zero_new_momentum()
+        optimizer.grad_scale, optimizer.found_inf = None, S.found_inf
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
     elif not bool(S.found_inf):  # an optimizer without a fused kernel: one host read to skip
         optimizer.step()
-    for p in step.all_params:  # gradients freed: the next backward writes, not adds
+    for p in params:  # gradients freed: the next backward writes, not adds
         p.grad = None
     S.record()
-    if o.dynamic and o.scaler.auto and S.auto_pending:  # the largest safe power of two for these gradients
-        S.update_auto(grads)
+    if auto:  # the largest safe power of two for these gradients
+        S.update_auto(amax)
     elif o.dynamic:
         S.update_dynamic()
 

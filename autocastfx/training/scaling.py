@@ -127,19 +127,23 @@ class ScaleState:
         self.scale.clamp_(min=cfg.min_scale)
         torch.reciprocal(self.scale, out=self.inv_scale)  # exact: scales are powers of two
 
-    def update_auto(self, grads: list[torch.Tensor]) -> None:
-        """The first update of init_scale="auto": the usual update, then (unless it overflowed) a jump to the
-        largest power of two keeping ``grads`` AUTO_MARGIN times under the low dtype's maximum."""
-        self.update_dynamic()
-        cfg = self.cfg
+    def amax(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The largest gradient magnitude over ``grads`` (and over every process where there are several)."""
         if grads:
-            amax = torch.stack(torch._foreach_norm(grads, float("inf"))).max()
+            amax = torch.stack(torch._foreach_norm(grads, float("inf"))).max().float()
         else:
             amax = torch.zeros((), dtype=torch.float32, device=self.scale.device)
         if self.reduce_max is not None:
-            amax = amax.float()
             self.reduce_max(amax)
-        safe = torch.exp2(torch.floor(torch.log2(cfg.low_max / (amax.float() * AUTO_MARGIN))))
+        return amax
+
+    def update_auto(self, amax: torch.Tensor) -> None:
+        """The first update of init_scale="auto": the usual update, then (unless it overflowed) a jump to the
+        largest power of two keeping gradients of magnitude ``amax`` AUTO_MARGIN times under the low dtype's
+        maximum."""
+        self.update_dynamic()
+        cfg = self.cfg
+        safe = torch.exp2(torch.floor(torch.log2(cfg.low_max / (amax * AUTO_MARGIN))))
         safe = safe.clamp_(min=cfg.min_scale, max=AUTO_MAX_SCALE)
         self.scale.copy_(torch.where(self.found_inf > 0, self.scale, safe))
         torch.reciprocal(self.scale, out=self.inv_scale)

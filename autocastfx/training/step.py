@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 from typing import Any, Callable
 
 import torch
@@ -189,7 +190,8 @@ class TrainStep:
         self.clip, self.max_retries = clip_grad_norm, max_retries
         self.cfg = ScalerConfig(mode, init_scale, growth_factor, backoff_factor, growth_interval, min_scale, hysteresis,
                                 low_max=torch.finfo(info.dtype).max)
-        self.all_params = [p for p in unique_by_id(self.gm.parameters()) if p.requires_grad]
+        self.module_params = list(unique_by_id(self.gm.parameters()))
+        self.all_params = [p for p in self.module_params if p.requires_grad]
         _check_optimizer(self.optimizer, self.gm, info)  # raises before anything is changed
         device = self.all_params[0].device if self.all_params else torch.device("cpu")
         self.state = ScaleState(self.cfg, device, reduce_max=P.all_reduce_max if P.distributed else None)
@@ -225,6 +227,30 @@ class TrainStep:
     @property
     def optimizer_params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def trained_params(self) -> list[torch.Tensor]:
+        """The converted module's and the optimizer's parameters that require grad now: a layer unfrozen, or a
+        param group added, after the step was built has its gradient unscaled and freed too."""
+        seen: set[int] = set()
+        out = []
+        for p in itertools.chain(self.module_params, self.optimizer_params):
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
+
+    def zero_new_momentum(self) -> None:
+        """A fused SGD's momentum buffers, for parameters with a gradient and none yet, started at zero (torch's
+        first-step buffer where dampening is 0): a skipped first update would otherwise leave the uninitialised
+        buffer that torch's fused kernel allocates (``torch.empty_like``) as the momentum."""
+        opt = self.optimizer
+        if not isinstance(opt, torch.optim.SGD):
+            return
+        for group in opt.param_groups:
+            if group["momentum"] and not group["dampening"]:
+                for p in group["params"]:
+                    if p.grad is not None and "momentum_buffer" not in opt.state.get(p, ()):
+                        opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
 
     # ---------------------------------------------------------------------------------------- public
     def __call__(self, inputs, *targets):
@@ -265,7 +291,7 @@ class TrainStep:
         return {
             "scaler": self.state.state_dict(),
             "model": {k: v.clone() for k, v in self.gm.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, self.optimizer.state_dict()),
             "micro": self.micro,
             "grads": self.pending_grads(),
             "rng": torch.get_rng_state(),
@@ -292,7 +318,7 @@ class TrainStep:
         _load_optimizer(self.optimizer, sd["optimizer"])
         self.state.load_state_dict(sd["scaler"])
         self.micro = sd.get("micro", 0)
-        for p in self.all_params:  # gradients of this run's micro-batches are not the checkpoint's
+        for p in self.trained_params():  # gradients of this run's micro-batches are not the checkpoint's
             p.grad = None
         self.parallel.drop_unsynced_grads()
         params = dict(self.gm.named_parameters())
@@ -328,16 +354,7 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, gm: nn.Module, info) -> N
 def _use_fused_skip(opt: torch.optim.Optimizer, parallel: Local) -> bool:
     """Whether the optimizer skips an overflowed update on the device (a ``fused=True`` kernel takes
     ``found_inf``) rather than after a host read."""
-    if not getattr(opt, "_step_supports_amp_scaling", False) or not parallel.allows_fused(opt):
-        return False
-    if isinstance(opt, torch.optim.SGD):
-        # a fused SGD whose first update is skipped would keep uninitialised momentum buffers: start them at zero,
-        # PyTorch's own first-step buffer when dampening == 0
-        for group in opt.param_groups:
-            if group["momentum"] and not group["dampening"]:
-                for p in group["params"]:
-                    opt.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
-    return True
+    return bool(getattr(opt, "_step_supports_amp_scaling", False)) and parallel.allows_fused(opt)
 
 
 def _load_optimizer(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
