@@ -14,6 +14,7 @@ import weakref
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import autocastfx
 from helpers import one_thread_quiet
@@ -717,3 +718,54 @@ def test_a_tied_weight_stored_once_loads_as_into_the_model(tmp_path):
     sd = {k: v for k, v in gm.state_dict().items() if k != "head.weight"}
     for target in (_TiedStack(), gm):  # a strict load without one of the names: missing, for both alike
         assert target.load_state_dict(sd, strict=False).missing_keys == ["head.weight"]
+
+
+# ------------------------------------------------------------------------- calls of another structure
+class _WithTargets(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(64, 256)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x, y=None):
+        h = self.drop(self.l1(x))
+        return h if y is None else (h, F.mse_loss(h, y))
+
+
+def test_a_setting_of_another_type_reaches_a_call_of_another_structure():
+    """dropout.p = 0 where the model had 0.5 (an int for a float) holds for a call the example did not make."""
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 64), torch.zeros(32, 256)
+    gm = autocastfx.convert(_WithTargets(), (x, y), dtype=torch.bfloat16)
+    gm.train()
+    gm.drop.p = 0
+    with torch.no_grad():
+        assert (gm(x, y)[0] == 0).float().mean().item() < 0.01
+        assert (gm(x) == 0).float().mean().item() < 0.01
+
+
+def test_a_call_of_another_structure_runs_its_plan_under_an_ambient_autocast():
+    class Diff(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1 = nn.Linear(16, 16)
+            self.diff = nn.Linear(16, 1, bias=False)
+            with torch.no_grad():
+                self.diff.weight.zero_()
+                self.diff.weight[0, 0], self.diff.weight[0, 1] = 1.0, -1.0
+
+        def forward(self, x, y=None):
+            out = self.diff(x + 1000.0) + self.l1(x).sum(-1, keepdim=True) * 0
+            return out if y is None else F.mse_loss(out, y)
+
+    torch.manual_seed(0)
+    m = Diff()
+    ref = copy.deepcopy(m)
+    x, y = torch.randn(8, 16), torch.zeros(8, 1)
+    policy = autocastfx.Policy.default().override(module_names={"diff": "fp32"})
+    gm = autocastfx.convert(m, (x,), dtype=torch.bfloat16, policy=policy)
+    with torch.no_grad():
+        want = F.mse_loss(ref(x), y)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = gm(x, y)
+        assert abs(got.item() - want.item()) < 1e-3 * want.item(), (got, want)

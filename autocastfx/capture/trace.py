@@ -171,14 +171,16 @@ def tensors_kept(model: nn.Module):
 
 _CHECK_BYTES = 16 << 20  # the largest activation of the check's rows
 _CHECK_FLOPS = 3e9  # the matmul and convolution FLOPs of one of its runs (about one image through a small vision model)
+_ALL_ROWS_FLOPS, _ALL_ROWS_BYTES = 3e8, 4 << 20  # under these, as many rows as fit (a branch may spare row 0)
 
 
 def _computes_as_model(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: dict) -> None:
     """CaptureError where the traced graph, run on the example, gives other values than the model's own call (a
     branch on ``isinstance(x, torch.Tensor)`` or another fact of the trace rather than of the call).
 
-    Both run in the caller's grad mode, from the same random state, on copies of one row of the inputs' shared
-    batch (two where the model refuses one, as a batch norm in training may). Nothing is checked on meta tensors,
+    Both run in the caller's grad mode, from the same random state, on copies of the rows of the inputs' shared
+    batch that fit under ``_ALL_ROWS_FLOPS`` and ``_ALL_ROWS_BYTES``, or of one row (two where the model refuses
+    one, as a batch norm in training may). Nothing is checked on meta tensors,
     where the model's own call fails, or past ``_CHECK_BYTES`` or ``_CHECK_FLOPS``."""
     tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     if any(t.is_meta for t in itertools.chain(tensors, model.parameters(), model.buffers())):
@@ -193,7 +195,9 @@ def _computes_as_model(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs
     devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices):  # each run from the same random state; the caller's kept
         state = torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
-        for take in ((1, 2) if rows > 1 else (rows,)):
+        fit = min(_ALL_ROWS_FLOPS * rows / max(flops, 1), _ALL_ROWS_BYTES * rows / max(largest, 1)) if rows else 0
+        fit = min(rows, int(fit))
+        for take in ((fit,) if fit > 1 else (1, 2) if rows > 1 else (rows,)):
             share = take / rows if rows else 1
             if largest * share > _CHECK_BYTES or flops * share > _CHECK_FLOPS:
                 return

@@ -315,8 +315,9 @@ def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict) -> tuple[nn.
     # every call: a move or load may have replaced gm's tensors, or a same-class module one of its modules
     _weights.share_tensors(gm, other, _weights.pair_modules(gm, other, mods, holders))
     # the same call spelled another way than the one it was converted for (gm(x, 1.0, True) after gm(x, relu=True))
-    spelled = respelled(checks.model, other.meta[K.CONVERTED].call_signature, args, kwargs) \
-        if isinstance(getattr(other, "meta", None), dict) and K.CONVERTED in other.meta else None
+    made_for = other.meta[K.CONVERTED].call_signature \
+        if isinstance(getattr(other, "meta", None), dict) and K.CONVERTED in other.meta else ()
+    spelled = respelled(checks.model, made_for, args, kwargs) if made_for else None  # () for a piecewise one
     return (other, *(spelled or (args, kwargs)))
 
 
@@ -344,7 +345,7 @@ def apply_module_state(model: nn.Module, state: tuple) -> None:
             training, settings = given[name]
             own = m.__dict__
             for k, v in settings:
-                if k in own and type(own[k]) is type(v):
+                if k in own and (type(own[k]) is type(v) or is_plain_setting(own[k])):  # p=0 for 0.5, momentum=None
                     own[k] = v
         else:
             training = modes.get(name.rpartition(".")[0], m.training) if name else m.training

@@ -132,7 +132,8 @@ def _run_as(module: nn.Module, other: nn.Module, args: tuple, kwargs: dict) -> A
         if getattr(getattr(h, "func", h), "__module__", "").startswith("torch.export"):
             del hooks[k]
     try:
-        return nn.Module.__call__(module, *args, **kwargs)
+        with _without_autocast():  # as for the captured call: the program as planned, whatever the caller has on
+            return nn.Module.__call__(module, *args, **kwargs)
     finally:
         hooks.clear()
         hooks.update(kept)
