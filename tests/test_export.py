@@ -9,6 +9,7 @@ import zipfile
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import autocastfx
@@ -169,3 +170,27 @@ def test_onnx_export_optional(tmp_path):
     gm, inputs = _convert("resnet")
     torch.onnx.export(gm, inputs, str(tmp_path / "m.onnx"), dynamo=True)
     assert (tmp_path / "m.onnx").stat().st_size > 0
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, a, b):
+        return self.l(a) - 3 * b
+
+
+def test_keyword_inputs_given_out_of_order_are_bound_by_name(tmp_path):
+    """torch.export of a GraphModule binds keyword inputs given out of the signature's order to the wrong
+    parameters (pytorch/pytorch#143732): the .pt2 and the saved module took b for a (1.56 off)."""
+    torch.manual_seed(0)
+    m = _TwoInputs()
+    a, b = torch.randn(2, 8), torch.randn(2, 8)
+    kw = {"b": b, "a": a}
+    gm = autocastfx.convert(m, example_kwargs=kw, dtype=torch.bfloat16)
+    want = m(a=a, b=b)
+    autocastfx.export(gm, tmp_path / "k.pt2", example_kwargs=kw)
+    autocastfx.save(gm, tmp_path / "k.acfx", example_kwargs=kw)
+    for got in (torch.export.load(tmp_path / "k.pt2").module()(**kw), autocastfx.load(tmp_path / "k.acfx")(**kw)):
+        assert ((got - want).norm() / want.norm()).item() < 2e-2

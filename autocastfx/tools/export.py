@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..base.options import SAVED, ConvertOptions
 
+import inspect
 import io
 import json
 import os
@@ -55,7 +56,7 @@ def export_program(gm: fx.GraphModule, example_inputs: tuple | None = None, exam
         if other is not None:
             return export_program(other, args, kwargs, dynamic_shapes)
     try:
-        return run_export(gm, tuple(example_inputs or ()), dict(example_kwargs or {}),
+        return run_export(gm, tuple(example_inputs or ()), in_signature_order(gm, dict(example_kwargs or {})),
                           dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as e:  # noqa: BLE001 - said with the part that stops it
         if not piecewise:
@@ -68,6 +69,18 @@ def export_program(gm: fx.GraphModule, example_inputs: tuple | None = None, exam
             "Export a converted part instead (autocastfx.export(gm.get_submodule(name), ...), names in "
             "report(gm)), or call the model so that the data-dependent branch is not taken (without labels=)"
         ) from e
+
+
+def in_signature_order(module: nn.Module, kwargs: dict) -> dict:
+    """``kwargs`` in the order of ``module.forward``'s parameters: torch.export of a GraphModule binds keyword
+    inputs given in another order to the wrong parameters, silently (pytorch/pytorch#143732)."""
+    try:
+        names = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    ordered = {k: kwargs[k] for k in names if k in kwargs}
+    ordered.update((k, v) for k, v in kwargs.items() if k not in ordered)  # a **kwargs forward's own
+    return ordered
 
 
 class ExportError(RuntimeError):
@@ -138,7 +151,8 @@ def export_onnx(gm: fx.GraphModule, path: str | os.PathLike, example_inputs: tup
         level = logging.getLogger("torch.onnx").level
         logging.getLogger("torch.onnx").setLevel(logging.ERROR)
         try:
-            program = torch.onnx.export(module, args, path, kwargs=kwargs or None, dynamo=True, optimize=optimize,
+            program = torch.onnx.export(module, args, path, kwargs=in_signature_order(module, kwargs) or None,
+                                        dynamo=True, optimize=optimize,
                                         dynamic_shapes=dynamic_shapes, verbose=False)
         finally:
             logging.getLogger("torch.onnx").setLevel(level)
