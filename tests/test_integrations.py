@@ -120,3 +120,35 @@ def test_hugging_face_trainer_refuses_its_own_fp16_flag(tmp_path):
     args = tf.TrainingArguments(str(tmp_path), fp16=True, use_cpu=True, report_to=[])
     with pytest.raises((ValueError, TypeError)):
         Trainer(model=tf.GPT2LMHeadModel(cfg), args=args, train_dataset=[])
+
+
+def _padded_run(tmp_path, batch, accum):
+    tf = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from autocastfx.integrations.hf import Trainer
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(24):
+        ids = torch.randint(1, 64, (16,), generator=g)
+        labels = ids.clone()
+        labels[int(torch.randint(2, 16, (1,), generator=g)):] = -100  # label tokens per row vary
+        rows.append({"input_ids": ids, "labels": labels})
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=32,
+                                             use_cache=False, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
+                                             embd_pdrop=0.0, attn_pdrop=0.0))
+    args = tf.TrainingArguments(str(tmp_path / f"{batch}x{accum}"), per_device_train_batch_size=batch,
+                                gradient_accumulation_steps=accum, num_train_epochs=2, learning_rate=5e-3,
+                                max_grad_norm=0, optim="sgd", lr_scheduler_type="constant", save_strategy="no",
+                                report_to=[], use_cpu=True, seed=0, data_seed=0, disable_tqdm=True)
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    Trainer(model=model, args=args, train_dataset=rows, dtype=torch.bfloat16).train()
+    return torch.cat([p.detach().flatten() for p in model.parameters()]) - before
+
+
+def test_hugging_face_trainer_accumulates_as_one_batch_when_label_tokens_vary(tmp_path):
+    """Each micro-batch's loss is weighted by its share of the window's label tokens, as transformers.Trainer
+    does for a model that takes num_items_in_batch: 4 x 2 micro-batches update as one batch of 8 (before, the
+    means of the micro-batches were averaged: 0.16 apart, where bfloat16 noise is 3e-3)."""
+    big, accumulated = _padded_run(tmp_path, 8, 1), _padded_run(tmp_path, 4, 2)
+    assert ((accumulated - big).norm() / big.norm()).item() < 1e-2

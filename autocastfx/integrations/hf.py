@@ -72,13 +72,17 @@ class Trainer(transformers.Trainer):
         self.step_kwargs = dict(step_kwargs or {})
         self.step: TrainStep | None = None
         self.clip = None
+        self.tokens_per_window = False  # each micro-batch's loss weighted by its share of the window's label tokens
+        self.shifts_labels = False  # a causal LM's loss averages over labels[..., 1:]
 
     # ------------------------------------------------------------------------------------ conversion
     def train(self, *args, **kwargs):
         # converted first, so a checkpoint to resume from loads into the converted module
         if "autocastfx" not in getattr(self.model, "meta", {}):
             self.model = self.model_wrapped = self._convert(self.model)
-        self.model_accepts_loss_kwargs = False  # the converted forward takes the inputs it was converted with
+        # the converted forward takes the inputs it was converted with: the window's token count is applied here
+        self.tokens_per_window = self.tokens_per_window or self.model_accepts_loss_kwargs
+        self.model_accepts_loss_kwargs = False
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:  # clipped by the step, after unscaling
             self.clip, self.args.max_grad_norm = self.args.max_grad_norm, 0.0
         return super().train(*args, **kwargs)
@@ -92,6 +96,9 @@ class Trainer(transformers.Trainer):
             raise ValueError("the training batches have no 'labels': autocastfx.integrations.hf.Trainer trains "
                              "with the model's own loss (out.loss), which it computes from labels=")
         model.to(self.args.device)
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        self.shifts_labels = type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() \
+            and not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
         return convert(model, example_kwargs=batch, dtype=self.dtype, **self.convert_kwargs)
 
     # ---------------------------------------------------------------------------------- optimisation
@@ -99,7 +106,7 @@ class Trainer(transformers.Trainer):
         if self.step is None:
             real = super().create_optimizer(model)
             self.step = train_step(
-                self.model, lambda out: out.loss, real, accum_steps=self.args.gradient_accumulation_steps,
+                self.model, lambda out, weight=None: out.loss if weight is None else out.loss * weight, real, accum_steps=self.args.gradient_accumulation_steps,
                 clip_grad_norm=self.clip, **self.step_kwargs)
             self.real_optimizer = real
             self.optimizer = _Applied(real)
@@ -116,8 +123,37 @@ class Trainer(transformers.Trainer):
         if self.accelerator.gradient_state.sync_gradients and step.accum_steps > 1:
             # the Trainer ends an epoch's last, shorter window early: this batch completes an update
             step.micro = (step.micro // step.accum_steps) * step.accum_steps + step.accum_steps - 1
-        loss = step(inputs)
+        weight = self._token_weight(inputs, num_items_in_batch)
+        loss = step(inputs) if weight is None else step(inputs, weight)
         return loss.detach() / step.accum_steps
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        """The window's label tokens, counted as the model's loss averages them (shifted for a causal LM)."""
+        if not self.tokens_per_window or not batch_samples or "labels" not in batch_samples[0]:
+            return None
+        count = sum(self._label_tokens(b) for b in batch_samples).to(device)
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            count = self.accelerator.gather(count).sum()
+        return count
+
+    def _label_tokens(self, batch: dict[str, Any]) -> torch.Tensor:
+        labels = batch.get("shift_labels")
+        if labels is None:
+            labels = batch["labels"][..., 1:] if self.shifts_labels else batch["labels"]
+        return labels.ne(-100).sum()
+
+    def _token_weight(self, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor | None:
+        """The micro-batch's label tokens over the window's, times the step's divisor and the processes averaged
+        over: the model's mean loss made the window's token mean (None where the window's tokens are not
+        counted)."""
+        if not self.tokens_per_window or num_items_in_batch is None:
+            return None
+        mine = self._label_tokens(inputs)
+        weight = torch.as_tensor(mine, dtype=torch.float32, device=self.args.device) * self.step.accum_steps
+        weight = weight / torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=self.args.device)
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            weight = weight * self.args.world_size  # the window counted over every process; DDP averages
+        return weight
 
     # ------------------------------------------------------------------------------------ checkpoints
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
