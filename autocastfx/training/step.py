@@ -192,6 +192,7 @@ class TrainStep:
                                 low_max=torch.finfo(info.dtype).max)
         self.module_params = list(unique_by_id(self.gm.parameters()))
         self.all_params = [p for p in self.module_params if p.requires_grad]
+        self._union, self._union_key = [], None
         _check_optimizer(self.optimizer, self.gm, info)  # raises before anything is changed
         device = self.all_params[0].device if self.all_params else torch.device("cpu")
         self.state = ScaleState(self.cfg, device, reduce_max=P.all_reduce_max if P.distributed else None)
@@ -231,13 +232,12 @@ class TrainStep:
     def trained_params(self) -> list[torch.Tensor]:
         """The converted module's and the optimizer's parameters that require grad now: a layer unfrozen, or a
         param group added, after the step was built has its gradient unscaled and freed too."""
-        seen: set[int] = set()
-        out = []
-        for p in itertools.chain(self.module_params, self.optimizer_params):
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-        return out
+        groups = self.optimizer.param_groups
+        key = tuple(id(g["params"]) for g in groups), sum(len(g["params"]) for g in groups)
+        if key != self._union_key:  # the optimizer's parameters changed: the union anew
+            self._union = list(unique_by_id(itertools.chain(self.module_params, self.optimizer_params)))
+            self._union_key = key
+        return [p for p in self._union if p.requires_grad]
 
     def zero_new_momentum(self) -> None:
         """A fused SGD's momentum buffers, for parameters with a gradient and none yet, started at zero (torch's
