@@ -247,9 +247,9 @@ def _convert_for_call(gm: nn.Module, args: tuple, kwargs: dict, state: tuple = (
     info = gm.meta[K.CONVERTED]
     try:
         try:  # sizes of 1 would be fixed by the capture (a first sample of one sequence): converted at 2
-            other = _convert_quietly(info, *_calls.widened(args, kwargs), state)
+            other = _convert_quietly(info, *_calls.widened(args, kwargs), state, gm)
         except Exception:  # noqa: BLE001 - a size of 1 the model needs as it is: converted for the call as given
-            other = _convert_quietly(info, args, kwargs, state)
+            other = _convert_quietly(info, args, kwargs, state, gm)
         _weights.share_tensors(gm, other, _weights.pair_modules(gm, other))
     except Exception as e:  # noqa: BLE001 - any failure: the call is refused, naming both calls and the cause
         raise TypeError(
@@ -261,14 +261,49 @@ def _convert_for_call(gm: nn.Module, args: tuple, kwargs: dict, state: tuple = (
     return other
 
 
-def _convert_quietly(info: ConvertInfo, args: tuple, kwargs: dict, state: tuple = ()) -> nn.Module:
+def _convert_quietly(info: ConvertInfo, args: tuple, kwargs: dict, state: tuple = (), gm: nn.Module | None = None
+                     ) -> nn.Module:
     """The model kept on meta, its modules in ``state`` (``calls.module_state``), converted for ``(args, kwargs)``
-    with ``info``'s options and no warnings (the first conversion said what there was to say)."""
+    with ``info``'s options and no warnings (the first conversion said what there was to say). Where every tensor
+    of the model is found in ``gm``, the copy holds ``gm``'s tensors and converts for real: its trace is then
+    checked against the model's own call, as convert()'s is."""
+    twin = copy.deepcopy(info.checks.model)
+    _calls.apply_module_state(twin, state)
+    real = _holding_tensors_of(twin, gm) if gm is not None else False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return _convert_any(twin, args, kwargs, info.options, CaptureContext())
+        except Exception:  # noqa: BLE001 - on real values it may refuse what the meta copy converts: tried so
+            if not real:
+                raise
     twin = copy.deepcopy(info.checks.model)
     _calls.apply_module_state(twin, state)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return _convert_any(twin, args, kwargs, info.options, CaptureContext())
+
+
+def _holding_tensors_of(twin: nn.Module, gm: nn.Module) -> bool:
+    """Give ``twin`` (the model on meta) ``gm``'s own parameters and buffers by the model's names; False, with
+    ``twin`` left on meta, where one of them is not found."""
+    found = gm.state_dict(keep_vars=True)
+    for name, t in itertools.chain(gm.named_buffers(remove_duplicate=False), gm.named_parameters()):
+        found.setdefault(name, t)  # the buffers a state dict leaves out (persistent=False)
+    places = [(m, k, f"{n}.{k}" if n else k) for n, m in twin.named_modules(remove_duplicate=False)
+              for k in itertools.chain(m._parameters, m._buffers)]
+    given = {}
+    for module, key, name in places:
+        own = module._parameters if key in module._parameters else module._buffers
+        if own[key] is None:
+            continue
+        t = found.get(name)
+        if not isinstance(t, torch.Tensor) or t.is_meta or t.shape != own[key].shape or t.dtype != own[key].dtype:
+            return False
+        given[(id(module), key)] = (own, t)
+    for (_, key), (own, t) in given.items():
+        own[key] = t
+    return True
 
 
 def _tensors(model: nn.Module):

@@ -255,3 +255,18 @@ def test_a_branch_that_spares_the_first_row_is_still_caught():
     gm = autocastfx.convert(model, (x,), example_kwargs={"mask": mask}, dtype=BF16)
     with torch.no_grad():
         assert _rel(gm(x, mask=mask), model(x, mask=mask)) < 2e-2
+
+
+def test_a_call_of_another_structure_is_checked_against_the_model_too():
+    """Converted from ``(x,)``, ``gm(x, mask=mask)`` is converted on first use: from a copy of the model holding
+    gm's own tensors, so its trace is checked as convert()'s is (before, from the model on meta, unchecked: the
+    mask was dropped, outputs 0.36 off, and gm(x, mask) equalled gm(x))."""
+    torch.manual_seed(0)
+    model = _RowMask()
+    x, mask = torch.randn(8, 16), torch.tensor([0.0, 1, 0, 1, 0, 1, 0, 1])
+    gm = autocastfx.convert(model, (x,), dtype=BF16)
+    with torch.no_grad():
+        assert _rel(gm(x, mask=mask), model(x, mask=mask)) < 2e-2
+        assert not torch.equal(gm(x, mask=mask), gm(x))
+    gm(x, mask=mask).sum().backward()  # and it trains the model's own parameters
+    assert model.l1.weight.grad is not None
