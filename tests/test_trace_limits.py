@@ -7,6 +7,8 @@ the model's own forward hooks left out; and ``1.0 / h`` planned as a division (f
 reciprocal, float32 as on CUDA autocast's list."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -270,3 +272,81 @@ def test_a_call_of_another_structure_is_checked_against_the_model_too():
         assert not torch.equal(gm(x, mask=mask), gm(x))
     gm(x, mask=mask).sum().backward()  # and it trains the model's own parameters
     assert model.l1.weight.grad is not None
+
+
+class _NormBlock(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.fc(x)
+        with torch.no_grad():
+            n = h.norm(dim=-1, keepdim=True)  # no gradient through the normaliser
+        return x + h / n
+
+
+class _NormStack(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.layers = nn.ModuleList([_NormBlock(d) for _ in range(2)])
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("blocks", ["auto", None])
+def test_a_no_grad_region_inside_a_block_keeps_its_branch_out_of_the_gradients(blocks):
+    """Blocks are captured during a run without gradients: a no_grad region inside one changed no mode there and
+    was dropped (the first layer's gradient 0.19 off float32, where autocast is 4e-3 off)."""
+    torch.manual_seed(0)
+    model, x = _NormStack(), torch.randn(4, 5, 16)
+    ref = copy.deepcopy(model)
+    gm = autocastfx.convert(model, (x,), dtype=BF16, blocks=blocks)
+    gm(x).float().square().sum().backward()
+    ref(x).square().sum().backward()
+    assert _rel(model.layers[0].fc.weight.grad, ref.layers[0].fc.weight.grad) < 2e-2
+
+
+class _ItemScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.register_buffer("scale", torch.tensor(1.0))
+
+    def forward(self, x):
+        return self.fc(x) * self.scale.item()
+
+
+def test_a_buffer_read_into_python_is_read_at_each_call():
+    """``self.scale.item()`` on a buffer: symbolic tracing made it the constant 1.0 and left the buffer out of
+    gm's state dict; a checkpoint loaded into the model then went unseen (outputs 1.76 where the model gives
+    8.78). The capture takes torch.export, which reads the buffer at each call."""
+    torch.manual_seed(0)
+    model, x = _ItemScale(), torch.randn(4, 16)
+    gm = autocastfx.convert(model, (x,), dtype=BF16)
+    assert "scale" in gm.state_dict()
+    with torch.no_grad():
+        model.scale.fill_(5.0)
+        assert _rel(gm(x), model(x)) < 2e-2
+
+
+class _NoiseFromNothing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.l(x) + torch.randn(32)
+
+
+def test_a_draw_from_no_input_leaves_the_callers_random_stream_as_it_was():
+    """The trace runs ``torch.randn(32)`` for real before it goes to torch.export: the draw is undone."""
+    torch.manual_seed(0)
+    model, x = _NoiseFromNothing(), torch.randn(4, 32)
+    before = torch.get_rng_state()
+    autocastfx.convert(model, (x,), dtype=BF16)
+    assert torch.equal(before, torch.get_rng_state())

@@ -74,11 +74,15 @@ class ModelTracer(fx.Tracer):
 
 def copy_model(model: nn.Module, share_tensors: bool, keep: Iterable[nn.Module] = ()) -> nn.Module:
     """Deep-copy ``model``, sharing the modules in ``keep`` (the caller replaces them before handing the copy on)
-    and, with ``share_tensors``, its parameters, buffers and converted blocks."""
+    and, with ``share_tensors``, its parameters, buffers, plain tensor attributes and converted blocks."""
     memo: dict[int, Any] = {id(m): m for m in keep}
     if share_tensors:
         for t in itertools.chain(model.parameters(), model.buffers()):
             memo[id(t)] = t
+        for m in model.modules():  # a table kept as a plain attribute: the model's own, not a copy to go stale
+            for t in vars(m).values():
+                if isinstance(t, torch.Tensor):
+                    memo[id(t)] = t
         for name, m in model.named_modules():
             if name and is_converted(m):  # a converted block inside: the capture calls it, never copies it
                 memo[id(m)] = m
@@ -97,6 +101,17 @@ def capture_graph(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, c
         check: False skips propagating the graph and checking its values (the caller propagates it).
         reads: collects the modules whose ``training`` flag the model's code read.
     """
+    devices = sorted({t.device.index or 0 for t in itertools.chain(model.parameters(), model.buffers())
+                      if t.device.type == "cuda"})
+    # captured as it trains: a no_grad region of its own is a change of mode to keep; a draw the capture runs for
+    # real (a trace of ``torch.randn(8)``) leaves the caller's random stream as it was
+    with torch.enable_grad(), torch.random.fork_rng(devices=devices):
+        return _capture_graph(model, args, kwargs, policy, ctx, compile_code, method, check, reads)
+
+
+def _capture_graph(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, ctx: CaptureContext,
+                   compile_code: bool, method: str | None, check: bool, reads: list | None
+                   ) -> tuple[fx.GraphModule, str]:
     if method == "torch.export":
         return capture_export(model, args, kwargs, ctx, check=check, reads=reads)
     try:
@@ -254,6 +269,9 @@ _RANDOM = frozenset(getattr(torch.ops.aten, n) for n in (
     "multinomial", "native_dropout", "poisson") if hasattr(torch.ops.aten, n))
 
 
+_TO_PYTHON = {torch.ops.aten._local_scalar_dense, torch.ops.aten.is_nonzero, torch.ops.aten.equal}
+
+
 class _RealOps(TorchDispatchMode):
     """Notes (``why``) ops that symbolic tracing would run once and bake into the graph: a random draw from no
     traced input (``h + torch.randn(8)``) and an in-place update of the model's own tensors (a step counter); either
@@ -272,6 +290,9 @@ class _RealOps(TorchDispatchMode):
         if func._overloadpacket in _RANDOM and self.why is None:
             self.why = (f"its code draws random numbers ({func._overloadpacket.__name__}) from no input, which "
                         "symbolic tracing would fix as one draw")
+        if func._overloadpacket in _TO_PYTHON and self.why is None and args and self._owns(args[0]):
+            self.why = ("its code reads the value of a tensor of its own into Python (.item(), float(), bool()), "
+                        "which symbolic tracing would fix as a constant, stale once the tensor changes")
         if func._schema.is_mutable:
             for arg, value in zip(func._schema.arguments, itertools.chain(args, kwargs.values())):
                 if arg.alias_info is not None and arg.alias_info.is_write and self._owns(value):

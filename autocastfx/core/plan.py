@@ -316,7 +316,9 @@ def _plan_node(st: _Planning, node: fx.Node) -> None:
         if st.keep_io_types:
             for a in _float_inputs(node):
                 st.req(a, Req(node.name, "fixed", st.io_label))
-    elif not is_value and not node.users:  # runs for its effect only (guards, asserts): nothing to decide
+    elif not is_value and not node.users and not isinstance(node.target, torch._ops.HigherOrderOperator):
+        # runs for its effect only (guards, asserts): nothing to decide; a region's body (no_grad) still takes
+        # its inputs in the dtypes it was captured with
         st.nodes[node.name] = NodePlan(None, None, "no tensor result")
     else:
         _plan_call(st, node, info, is_value)

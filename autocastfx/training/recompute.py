@@ -27,24 +27,28 @@ class _Recomputed:
             return call(*args, **kwargs)
         if kwargs:
             call = functools.partial(call, **kwargs)
+        before = [(b, b.detach().clone()) for b in self.buffers()] if self.training else []  # as the forward reads
         return _checkpoint.checkpoint(call, *args, use_reentrant=False, preserve_rng_state=True,
-                                      context_fn=functools.partial(_contexts, self))
+                                      context_fn=functools.partial(_contexts, before))
 
 
-def _contexts(block: nn.Module):
-    """Checkpoint contexts: the recompute restores the block's buffers afterwards, so batch-norm statistics move
-    once a step, not again in the recompute as torch's would."""
-    return contextlib.nullcontext(), _buffers_kept(block)
+def _contexts(before: list):
+    """Checkpoint contexts: the recompute reads the block's buffers as the forward did, and leaves them as the
+    forward did, so batch-norm statistics move once a step (torch's own recompute would move them again)."""
+    return contextlib.nullcontext(), _buffers_as(before)
 
 
 @contextlib.contextmanager
-def _buffers_kept(block: nn.Module):
-    saved = [(b, b.detach().clone()) for b in block.buffers()] if block.training else []
+def _buffers_as(before: list):
+    after = [(b, b.detach().clone()) for b, _ in before]
+    with torch.no_grad():
+        for b, value in before:
+            b.copy_(value)
     try:
         yield
     finally:
         with torch.no_grad():
-            for b, value in saved:
+            for b, value in after:
                 b.copy_(value)
 
 
