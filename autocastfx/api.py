@@ -8,7 +8,6 @@ import contextlib
 import copy
 import itertools
 import threading
-import warnings
 from typing import Any
 
 import torch
@@ -17,7 +16,7 @@ import torch.nn as nn
 
 from .base import keys as K
 from .base.errors import CaptureError, one_line
-from .base.quiet import torch_internal_warnings_off, warn_user
+from .base.quiet import own_warnings_off, torch_internal_warnings_off, warn_user
 from .base.meta import ConvertInfo, is_converted, names_by_id
 from .base.options import LOW_DTYPES, ConvertOptions
 from .base.runtime import no_recompile
@@ -264,14 +263,13 @@ def _convert_for_call(gm: nn.Module, args: tuple, kwargs: dict, state: tuple = (
 def _convert_quietly(info: ConvertInfo, args: tuple, kwargs: dict, state: tuple = (), gm: nn.Module | None = None
                      ) -> nn.Module:
     """The model kept on meta, its modules in ``state`` (``calls.module_state``), converted for ``(args, kwargs)``
-    with ``info``'s options and no warnings (the first conversion said what there was to say). Where every tensor
+    with ``info``'s options and none of autocastfx's own warnings (the first conversion said them). Where every tensor
     of the model is found in ``gm``, the copy holds ``gm``'s tensors and converts for real: its trace is then
     checked against the model's own call, as convert()'s is."""
     twin = copy.deepcopy(info.checks.model)
     _calls.apply_module_state(twin, state)
     real = _holding_tensors_of(twin, gm) if gm is not None else False
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with own_warnings_off():
         try:
             return _convert_any(twin, args, kwargs, info.options, CaptureContext())
         except Exception:  # noqa: BLE001 - on real values it may refuse what the meta copy converts: tried so
@@ -279,8 +277,7 @@ def _convert_quietly(info: ConvertInfo, args: tuple, kwargs: dict, state: tuple 
                 raise
     twin = copy.deepcopy(info.checks.model)
     _calls.apply_module_state(twin, state)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with own_warnings_off():
         return _convert_any(twin, args, kwargs, info.options, CaptureContext())
 
 

@@ -120,3 +120,76 @@ def test_a_model_that_branches_on_values_converts_without_torch_printing_its_par
         autocastfx.convert(model, (x,), dtype=torch.bfloat16, blocks=None)
     out, err = capfd.readouterr()
     assert out == "" and err == "", err[:500]
+
+
+class _Optional(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(16, 16)
+
+    def forward(self, x, mask=None, bias=None):
+        y = self.l(x)
+        if mask is not None:
+            y = y * mask
+        if bias is not None:
+            y = y + bias
+        return y
+
+
+def test_conversions_for_other_calls_in_two_threads_leave_the_warning_filters_as_they_were():
+    """Two threads converting for calls of another structure at once: before, the filter list one saved held the
+    other's "ignore everything", put back for good (every later warning swallowed)."""
+    import threading
+    x = torch.randn(4, 16)
+    gm = autocastfx.convert(_Optional(), (x,), dtype=torch.bfloat16)
+    before = list(warnings.filters)
+    barrier = threading.Barrier(2)
+
+    def call(name):
+        barrier.wait()
+        gm(x, **{name: torch.ones(4, 16)})
+    threads = [threading.Thread(target=call, args=(k,)) for k in ("mask", "bias")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert warnings.filters == before
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        warnings.warn("still shown")
+    assert len(seen) == 1
+
+
+def test_a_filter_of_the_callers_equal_to_one_of_torchs_internal_ones_stays():
+    message = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+        mine = warnings.filters[0]
+
+        class Noisy(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.l = nn.Linear(8, 8)
+
+            def forward(self, x):
+                return self.l(x) + torch.randn(8)  # goes to torch.export
+        autocastfx.convert(Noisy(), (torch.randn(4, 8),), dtype=torch.bfloat16)
+        assert any(f is mine for f in warnings.filters)
+
+
+def test_a_logger_level_set_while_torchs_loggers_are_quiet_stays():
+    """Another thread setting a quiet logger's level meanwhile keeps its setting when the last one out leaves."""
+    import logging
+    from autocastfx.base.quiet import quiet_torch_logs
+    logger = logging.getLogger("torch._dynamo")
+    kept = logger.level
+    try:
+        with quiet_torch_logs():
+            logger.setLevel(logging.DEBUG)
+        assert logger.level == logging.DEBUG
+        logger.setLevel(logging.WARNING)
+        with quiet_torch_logs():
+            assert logger.level == logging.ERROR
+        assert logger.level == logging.WARNING
+    finally:
+        logger.setLevel(kept)

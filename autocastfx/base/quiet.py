@@ -3,6 +3,7 @@ call that sets them off, and autocastfx's warnings point at the user's line (:fu
 from __future__ import annotations
 import contextlib
 import os
+import re
 import sys
 import logging
 import threading
@@ -19,13 +20,17 @@ _TORCH_INTERNAL_WARNINGS = (
     (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
     # nn.LSTM/GRU/RNN refresh their own _flat_weights list as they run; torch.export notes it and restores it
     (UserWarning, r"The tensor attributes? (self\.[\w.]*_flat_weights\[\d+\](, )?)+ (was|were) assigned during export"),
+    # convert()'s run of a model between its blocks under autocast, where a float32 op meets a low block output
+    (Warning, r".*[Mm]ismatch dtype.*"),
+    # a capturable optimizer stepped outside a CUDA graph: the graphed step's warm-up does that on purpose
+    (Warning, r".*capturable=True.*"),
 )
 
 
 # Warning filters and logger levels are process-wide, and warnings.catch_warnings is not thread-safe (CPython's
 # documentation), so under one lock the first caller in installs them and the last one out removes them.
 _LOCK = threading.Lock()
-_ACTIVE: dict[str, list] = {"warnings": [], "logs": []}   # per kind: [depth, what was installed or saved]
+_ACTIVE: dict[str, list] = {"warnings": [], "logs": [], "onnx": []}  # per kind: [depth, what was installed]
 _QUIET_LOGGERS = {"torch.fx.experimental.symbolic_shapes": logging.ERROR, "torch._export": logging.ERROR,
                   "torch.export": logging.ERROR, "torch._dynamo": logging.ERROR,
                   # fake tensors log a traceback for each op that raises: the raised error is enough
@@ -33,17 +38,21 @@ _QUIET_LOGGERS = {"torch.fx.experimental.symbolic_shapes": logging.ERROR, "torch
 
 
 def _install_warnings() -> list:
-    ours = []
-    for category, message in _TORCH_INTERNAL_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=category)
-        ours.append(warnings.filters[0])
+    # inserted as entries of their own (filterwarnings would first remove the caller's equal filter, for good)
+    ours = [("ignore", re.compile(message, re.I), category, None, 0) for category, message in _TORCH_INTERNAL_WARNINGS]
+    warnings.filters[:0] = ours
+    _filters_changed()
     return ours
 
 
 def _remove_warnings(ours: list) -> None:
     warnings.filters[:] = [f for f in warnings.filters if not any(f is o for o in ours)]
-    # invalidate the per-module caches of what was shown: what filterwarnings calls, else a public call that does it
-    mutated = getattr(warnings, "_filters_mutated", None)
+    _filters_changed()
+
+
+def _filters_changed() -> None:
+    """Invalidate the per-module caches of what was shown, as filterwarnings does."""
+    mutated = getattr(warnings, "_filters_mutated", None) or getattr(warnings, "_filters_mutated_lock_held", None)
     if mutated is not None:
         mutated()
     else:  # pragma: no cover - Pythons without the helper
@@ -51,21 +60,23 @@ def _remove_warnings(ours: list) -> None:
         warnings.filters.pop()
 
 
-def _install_logs() -> list:
+def _install_logs(quiet: dict | None = None) -> list:
     saved = []
-    for name, level in _QUIET_LOGGERS.items():
+    for name, level in (quiet or _QUIET_LOGGERS).items():
         logger = logging.getLogger(name)
-        saved.append((logger, logger.level))
+        saved.append((logger, logger.level, level))
         logger.setLevel(level)
     return saved
 
 
 def _remove_logs(saved: list) -> None:
-    for logger, level in saved:
-        logger.setLevel(level)
+    for logger, level, ours in saved:
+        if logger.level == ours:  # a level set meanwhile (another thread's) stays
+            logger.setLevel(level)
 
 
-_INSTALL = {"warnings": (_install_warnings, _remove_warnings), "logs": (_install_logs, _remove_logs)}
+_INSTALL = {"warnings": (_install_warnings, _remove_warnings), "logs": (_install_logs, _remove_logs),
+            "onnx": (lambda: _install_logs({"torch.onnx": logging.ERROR}), _remove_logs)}
 
 
 @contextlib.contextmanager
@@ -97,11 +108,33 @@ def quiet_torch_logs():
     return _shared("logs")
 
 
+def quiet_onnx_logs():
+    """Meanwhile, torch.onnx's logger shows only errors."""
+    return _shared("onnx")
+
+
+_OWN = threading.local()
+
+
+@contextlib.contextmanager
+def own_warnings_off():
+    """Meanwhile, in this thread only, :func:`warn_user` says nothing (a conversion repeating what the first one
+    said); every other warning, in every thread, is shown."""
+    _OWN.depth = getattr(_OWN, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _OWN.depth -= 1
+
+
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
-    """``warnings.warn`` pointing at the first frame outside autocastfx, however deep the warning is found."""
+    """``warnings.warn`` pointing at the first frame outside autocastfx, however deep the warning is found (nothing
+    inside :func:`own_warnings_off`)."""
+    if getattr(_OWN, "depth", 0):
+        return
     level, frame = 2, sys._getframe(1)  # stacklevel 1 is this function, 2 its caller
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep):
         frame, level = frame.f_back, level + 1

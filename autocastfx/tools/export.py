@@ -5,6 +5,7 @@ nothing is unpickled.
 from __future__ import annotations
 
 from ..base.options import SAVED, ConvertOptions
+from ..base.quiet import quiet_onnx_logs
 
 import inspect
 import io
@@ -131,7 +132,6 @@ def export_onnx(gm: fx.GraphModule, path: str | os.PathLike, example_inputs: tup
                 check: bool = True, rtol: float = 2e-2) -> Any:
     """See :func:`export`; a file written with the exporter's optimizer that the runtime refuses is written and
     checked again without it."""
-    import logging
 
     for need in ("onnx", "onnxscript"):
         try:
@@ -148,14 +148,10 @@ def export_onnx(gm: fx.GraphModule, path: str | os.PathLike, example_inputs: tup
     path = os.fspath(path)
     refused = None
     for optimize in (True, False):
-        level = logging.getLogger("torch.onnx").level
-        logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-        try:
+        with quiet_onnx_logs():
             program = torch.onnx.export(module, args, path, kwargs=in_signature_order(module, kwargs) or None,
                                         dynamo=True, optimize=optimize,
                                         dynamic_shapes=dynamic_shapes, verbose=False)
-        finally:
-            logging.getLogger("torch.onnx").setLevel(level)
         if inference and optimize:
             _store_folded_casts_low(path)
         if not check:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
+from ..base.quiet import torch_internal_warnings_off
 from typing import Any
 
 import torch
@@ -182,8 +182,7 @@ def ready_to_capture(calls: int, micro: int, warmup: int, accum_steps: int) -> b
 @contextlib.contextmanager
 def _eager_capturable():
     """Capturable optimizers warn when stepped outside a graph; the warm-up calls do that on purpose."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*capturable=True.*")
+    with torch_internal_warnings_off():
         yield
 
 

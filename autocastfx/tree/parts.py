@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple
 import contextlib
 import copy
-import warnings
+from ..base.quiet import torch_internal_warnings_off
 import torch
 import torch.nn as nn
 from ..base import keys as K
@@ -100,8 +100,7 @@ def quiet_run(tree: nn.Module, low: torch.dtype | None = None, inputs: Any = Non
     under torch.autocast, so float32 code after a block takes its low output (the blocks disable it)."""
     auto = torch.autocast(_device_type(inputs), dtype=low) if low is not None and low != torch.float32 \
         else contextlib.nullcontext()
-    with torch.random.fork_rng(devices=[]), torch.no_grad(), auto, warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*[Mm]ismatch dtype.*")
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), auto, torch_internal_warnings_off():
         flags = [(m, m.training) for m in tree.modules()]
         for m, _ in flags:
             if not is_converted(m):

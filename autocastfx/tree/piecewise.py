@@ -1,6 +1,5 @@
 """Piecewise: a model that does not capture as one graph runs as its own Python around converted parts."""
 from __future__ import annotations
-import warnings
 import torch
 import torch.nn as nn
 from .parts import BLOCK_META
@@ -19,7 +18,7 @@ from ..base.options import ConvertOptions
 from ..capture.context import CaptureContext, free_sizes
 from ..core.plan import CastPlan
 from .parts import Conversions
-from ..base.quiet import warn_user
+from ..base.quiet import own_warnings_off, warn_user
 from ..converted.module import as_model_class
 from ..converted.state import rebind
 from .packed import convert_packed, has_recurrent, takes_packed
@@ -110,10 +109,9 @@ def piecewise_units(model, tree, units, skipped, args, kwargs, conv: Conversions
 
 def _convert_part(m: nn.Module, a: tuple, k: dict, conv: Conversions, options: ConvertOptions,
                   ctx: CaptureContext) -> tuple[nn.Module, str, list]:
-    """(the part, its plan in words, its inputs' dtypes) for one module, warnings silenced; a recurrent layer called
+    """(the part, its plan in words, its inputs' dtypes) for one module, its own warnings said once by the piecewise conversion; a recurrent layer called
     with a packed sequence through packed.py."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with own_warnings_off():  # the piecewise conversion says what there is to say, once
         if takes_packed(m, a, k, options.policy):
             return convert_packed(m, a, k, conv.whole, options, ctx)
         part = conv.whole(m, a, k, options, ctx)
