@@ -105,12 +105,13 @@ def capture_graph(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, c
                       if t.device.type == "cuda"})
     # captured as it trains: a no_grad region of its own is a change of mode to keep; a draw the capture runs for
     # real (a trace of ``torch.randn(8)``) leaves the caller's random stream as it was
+    caller = torch.is_grad_enabled()
     with torch.enable_grad(), torch.random.fork_rng(devices=devices):
-        return _capture_graph(model, args, kwargs, policy, ctx, compile_code, method, check, reads)
+        return _capture_graph(model, args, kwargs, policy, ctx, compile_code, method, check, reads, caller)
 
 
 def _capture_graph(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, ctx: CaptureContext,
-                   compile_code: bool, method: str | None, check: bool, reads: list | None
+                   compile_code: bool, method: str | None, check: bool, reads: list | None, caller: bool
                    ) -> tuple[fx.GraphModule, str]:
     if method == "torch.export":
         return capture_export(model, args, kwargs, ctx, check=check, reads=reads)
@@ -130,7 +131,8 @@ def _capture_graph(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, 
         if check:
             propagate(gm, args, kwargs, meta_device=ctx.meta_device)
             if method is None:
-                _computes_as_model(model, gm, args, kwargs)
+                with torch.set_grad_enabled(caller):  # no autograd graph where the caller records none
+                    _computes_as_model(model, gm, args, kwargs)
         return gm, "symbolic_trace"
     except Exception as e:  # noqa: BLE001 - every tracing failure goes to the fallback
         if method is not None:
