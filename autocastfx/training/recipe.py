@@ -135,7 +135,7 @@ def update(step, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
             step.grad_norm.copy_(P.grad_norm(grads))  # over every shard of every rank
             torch._foreach_mul_(grads, torch.clamp(o.clip / (step.grad_norm + 1e-6), max=1.0))
         else:
-            step.grad_norm.copy_(torch.nn.utils.clip_grad_norm_(step.optimizer_params, o.clip, foreach=True))
+            step.grad_norm.copy_(torch.nn.utils.clip_grad_norm_(params, o.clip, foreach=True))
     if o.fused:  # the fused kernel skips on the device, as under GradScaler
         step.zero_new_momentum()
         optimizer.grad_scale, optimizer.found_inf = None, S.found_inf
