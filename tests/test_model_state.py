@@ -795,3 +795,21 @@ def test_a_plain_tensor_attribute_is_the_models_own_not_a_copy(blocks):
     with torch.no_grad():
         out, want = gm(x).float(), model(x)
     assert ((out - want).norm() / want.norm()).item() < 2e-2
+
+
+class _PlainCounter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+        self.count = torch.zeros(())  # a plain tensor the forward steps
+
+    def forward(self, x):
+        self.count += 1
+        return self.l(x) + self.count
+
+
+def test_converting_leaves_a_plain_tensor_the_forward_steps_as_it_was():
+    torch.manual_seed(0)
+    model = _PlainCounter()
+    autocastfx.convert(model, (torch.randn(4, 8),), dtype=torch.bfloat16)
+    assert model.count.item() == 0.0

@@ -189,3 +189,26 @@ def test_folded_batch_norms_use_their_own_statistics_on_either_capture(path):
     bound = max(3 * _rel(gm(x).float(), ref), 1e-2)
     err = _rel(inf(x).float(), ref)
     assert err < bound, (err, bound)
+
+class _TwoInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        return self.l(x) - 3 * y
+
+
+def test_keyword_inputs_out_of_order_export_and_check_by_name(tmp_path):
+    """The file's inputs follow forward's order and the check feeds them so (before, it paired them by position
+    with the order given: 'differs from the module's by 1.33')."""
+    torch.manual_seed(0)
+    m = _TwoInputs()
+    x, y = torch.randn(2, 8), torch.randn(2, 8)
+    gm = autocastfx.convert(m, example_kwargs={"y": y, "x": x}, dtype=torch.float16)
+    autocastfx.export(gm, tmp_path / "k.onnx", example_kwargs={"y": y, "x": x})
+    session = ort.InferenceSession(str(tmp_path / "k.onnx"))
+    assert [i.name for i in session.get_inputs()] == ["x", "y"]
+    out = torch.from_numpy(session.run(None, {"x": x.numpy(), "y": y.numpy()})[0]).float()
+    want = m(x, y)
+    assert ((out - want).norm() / want.norm()).item() < 2e-2

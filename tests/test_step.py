@@ -966,3 +966,18 @@ def test_clipping_measures_every_trained_gradient_as_under_fsdp2():
     F.cross_entropy(ref(x), y).backward()
     want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
     assert abs(float(step.stats.grad_norm) - float(want)) < 1e-4 * float(want)
+
+
+def test_a_parameter_frozen_mid_accumulation_has_its_gradient_unscaled_and_freed():
+    """Frozen after the first of two micro-batches: the optimizer still steps the gradient it holds, so the step
+    unscales and frees it (before: applied at the scale, 6.2 where a plain loop moves it 0.006)."""
+    x, y = data()
+    gm = autocastfx.convert(_stack(), (x,), dtype=torch.float16)
+    w = gm.get_submodule("0").weight
+    start = w.detach().clone()
+    step = autocastfx.train_step(gm, F.cross_entropy, torch.optim.SGD(gm.parameters(), lr=0.1), accum_steps=2,
+                                 init_scale=1024.0)
+    step(x, y)
+    w.requires_grad_(False)
+    step(x, y)
+    assert w.grad is None and (w - start).abs().max().item() < 0.1

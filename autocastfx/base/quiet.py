@@ -52,7 +52,7 @@ def _remove_warnings(ours: list) -> None:
 
 def _filters_changed() -> None:
     """Invalidate the per-module caches of what was shown, as filterwarnings does."""
-    mutated = getattr(warnings, "_filters_mutated", None) or getattr(warnings, "_filters_mutated_lock_held", None)
+    mutated = getattr(warnings, "_filters_mutated", None)
     if mutated is not None:
         mutated()
     else:  # pragma: no cover - Pythons without the helper

@@ -106,7 +106,7 @@ def capture_graph(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, c
     # captured as it trains: a no_grad region of its own is a change of mode to keep; a draw the capture runs for
     # real (a trace of ``torch.randn(8)``) leaves the caller's random stream as it was
     caller = torch.is_grad_enabled()
-    with torch.enable_grad(), torch.random.fork_rng(devices=devices):
+    with torch.enable_grad(), torch.random.fork_rng(devices=devices), _plain_tensors_kept(model):
         return _capture_graph(model, args, kwargs, policy, ctx, compile_code, method, check, reads, caller)
 
 
@@ -163,6 +163,21 @@ def _root_hooks(model: nn.Module) -> bool:
     # the model's own; a process-wide hook (a profiler's, a monitor's) observes, and one that changes values is
     # caught by the value check
     return bool(model._forward_hooks or model._forward_pre_hooks)
+
+
+@contextlib.contextmanager
+def _plain_tensors_kept(model: nn.Module):
+    """Meanwhile the capture may run the model's code for real: its plain tensor attributes (shared with the
+    capture's copy; a counter it steps) get their values back on exit."""
+    saved = {id(t): (t, t.detach().clone()) for m in model.modules() for t in vars(m).values()
+             if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and not t.is_meta}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, value in saved.values():
+                if not torch.equal(t, value):
+                    t.copy_(value)
 
 
 @contextlib.contextmanager

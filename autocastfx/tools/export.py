@@ -156,7 +156,7 @@ def export_onnx(gm: fx.GraphModule, path: str | os.PathLike, example_inputs: tup
             _store_folded_casts_low(path)
         if not check:
             return program
-        refused = _check_onnx(module, path, args, kwargs, rtol)
+        refused = _check_onnx(module, path, args, in_signature_order(module, kwargs), rtol)
         if refused is None:
             return program
         if not refused.startswith("onnxruntime refuses"):

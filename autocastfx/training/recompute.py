@@ -28,8 +28,10 @@ class _Recomputed:
         if kwargs:
             call = functools.partial(call, **kwargs)
         before = [(b, b.detach().clone()) for b in self.buffers()] if self.training else []  # as the forward reads
-        return _checkpoint.checkpoint(call, *args, use_reentrant=False, preserve_rng_state=True,
-                                      context_fn=functools.partial(_contexts, before))
+        out = _checkpoint.checkpoint(call, *args, use_reentrant=False, preserve_rng_state=True,
+                                     context_fn=functools.partial(_contexts, before))
+        before[:] = [(b, v) for b, v in before if not torch.equal(b, v)]  # kept till backward: those it changed
+        return out
 
 
 def _contexts(before: list):

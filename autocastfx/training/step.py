@@ -230,22 +230,22 @@ class TrainStep:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def trained_params(self) -> list[torch.Tensor]:
-        """The converted module's and the optimizer's parameters that require grad now: a layer unfrozen, or a
-        param group added, after the step was built has its gradient unscaled and freed too."""
-        groups = self.optimizer.param_groups
-        key = tuple(id(g["params"]) for g in groups), sum(len(g["params"]) for g in groups)
+        """The converted module's and the optimizer's parameters that require grad or hold a gradient now: a layer
+        unfrozen, or a param group added, after the step was built has its gradient unscaled and freed too, and
+        one frozen mid-accumulation has the gradient it holds unscaled and freed."""
+        key = tuple(id(p) for g in self.optimizer.param_groups for p in g["params"])
         if key != self._union_key:  # the optimizer's parameters changed: the union anew
             self._union = list(unique_by_id(itertools.chain(self.module_params, self.optimizer_params)))
             self._union_key = key
-        return [p for p in self._union if p.requires_grad]
+        return [p for p in self._union if p.requires_grad or p.grad is not None]
 
     def zero_new_momentum(self) -> None:
         """A fused SGD's momentum buffers, for parameters with a gradient and none yet, started at zero (torch's
         first-step buffer where dampening is 0): a skipped first update would otherwise leave the uninitialised
         buffer that torch's fused kernel allocates (``torch.empty_like``) as the momentum."""
         opt = self.optimizer
-        if not isinstance(opt, torch.optim.SGD):
-            return
+        if not isinstance(opt, torch.optim.SGD) or len(opt.state) == len(self._union_key or ()):
+            return  # every parameter has its state (its buffer) already
         for group in opt.param_groups:
             if group["momentum"] and not group["dampening"]:
                 for p in group["params"]:
