@@ -289,17 +289,17 @@ def _holding_tensors_of(twin: nn.Module, gm: nn.Module) -> bool:
         found.setdefault(name, t)  # the buffers a state dict leaves out (persistent=False)
     places = [(m, k, f"{n}.{k}" if n else k) for n, m in twin.named_modules(remove_duplicate=False)
               for k in itertools.chain(m._parameters, m._buffers)]
-    given = {}
+    given = []
     for module, key, name in places:
         own = module._parameters if key in module._parameters else module._buffers
-        if own[key] is None:
-            continue
         t = found.get(name)
-        if not isinstance(t, torch.Tensor) or t.is_meta or t.shape != own[key].shape or t.dtype != own[key].dtype:
+        if own[key] is not None and (not isinstance(t, torch.Tensor) or t.is_meta or t.shape != own[key].shape
+                                     or t.dtype != own[key].dtype):
             return False
-        given[(id(module), key)] = (own, t)
-    for (_, key), (own, t) in given.items():
-        own[key] = t
+        given.append((own, key, t))
+    for own, key, t in given:
+        if own[key] is not None:
+            own[key] = t
     return True
 
 

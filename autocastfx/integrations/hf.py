@@ -106,7 +106,8 @@ class Trainer(transformers.Trainer):
         if self.step is None:
             real = super().create_optimizer(model)
             self.step = train_step(
-                self.model, lambda out, weight=None: out.loss if weight is None else out.loss * weight, real, accum_steps=self.args.gradient_accumulation_steps,
+                self.model, lambda out, weight=None: out.loss if weight is None else out.loss * weight, real,
+                accum_steps=self.args.gradient_accumulation_steps,
                 clip_grad_norm=self.clip, **self.step_kwargs)
             self.real_optimizer = real
             self.optimizer = _Applied(real)

@@ -27,10 +27,14 @@ class _Recomputed:
             return call(*args, **kwargs)
         if kwargs:
             call = functools.partial(call, **kwargs)
-        before = [(b, b.detach().clone()) for b in self.buffers()] if self.training else []  # as the forward reads
+        saved = [(b, b._version, b.detach().clone()) for b in self.buffers()] if self.training else []
+        before: list = []  # the buffers as the forward read them, of those it changed: kept until backward
         out = _checkpoint.checkpoint(call, *args, use_reentrant=False, preserve_rng_state=True,
                                      context_fn=functools.partial(_contexts, before))
-        before[:] = [(b, v) for b, v in before if not torch.equal(b, v)]  # kept till backward: those it changed
+        if saved:  # changed: a new version, or a batch norm's statistics (its kernel moves them with no version bump)
+            norms = {id(b) for m in self.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
+                     for b in m.buffers(recurse=False)}
+            before[:] = [(b, v) for b, version, v in saved if b._version != version or id(b) in norms]
         return out
 
 
