@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from .base import keys as K
 from .base.errors import CaptureError, one_line
-from .base.quiet import own_warnings_off, torch_internal_warnings_off, warn_user
+from .base.quiet import deepcopy_quietly, own_warnings_off, torch_internal_warnings_off, warn_user
 from .base.meta import ConvertInfo, is_converted, names_by_id
 from .base.options import LOW_DTYPES, ConvertOptions
 from .base.runtime import no_recompile
@@ -69,18 +69,22 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
                          "its graph casts each weight to the low dtype once per forward (gm.parameters() are the "
                          "masters). For a module that stores its weights low for deployment, use "
                          "autocastfx.for_inference(gm)")
-    args, kwargs = _check_inputs(model, example_inputs, example_kwargs, dtype, pad_multiple)
+    args, kwargs = _unaliased(*_check_inputs(model, example_inputs, example_kwargs, dtype, pad_multiple))
     dtype, note = _devices.resolve(dtype, _device_of(model, args, kwargs))
     if dtype == torch.float32:  # "auto" where no low dtype pays: the model's dtypes, no low copies, no padding
         pad_multiple = 1
     policy = policy if policy is not None else Policy.default()
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be an autocastfx.Policy, got {type(policy).__name__}")
+    _refuse_backward_hooks(model, policy)
     options = ConvertOptions(dtype=dtype, policy=policy, pad_multiple=pad_multiple,
                              keep_io_types=keep_io_types, memory_format=_layout.check_memory_format(memory_format),
                              blocks=blocks)
     out = _convert_any(model, args, kwargs, options, CaptureContext())
     _weights.model_order(out, model)  # gm.parameters() in the model's order
+    root = getattr(out, "meta", {}).get(K.CONVERTED) if isinstance(out, fx.GraphModule) else None
+    if root is not None:
+        root.state_keys = tuple(model.state_dict(keep_vars=True))
     _keep_checks(out, model, args, kwargs)
     if note:
         for _, unit in _weights.converted_units(out):
@@ -383,6 +387,7 @@ def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: Con
             if name in modes_now:
                 sub.training = modes_now[name].training
         _module.adopt_model_classes(gm, model)  # the model's layer classes where the graph reads their tensors
+        _unsaved_constants(gm, model)
     graphs = {k: p.graph for k, p in captured.programs.items()}
     one = len(graphs) == 1 or _modes.same_program(graphs)
     programs = {captured.current: gm} if one else captured.programs
@@ -409,6 +414,8 @@ def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: Con
                           **({"opaque_calls": [str(d) for d in captured.decisions]} if captured.decisions else {})})
         _rewrite.rebuild_output_type(gm)
         _module.install(gm, programs, captured.current, owners)
+    if not isinstance(model, fx.GraphModule):  # after install: they hold no mode the programs check
+        _module.stand_in_for_settings(gm, model)
     if guard is not None and (guard.reads or guard.unowned):
         _module.refuse_writes(gm, guard.reads | guard.unowned)
     return gm
@@ -459,7 +466,7 @@ def _reconvert(model: fx.GraphModule, args: tuple, kwargs: dict, ctx: CaptureCon
 
 def _over(gm: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
     """A graph module running a copy of ``graph`` over ``gm``'s modules and tensors."""
-    out = fx.GraphModule(gm, copy.deepcopy(graph), type(gm).__name__)
+    out = fx.GraphModule(gm, deepcopy_quietly(graph), type(gm).__name__)
     out.meta.update({k: v for k, v in gm.meta.items() if k != K.CONVERTED})
     return out
 
@@ -501,6 +508,47 @@ def _one_recompile(gm: fx.GraphModule):
     finally:
         gm.__dict__.pop("recompile", None)
     gm.recompile()  # not reached when a pass raised: the half-converted module is dropped
+
+
+def _unsaved_constants(gm: nn.Module, model: nn.Module) -> None:
+    """Leave out of ``gm``'s state dict the tensors the capture made buffers of that are none of the model's
+    buffers (a plain tensor attribute, a tensor in a list), as the model's state dict leaves them out."""
+    own, saved = {id(t) for t in model.buffers()}, set(model.state_dict(keep_vars=True))
+    for path, sub in gm.named_modules():
+        for name, t in sub._buffers.items():
+            if t is not None and id(t) not in own and f"{path}.{name}".lstrip(".") not in saved \
+                    and name not in sub._non_persistent_buffers_set:
+                sub._non_persistent_buffers_set.add(name)
+
+
+def _unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The example with each tensor that shares memory with an earlier one cloned (labels=input_ids): torch.export
+    makes one input of inputs that alias, and the graph would read one for the other at every later call."""
+    seen: set = set()
+
+    def own(t):
+        if not isinstance(t, torch.Tensor) or t.is_meta or isinstance(t, torch._subclasses.FakeTensor):
+            return t
+        key = (t.device, t.untyped_storage().data_ptr())
+        if key in seen and t.untyped_storage().nbytes():
+            return t.clone()
+        seen.add(key)
+        return t
+    return torch.utils._pytree.tree_map(own, (args, kwargs))
+
+
+def _refuse_backward_hooks(model: nn.Module, policy: Policy) -> None:
+    """ValueError where a module whose ops the graph computes itself has a backward hook, which would never run."""
+    hooked = [name or "the model" for name, m in model.named_modules()
+              if (m._backward_hooks or m._backward_pre_hooks) and not (name and policy.is_leaf(m))]
+    if hooked:
+        raise ValueError(
+            f"{', '.join(hooked[:4])}{' and more' if len(hooked) > 4 else ''} of {type(model).__name__} "
+            f"{'have' if len(hooked) > 1 else 'has'} a backward hook (register_full_backward_hook or "
+            "register_full_backward_pre_hook). The converted graph computes those modules' ops itself, so the hook "
+            "would never run, and a hook that changes or blocks gradients would be lost. Remove the hooks before "
+            "convert(), then hook the converted module (gm.register_full_backward_hook) or the tensors in forward "
+            "(tensor.register_hook); hooks on the layers kept as modules (norms, activations, dropout) are kept")
 
 
 def _check_inputs(model, example_inputs, example_kwargs, dtype, pad_multiple):

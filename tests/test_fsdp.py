@@ -359,6 +359,57 @@ def _run(rank, mode, steps, out, **kw):
     return gm, step
 
 
+class _OffsetBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class _OffsetStream(nn.Module):
+    """A float32 residual stream whose low bits matter (an offset of 100 that bfloat16 keeps 8 bits of)."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.inp, self.lnf, self.head = nn.Linear(16, d), nn.LayerNorm(d), nn.Linear(d, 4)
+        self.register_buffer("off", torch.full((d,), 100.0))
+        self.layers = nn.ModuleList([_OffsetBlock(d) for _ in range(3)])
+
+    def forward(self, x):
+        h = self.inp(x) + self.off
+        for block in self.layers:
+            h = block(h)
+        return self.head(self.lnf(h - self.off))
+
+
+class _NoNormStream(_OffsetStream):
+    """Blocks without norms: every weight they read is read low."""
+
+    def __init__(self, d=32):
+        super().__init__(d)
+        for block in self.layers:
+            block.ln = nn.Identity()
+
+
+def _shard_keeps_inputs(out):
+    """shard(gm) against the unsharded gm on the same weights and input: outputs and a gradient."""
+    x, y = torch.randn(4, 16, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1, 2, 3])
+    got = []
+    for shard in (False, True):
+        torch.manual_seed(1)
+        gm = autocastfx.convert(_OffsetStream(), (x,), dtype=torch.bfloat16)
+        if shard:
+            autocastfx.shard(gm)
+        o = gm(x)
+        F.cross_entropy(o, y).backward()
+        g = gm.layers[0].fc1.weight.grad
+        got.append((o.detach(), g.full_tensor() if hasattr(g, "full_tensor") else g))
+    out["shard_inputs"] = {"out": float((got[0][0] - got[1][0]).abs().max()),
+                           "grad": float((got[0][1] - got[1][1]).abs().max())}
+
+
 def _worker(rank, init_file, out_dir):
     sys.path.insert(0, os.path.dirname(__file__))
     warnings.simplefilter("ignore")
@@ -371,6 +422,7 @@ def _worker(rank, init_file, out_dir):
         _run(rank, "shard", STEPS, out)
         for mode in ("blocks", "blocks_shard"):
             _run(rank, mode, BLOCK_STEPS, out)
+        _shard_keeps_inputs(out)
 
         # 2. an inf in rank 0's gradient shard only, in update 3: both ranks skip it
         gm = autocastfx.shard(converted())
@@ -479,6 +531,18 @@ def _worker(rank, init_file, out_dir):
             autocastfx.train_step(gm, loss_fn, early)
         except ValueError as e:
             out["refusals"]["optimizer_before_shard"] = str(e)
+        # a low param_dtype over blocks that read only low weights, but whose float32 input its policy would round
+        x = torch.randn(4, 16)
+        for cast in (True, False):
+            gm = autocastfx.convert(_NoNormStream(), (x,), dtype=torch.bfloat16)
+            for block in gm.layers:
+                fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                  reduce_dtype=torch.float32, cast_forward_inputs=cast))
+            fully_shard(gm)
+            try:
+                out["refusals"][f"cast_forward_inputs={cast}"] = float(gm(x).sum())
+            except ValueError as e:
+                out["refusals"][f"cast_forward_inputs={cast}"] = str(e)
 
         # 7. the large-model flow: built, converted and sharded on meta; each rank allocates its shards and reads
         # its slices of the float32 model's state dict (memory-mapped); trains, saves, and a fresh one resumes
@@ -539,6 +603,14 @@ def one_process(steps=STEPS, make=make_sgd, build=converted, **kw):
 
 
 # ------------------------------------------------------------------------------------------- the tests
+def test_shard_hands_each_block_its_inputs_in_the_dtypes_its_plan_takes(ranks):
+    """Before: shard() gave each block's group FSDP2's policy with its default cast_forward_inputs=True, which
+    rounded every block's float32 input (the residual stream the plan keeps float32, as autocast does) to the low
+    dtype: 0.34 off the unsharded module where that stream carries an offset. Now identical."""
+    for r in ranks:
+        assert r["shard_inputs"] == {"out": 0.0, "grad": 0.0}, r["shard_inputs"]
+
+
 def test_fsdp_matches_one_process_within_float16_noise(ranks):
     gm, step, losses, _ = one_process()
     ref = weights_by_name(step)
@@ -753,6 +825,11 @@ def test_refusals_before_anything_changes(ranks):
         assert r["optimizer_untouched"]
         assert "already sharded" in errors["shard_twice"]
         assert "after fully_shard() or autocastfx.shard()" in errors["optimizer_before_shard"]
+        # FSDP2's default cast_forward_inputs=True would round a block's float32 input (the residual stream)
+        rounds = errors["cast_forward_inputs=True"]
+        assert isinstance(rounds, str) and "casts this converted module's inputs to bfloat16" in rounds, rounds
+        assert "cast_forward_inputs=False" in rounds and "autocastfx.shard(gm)" in rounds
+        assert isinstance(errors["cast_forward_inputs=False"], float)
 
 
 def test_example_trains_with_torchrun_on_two_processes(tmp_path):

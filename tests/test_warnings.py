@@ -1,4 +1,5 @@
 """convert() warns about real unclassified ops, once per op, and never about output-structure builders."""
+import copy
 import collections
 import dataclasses
 import warnings
@@ -193,3 +194,45 @@ def test_a_logger_level_set_while_torchs_loggers_are_quiet_stays():
         assert logger.level == logging.WARNING
     finally:
         logger.setLevel(kept)
+
+
+class _Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + nn.functional.dropout(self.fc(x), 0.1, self.training)
+
+
+class _DropsOut(nn.Module):
+    """A nanoGPT-shaped call: (idx, targets) in, (logits, loss) out, repeated layers, dropout in training only."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.pos, self.drop, self.head = nn.Embedding(32, 16), nn.Embedding(8, 16), nn.Dropout(0.1), \
+            nn.Linear(16, 32)
+        self.layers = nn.ModuleList([_Layer(), _Layer()])
+
+    def forward(self, idx, targets):
+        b, t = idx.size()
+        assert t <= 8, "longer than the position table"  # symbolic tracing stops here: torch.export captures
+        x = self.drop(self.emb(idx) + self.pos(torch.arange(t, device=idx.device)))
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(x)
+        return logits, nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("blocks", ["auto", None])
+def test_a_model_whose_programs_differ_by_mode_converts_without_torch_warnings(blocks):
+    """The eval program, made from the training capture by setting its dropout flags, copies the capture's graph,
+    whose code generator holds pytree specs: copying them set off torch's FutureWarning about its own deprecated
+    leaf class, once per process (nanoGPT's train.py with convert() added)."""
+    idx = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    gm, ours, others = _caught(lambda: autocastfx.convert(_DropsOut(), (idx, idx), dtype=torch.bfloat16,
+                                                          blocks=blocks))
+    assert all(len(m.meta["autocastfx_programs"].graphs) == 2 for m in (gm.layers if blocks else [gm]))
+    assert ours == [] and others == [], others
+    _, ours, others = _caught(lambda: copy.deepcopy(gm))  # an EMA copy
+    assert ours == [] and others == [], others

@@ -139,6 +139,8 @@ class ConvertInfo:
     extra_totals: dict[str, Any] = dataclasses.field(default_factory=dict)
     # id(parameter) of the model convert() was given -> all its names (a tied weight has several)
     source_params: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict, repr=False)
+    # the model's state-dict keys in its order (the whole model's conversion only): gm.state_dict() keeps it
+    state_keys: tuple = dataclasses.field(default=(), repr=False)
     # the model's class and plain attributes (a config, sizes), to answer its own methods
     # (converted.module.add_model_surface)
     model_class: type | None = dataclasses.field(default=None, repr=False)

@@ -2,6 +2,7 @@
 call that sets them off, and autocastfx's warnings point at the user's line (:func:`warn_user`)."""
 from __future__ import annotations
 import contextlib
+import copy
 import os
 import re
 import sys
@@ -101,6 +102,13 @@ def torch_internal_warnings_off():
     """Meanwhile, torch's warnings about its own internals (``_TORCH_INTERNAL_WARNINGS``) are not shown; every
     other warning still is."""
     return _shared("warnings")
+
+
+def deepcopy_quietly(obj, memo=None):
+    """``copy.deepcopy(obj, memo)``, where copying a graph's pytree specs (torch.export's code generator) would
+    warn that torch's own leaf class is deprecated."""
+    with torch_internal_warnings_off():
+        return copy.deepcopy(obj, memo)
 
 
 def quiet_torch_logs():

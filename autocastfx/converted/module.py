@@ -18,7 +18,7 @@ import torch.nn as nn
 from . import calls as _calls
 from ..base import keys as K
 from ..base.meta import is_converted, is_plain_setting, original_class
-from ..base.quiet import warn_user
+from ..base.quiet import torch_internal_warnings_off, warn_user
 from ..core import weights as _weights
 from ..base.meta import fetch
 from ..core.modes import EVAL, GIVEN, TRAIN, Programs
@@ -306,8 +306,9 @@ class _Switchable(_GuardsChildren):
 
     # the model's own names for its tied weights in the state dict (core/weights.py)
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        start = len(destination) if destination is not None else 0
         out = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-        _weights.model_names_into_state_dict(self, out, prefix)
+        _weights.model_names_into_state_dict(self, out, prefix, start)
         return out
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -318,7 +319,8 @@ class _Switchable(_GuardsChildren):
 
     def __deepcopy__(self, memo):
         """A copy that keeps non-persistent buffers and read-only names, which GraphModule's copy drops."""
-        out = super().__deepcopy__(memo)
+        with torch_internal_warnings_off():  # the graph's pytree specs
+            out = super().__deepcopy__(memo)
         add_model_surface(out)  # the copy's class is made anew
         copies = dict(out.named_modules(remove_duplicate=False))
         for name, m in self.named_modules(remove_duplicate=False):
@@ -451,7 +453,28 @@ def _check_fsdp_param_dtype(unit: nn.Module) -> None:
                 "The graph already casts each weight it reads low, so shard with "
                 "MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32) (or no policy), or use "
                 "autocastfx.shard(gm), which gathers only the weights the graph reads low in the low dtype")
+        if m is unit and getattr(policy, "cast_forward_inputs", False) and _float32_inputs(unit):
+            raise ValueError(
+                f"fully_shard casts this converted module's inputs to {str(dtype).removeprefix('torch.')} (its "
+                "MixedPrecisionPolicy's cast_forward_inputs=True, the default), but its plan takes "
+                f"{', '.join(_float32_inputs(unit))} in float32 (a residual stream, as autocast keeps it): they would "
+                "be rounded. Shard it with MixedPrecisionPolicy(..., cast_forward_inputs=False), or use "
+                "autocastfx.shard(gm)")
     unit.__dict__["_autocastfx_fsdp_checked"] = True
+
+
+def _float32_inputs(unit: nn.Module) -> list[str]:
+    """The float inputs the unit's plan takes in float32 and some op reads so (not only cast low)."""
+    plan = getattr(unit.meta.get(K.CONVERTED), "plan", None) if isinstance(unit, fx.GraphModule) else None
+    if plan is None:
+        return []
+
+    def low(r) -> bool:
+        return r.label is True if r.kind == "fixed" else r.kind == "same" and \
+            getattr(plan.nodes.get(r.consumer), "label", None) is True
+    return [n.name for n in unit.graph.nodes if n.op == "placeholder"
+            and getattr(plan.nodes.get(n.name), "label", None) is False
+            and not all(low(r) for r in plan.reqs.get(n.name, []))]
 
 
 _MODULE_FIELDS = frozenset(vars(nn.Module()))
@@ -507,6 +530,13 @@ class _Held:
 
 class _HeldContainer(_GuardsChildren, _Held):
     """A held plain container: the parent of held modules."""
+
+    def __getitem__(self, index):
+        raise TypeError(
+            "this module stands for the model's container (an nn.Sequential, an nn.ModuleList) as a plain one, of the "
+            "modules whose tensors the converted graph reads (the graph computes the container's work itself, and "
+            f"modules that hold nothing may be absent, so positions would not match): reach a child by its name, "
+            f"module.get_submodule({str(index)!r}) or getattr(module, {str(index)!r})")
 
 
 class _Setting:
@@ -673,6 +703,28 @@ def adopt_model_classes(gm: nn.Module, model: nn.Module) -> None:
             if _hold(sub, own.__dict__.get(_CLASS, original_class(own)), settings):
                 continue
         _hold(sub, nn.Module, {})
+
+
+def stand_in_for_settings(gm: nn.Module, model: nn.Module) -> None:
+    """A held module for each of the model's modules with plain settings and no tensors that the graph computes
+    itself (a drop path, a dropout subclass): a schedule that finds them by class (``for m in gm.modules(): if
+    isinstance(m, DropPath): m.drop_prob = ...``) finds them, and its write is refused (:class:`_Setting`) where it
+    would otherwise change nothing."""
+    mine = dict(gm.named_modules(remove_duplicate=False))
+    for name, own in model.named_modules(remove_duplicate=False):
+        parent = mine.get(name.rpartition(".")[0])
+        if not name or name in mine or parent is None or own._modules or own._parameters or own._buffers:
+            continue
+        cls = own.__dict__.get(_CLASS, original_class(own))
+        settings = {k: v for k, v in vars(own).items() if k not in _OWN_FIELDS}
+        if not (_layer_class(cls) and any(k[0] != "_" for k in settings)
+                and all(is_plain_setting(v) for v in settings.values())):
+            continue
+        sub = nn.Module()
+        sub.training = own.training
+        if _hold(sub, cls, settings):
+            parent._modules[name.rpartition(".")[2]] = sub  # not set through the parent: it refuses new children
+            mine[name] = sub
 
 
 def _adoptable(sub: nn.Module, own: nn.Module) -> bool:

@@ -5,7 +5,6 @@ start, and runs on the example inputs find where NCHW is still needed; inserted 
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Any
 
@@ -17,6 +16,7 @@ from ..base.meta import TensorInfo
 from .propagate import flatten_inputs
 from .policy import op_name
 from ..base import keys as K
+from ..base.quiet import deepcopy_quietly
 
 MEMORY_FORMATS = ("auto", "channels_last", "preserve")
 _CONV2D = frozenset({"conv2d", "conv_transpose2d", "convolution", "_convolution"})
@@ -134,7 +134,7 @@ def undo(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(node)
             changed = True
     if changed:
-        gm.graph = copy.deepcopy(gm.graph)  # a fresh namespace: the removed nodes' names are free again
+        gm.graph = deepcopy_quietly(gm.graph)  # a fresh namespace: the removed nodes' names are free again
         gm.graph.lint()
         gm.recompile()
 

@@ -4,7 +4,6 @@ module holds one program per mode (:class:`Programs`), each planned on its own a
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import torch
@@ -13,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..base import keys as K
+from ..base.quiet import deepcopy_quietly
 from ..base.meta import issuer_path, module_path
 from ..base.runtime import no_recompile
 
@@ -190,7 +190,7 @@ def derived(gm: fx.GraphModule, marks: dict[fx.Node, ModeArg], key: str, model: 
     """The program ``key`` made from the capture ``gm`` by setting its marked flags for that mode: a new graph
     module over ``gm``'s modules and tensors, or ``gm`` itself, changed in place, where not ``copy_graph``."""
     if copy_graph:
-        graph = copy.deepcopy(gm.graph)
+        graph = deepcopy_quietly(gm.graph)
         twin = dict(zip(gm.graph.nodes, graph.nodes))
         out = fx.GraphModule.__new__(fx.GraphModule, gm, graph, type(gm).__name__)
         object.__setattr__(out, "recompile", no_recompile)  # no code until it runs, in the converted module

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from ..base.meta import is_converted, module_path, TensorInfo
 from . import kernels as _kernels
+from .aliases import alias_groups
 from .policy import FP32_OUT_OPS, OpClass, Policy, op_name
 from ..base import keys as K
 from .mincut import cast_cost, FP32, LOW, naive_labels, Problem, Req, solve_min_cut
@@ -164,6 +165,12 @@ def _vanishing_constant(node: fx.Node, low: torch.dtype) -> float | None:
     return None
 
 
+def _builds_output(node: fx.Node, depth: int = 0) -> bool:
+    """Whether ``node`` is the graph's output or packed into it (a dataclass the forward returns, in a tuple)."""
+    return any(u.op == "output" or (depth < 4 and _builds_structure(u) and _builds_output(u, depth + 1))
+               for u in node.users)
+
+
 def _builds_structure(node: fx.Node) -> bool:
     """A call that only packs values into a container: a namedtuple, a dataclass (Hugging Face's ModelOutput
     is one), or the dict/tuple/list constructors. Not an op: no warning, and it follows what it packs."""
@@ -292,6 +299,7 @@ def build_plan(gm: fx.GraphModule, policy: Policy, low: torch.dtype, *, keep_io_
     order = [n.name for n in gm.graph.nodes]
     before = cast_cost(problem, naive_labels(problem, order, st.inputs, st.promote))
     labels = solve_min_cut(problem)
+    _share_tensor_dtypes(st, labels)
     after = cast_cost(problem, labels)
     _label_nodes(st, labels)
     casts = _casts(st, labels)
@@ -376,6 +384,13 @@ def _plan_call(st: _Planning, node: fx.Node, info: Any, is_value: bool) -> None:
     cls, reason = _policy_class(st, node, module, fins, cls, reason)
     cls, reason = _numeric_class(st, node, fins, cls, reason)
     cls, reason = _kernel_class(node, module, fins, st.low, cls, reason)
+    if st.keep_io_types and _builds_structure(node) and _builds_output(node):  # the outputs, packed: as outputs
+        st.fixed[node.name] = st.io_label
+        for a in fins:
+            st.req(a, Req(node.name, "fixed", st.io_label))
+        st.nodes[node.name] = NodePlan(cls, st.io_label, reason + "; the model's output: in the inputs' dtype "
+                                                                  "(keep_io_types)")
+        return
     _require_inputs(st, node, fins, cls)
     st.nodes[node.name] = NodePlan(cls, None, reason)
 
@@ -477,6 +492,18 @@ def _require_inputs(st: _Planning, node: fx.Node, fins: list[fx.Node], cls: OpCl
             st.req(a, Req(node.name, "same"))
             if st.policy.widest:  # a float32 input is never rounded here: the op runs in float32 (autocast's rule)
                 st.widen.append((a.name, node.name))
+
+
+def _share_tensor_dtypes(st: _Planning, labels: dict[str, bool]) -> None:
+    """A view of a value some op changes in place, and that op, in the value's own label: a cast between them
+    would be a copy, and the change would be lost to the value's other readers."""
+    for node, root in alias_groups(st.gm).items():
+        if node is root or node.name not in labels or root.name not in labels:
+            continue
+        if labels[node.name] != labels[root.name]:
+            labels[node.name] = labels[root.name]
+            if node.name in st.nodes:
+                st.nodes[node.name].reason += f"; shares {root.name}'s memory, which is changed in place: its dtype"
 
 
 def _label_nodes(st: _Planning, labels: dict[str, bool]) -> None:

@@ -1,16 +1,17 @@
 """Rewrite: carry out a CastPlan on the graph. Casts are real nodes, named for what they do."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import torch
 import torch.fx as fx
 
 from ..base.meta import TensorInfo
+from .aliases import alias_groups, changes
 from .plan import LOW, CastPlan, NodePlan, global_pool_dims
 from .policy import CAST_OPS, OpClass, op_name
 from ..base import keys as K
+from ..base.quiet import deepcopy_quietly
 
 _SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _CASTABLE = (torch.float16, torch.bfloat16, torch.float32)
@@ -44,7 +45,7 @@ def undo(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(node)
         elif d.added_dtype_kwarg:
             node.kwargs = {k: v for k, v in node.kwargs.items() if k != "dtype"}
-    gm.graph = copy.deepcopy(gm.graph)  # a fresh namespace: the casts' names are free again
+    gm.graph = deepcopy_quietly(gm.graph)  # a fresh namespace: the casts' names are free again
     gm.graph.lint()
     gm.recompile()
 
@@ -125,32 +126,6 @@ def _only_changes_dtype(node: fx.Node, device: str) -> bool:
     return True
 
 
-def _changes(user: fx.Node, value: fx.Node) -> bool:
-    """Whether ``user`` changes ``value`` in place (``h.masked_fill_(...)``, ``x.add_(1)``, ``h[:, :4] = 0``)."""
-    t = user.target
-    name = t if isinstance(t, str) else getattr(t, "__name__", "")
-    return bool(user.args) and user.args[0] is value and (
-        (name.endswith("_") and not name.endswith("__")) or name == "setitem"
-        or (isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable))
-
-
-_VIEWS = frozenset({"slice", "select", "view", "as_strided", "transpose", "permute", "unsqueeze", "squeeze", "expand",
-                    "t", "alias", "diagonal", "narrow", "unfold", "getitem", "unbind", "split", "chunk", "view_as",
-                    "flatten", "unflatten", "movedim", "swapaxes", "T", "mT"})
-
-
-def _mutated_in_place(value: fx.Node, depth: int = 0) -> bool:
-    """Whether an op changes ``value``, or a view of it (``h[:, :4] = 0``), in place."""
-    for u in value.users:
-        if _changes(u, value):
-            return True
-        t = u.target
-        name = t if isinstance(t, str) else getattr(getattr(t, "overloadpacket", t), "__name__", "")
-        if depth < 8 and name in _VIEWS and u.args and u.args[0] is value and _mutated_in_place(u, depth + 1):
-            return True
-    return False
-
-
 def apply_plan(gm: fx.GraphModule, plan: CastPlan) -> None:
     """Insert the planned casts, switch the fp32_out ops to ``dtype=torch.float32`` and record every node's
     Decision; a float32-compute plan gets no cast or dtype= for values already float32."""
@@ -163,7 +138,7 @@ def apply_plan(gm: fx.GraphModule, plan: CastPlan) -> None:
             last_placeholder = n
     casts_in: dict[str, list[str]] = {}
     label = {k: v.label for k, v in plan.nodes.items()}
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    shared = alias_groups(gm)  # values an op changes in place, and their views
 
     for value_name, to_low in plan.casts:
         value = by_name[value_name]
@@ -173,25 +148,24 @@ def apply_plan(gm: fx.GraphModule, plan: CastPlan) -> None:
         readers = {r.consumer for r in plan.reqs[value_name]
                    if ((r.kind == "same" and label.get(r.consumer) == to_low)
                        or (r.kind == "fixed" and r.label == to_low))
-                   and not _changes(by_name[r.consumer], value)}  # a change made on a copy would be lost
+                   and not changes(by_name[r.consumer], value, gm)}  # a change made on a copy would be lost
         if not readers:
             continue
-        if _mutated_in_place(value):  # the cast reads the value as its first reader would, after the changes
-            where = graph.inserting_before(min((by_name[r] for r in readers), key=order.__getitem__))
-        else:
-            where = graph.inserting_after(last_placeholder if value.op == "placeholder" else value)
-        with where:
-            cast = graph.call_method("to", (value, target))
-        cast._rename(f"to_{_SHORT[target]}_{value_name}")
-        numel = plan.weight[value_name]
-        src_info = value.meta[K.INFO]
-        cast.meta[K.INFO] = TensorInfo(target, src_info.shape, src_info.device)
-        cast.meta["autocastfx"] = Decision("cast", None, target, f"cast {value_name} for {', '.join(sorted(readers))}",
-                                           numel=numel)
-        for r in readers:
-            consumer = by_name[r]
-            consumer.replace_input_with(value, cast)
-            casts_in.setdefault(r, []).append(cast.name)
+        # a value changed in place: a cast for each reader, where it reads, which sees the changes made before it
+        groups = [sorted(readers)] if value not in shared else [[r] for r in readers]
+        for group in groups:
+            where = graph.inserting_before(by_name[group[0]]) if value in shared else \
+                graph.inserting_after(last_placeholder if value.op == "placeholder" else value)
+            with where:
+                cast = graph.call_method("to", (value, target))
+            cast._rename(f"to_{_SHORT[target]}_{value_name}")
+            src_info = value.meta[K.INFO]
+            cast.meta[K.INFO] = TensorInfo(target, src_info.shape, src_info.device)
+            cast.meta["autocastfx"] = Decision("cast", None, target, f"cast {value_name} for {', '.join(sorted(group))}",
+                                               numel=plan.weight[value_name])
+            for r in group:
+                by_name[r].replace_input_with(value, cast)
+                casts_in.setdefault(r, []).append(cast.name)
 
     for node in graph.nodes:
         if "autocastfx" in node.meta and node.meta["autocastfx"].kind == "cast":

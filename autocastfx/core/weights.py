@@ -146,19 +146,31 @@ def own_names(gm: nn.Module):
             m.__dict__.pop(_OWN_NAMES, None)
 
 
-def model_names_into_state_dict(unit: nn.Module, out: dict, prefix: str) -> None:
+def model_names_into_state_dict(unit: nn.Module, out: dict, prefix: str, start: int = 0) -> None:
     """Add to ``out`` every name the model had for a tied weight that the converted module keeps fewer names for
-    (not inside :func:`own_names`)."""
+    (not inside :func:`own_names`), and put the unit's entries (from position ``start``) in the model's order, so
+    what pairs two state dicts by position (an EMA) pairs them right."""
     info = info_of(unit)
     if info is None or unit.__dict__.get(_OWN_NAMES):
         return
+    added = False
     for names in info.source_params.values():
         if len(names) < 2:
             continue
         have = next((n for n in names if prefix + n in out), None)
         if have is not None:
             for n in names:
+                added |= prefix + n not in out
                 out.setdefault(prefix + n, out[prefix + have])
+    if added and info.state_keys:
+        mine = list(out)[start:]
+        wanted = [prefix + k for k in info.state_keys if prefix + k in out]
+        known = set(wanted)
+        order = wanted + [k for k in mine if k not in known]
+        if order != mine and set(order) == set(mine):
+            items = [(k, out.pop(k)) for k in mine]
+            values = dict(items)
+            out.update((k, values[k]) for k in order)
 
 
 def model_names_from_state_dict(unit: nn.Module, state_dict: dict, prefix: str) -> list[str]:

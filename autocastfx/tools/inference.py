@@ -3,7 +3,6 @@ an ordinary converted module in eval mode, for ``report()`` and ``autocastfx.exp
 """
 from __future__ import annotations
 
-import copy
 
 import torch
 import torch.fx as fx
@@ -13,6 +12,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 from ..core import rewrite as _rewrite
 from ..base import keys as K
+from ..base.quiet import deepcopy_quietly
 from ..base.meta import fetch, refuse_piecewise, require_info
 
 _aten = torch.ops.aten
@@ -50,10 +50,10 @@ def for_inference(gm: fx.GraphModule, example_inputs: tuple | None = None, *,
 
 def float32_eval_program(gm: fx.GraphModule) -> fx.GraphModule:
     """The converted module's eval program as a plain float32 graph module (casts out), on copies of its tensors."""
-    g = copy.deepcopy(gm)
+    g = deepcopy_quietly(gm)
     g.eval()
     if g.meta.pop(K.PROGRAMS, None) is not None:
-        g.graph = copy.deepcopy(g.graph)  # the eval program alone
+        g.graph = deepcopy_quietly(g.graph)  # the eval program alone
     _rewrite.undo(g)
     del g.meta["autocastfx"]
     return g

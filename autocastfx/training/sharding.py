@@ -63,7 +63,9 @@ def _shard_unit(unit: nn.Module, owners: "_Owners", mesh, reshard_after_forward)
     info = unit.meta["autocastfx"]
     low = info.dtype
     fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
-    low_mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+    # the unit's inputs as they come (FSDP2 would cast them to param_dtype): its plan casts each on entry, and
+    # one it keeps float32 (a residual stream) would be rounded
+    low_mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, cast_forward_inputs=False)
     read = _groups(unit, owners.float32, mesh, False, fp32)
     if owners.own_float32:
         # FSDP2 gathers a group in one dtype: the unit's own parameters are float32, so the low weights' owners

@@ -276,7 +276,8 @@ def _tree(model, names, args, kwargs, conv, options, ctx, *, piecewise: bool, wh
     # what torch.export traces for the converted blocks: a copy of the input where that has the block's
     # result's shape, else the model's own block
     sources = {id(u): (model.get_submodule(n), stands[n].template) for n, u in units.items()}
-    return _root(model, tree, units, skipped, args, kwargs, conv, options, ctx.replace(sources=sources), modes)
+    return _root(model, tree, units, skipped, args, kwargs, conv, options, ctx.replace(sources=sources), modes,
+                 make)
 
 
 def _tree_copy(model: nn.Module, names: list[str]) -> tuple[nn.Module, dict[int, nn.Module]]:
@@ -535,13 +536,19 @@ def _reuse(ref: nn.Module, block: nn.Module, codes: dict) -> nn.Module | None:
 # ---------------------------------------------------------------------------------------------- root
 
 def _root(model, tree, units, skipped, args, kwargs, conv: Conversions, options: ConvertOptions,
-          ctx: CaptureContext, modes) -> nn.Module:
+          ctx: CaptureContext, modes, make: _Maker) -> nn.Module:
     """The model around its converted blocks: one graph with the blocks as call_module nodes."""
     from ..base.meta import names_by_id
     try:
         gm = conv.whole(tree, args, kwargs, options, ctx)
     except (CaptureError, ValueError) as e:
         raise RootError(f"the model around its blocks does not convert ({one_line(e)})") from e
+    late = _inputs_made_late(gm, units)
+    if late and (ctx.meta_device is not None or not _convert_again(gm, model, units, late, make, args, kwargs)):
+        name, given = next(iter(late.items()))
+        raise RootError(f"{name} was converted for a call with {given}=None: the example's values made it None "
+                        "where the model's code computes it from its inputs, so the block's graph never reads it "
+                        "(an all-ones attention mask)")
     keep_containers(gm, tree, units)
     set_modes(gm, model, modes)
     rebind(gm, model)  # the model's own modules, not the tree's copies, hold the attributes read
@@ -549,6 +556,74 @@ def _root(model, tree, units, skipped, args, kwargs, conv: Conversions, options:
     info.source_params = names_by_id(model)
     info.extra_totals["blocks"] = describe_units(units, skipped)
     return gm
+
+
+_SIZE_READS = frozenset({"sym_size", "size", "dim", "numel", "sym_numel", "sym_stride", "stride"})
+
+
+def _reads_input_values(node: fx.Node) -> bool:
+    """Whether ``node``'s value depends on an input's values (not only on its sizes, dtype or device)."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            return True
+        t = n.target
+        name = t if isinstance(t, str) else getattr(getattr(t, "overloadpacket", t), "__name__", "")
+        if name in _SIZE_READS or (t is getattr and len(n.args) == 2 and n.args[1] in ("shape", "dtype", "device")):
+            continue
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def _inputs_made_late(gm: fx.GraphModule, units: dict[str, nn.Module]) -> dict[str, str]:
+    """{block: input} for each converted block that the graph around it calls with a value computed from the
+    model's inputs where the block was converted for None (the one run's call: Hugging Face passes no mask for an
+    all-ones attention mask, and computes one from the input under torch.export)."""
+    late = {}
+    for node in gm.graph.nodes:
+        unit = units.get(str(node.target)) if node.op == "call_module" else None
+        if unit is None:
+            continue
+        given = {**{str(i): a for i, a in enumerate(node.args)}, **node.kwargs}
+        for name, kind in unit.meta[K.CONVERTED].call_signature:
+            value = given.get(name)
+            if kind == "None" and isinstance(value, fx.Node) and _reads_input_values(value):
+                late[str(node.target)] = name
+                break
+    return late
+
+
+def _convert_again(gm: fx.GraphModule, model: nn.Module, units: dict[str, nn.Module], late: dict[str, str],
+                   make: _Maker, args: tuple, kwargs: dict) -> bool:
+    """Convert the blocks ``late`` again for the calls the graph around them makes (one run of ``gm`` on the
+    example, in eval mode, its buffers and the random state put back), in place in ``gm`` and ``units``; False
+    where a block's new conversion is not one."""
+    calls: dict[str, tuple] = {}
+    hooks = [gm.get_submodule(name).register_forward_pre_hook(
+        lambda module, a, k, name=name: calls.setdefault(name, (a, dict(k))), with_kwargs=True) for name in late]
+    training = gm.training
+    try:
+        with _buffers_kept(gm), torch.random.fork_rng(devices=[]), torch.no_grad():
+            gm.eval()
+            gm(*args, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+        gm.train(training)
+    for name in late:
+        if name not in calls:
+            return False
+        unit = make(name, model.get_submodule(name), *calls[name])
+        if not is_converted(unit):
+            return False
+        parent, _, leaf = name.rpartition(".")
+        gm.get_submodule(parent)._modules[leaf] = unit  # the parent refuses a new child through setattr
+        units[name] = unit
+    return not _inputs_made_late(gm, units)
 
 
 def _traces_around(model: nn.Module, names: list[str], policy) -> str | None:
