@@ -81,6 +81,7 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
                              keep_io_types=keep_io_types, memory_format=_layout.check_memory_format(memory_format),
                              blocks=blocks)
     out = _convert_any(model, args, kwargs, options, CaptureContext())
+    _refuse_lost_backward_hooks(model, out)
     _weights.model_order(out, model)  # gm.parameters() in the model's order
     root = getattr(out, "meta", {}).get(K.CONVERTED) if isinstance(out, fx.GraphModule) else None
     if root is not None:
@@ -527,10 +528,14 @@ def _unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     seen: set = set()
 
     def own(t):
-        if not isinstance(t, torch.Tensor) or t.is_meta or isinstance(t, torch._subclasses.FakeTensor):
+        if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_meta:  # a sparse or wrapper tensor
             return t
-        key = (t.device, t.untyped_storage().data_ptr())
-        if key in seen and t.untyped_storage().nbytes():
+        try:
+            storage = t.untyped_storage()
+        except (NotImplementedError, RuntimeError):
+            return t
+        key = (t.device, storage.data_ptr())
+        if key in seen and storage.nbytes():
             return t.clone()
         seen.add(key)
         return t
@@ -539,8 +544,26 @@ def _unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 def _refuse_backward_hooks(model: nn.Module, policy: Policy) -> None:
     """ValueError where a module whose ops the graph computes itself has a backward hook, which would never run."""
-    hooked = [name or "the model" for name, m in model.named_modules()
-              if (m._backward_hooks or m._backward_pre_hooks) and not (name and policy.is_leaf(m))]
+    _hooks_lost(model, [name for name, m in model.named_modules()
+                        if (m._backward_hooks or m._backward_pre_hooks) and not (name and policy.is_leaf(m))])
+
+
+def _refuse_lost_backward_hooks(model: nn.Module, gm: nn.Module) -> None:
+    """The same, after conversion, for a layer kept as a module by symbolic tracing but whose ops torch.export's
+    graph computes: its backward hooks are kept only where ``gm`` still calls a module of its own at its name."""
+    mine = dict(gm.named_modules())
+    lost = []
+    for name, m in model.named_modules():
+        count = len(m._backward_hooks) + len(m._backward_pre_hooks)
+        sub = mine.get(name)
+        if name and count and (sub is None or _module.is_held(sub) or isinstance(sub, fx.GraphModule)
+                               or len(sub._backward_hooks) + len(sub._backward_pre_hooks) != count):
+            lost.append(name)
+    _hooks_lost(model, lost)
+
+
+def _hooks_lost(model: nn.Module, hooked: list[str]) -> None:
+    hooked = [name or "the model" for name in hooked]
     if hooked:
         raise ValueError(
             f"{', '.join(hooked[:4])}{' and more' if len(hooked) > 4 else ''} of {type(model).__name__} "

@@ -2,7 +2,6 @@
 stochastic depth (its hand-written drop-path ran in eval mode: random eval outputs) and DeBERTa-v2 (its attention
 mask filled with float32's smallest value, which float16 cannot hold). Each in eval and train mode, at the aten
 level, against the float32 model and torch.autocast in the same run, and through autocastfx's step."""
-import time
 import warnings
 
 import pytest
@@ -40,12 +39,9 @@ def test_real_model_in_both_modes_and_training(build):
     torch.manual_seed(0)
     model, inputs = build()
     model.eval()
-    t = time.perf_counter()
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # its conversion time is bench/'s (minutes where every size was left free)
         warnings.simplefilter("ignore")  # transformers' own deprecation notes
         gm = autocastfx.convert(model, example_kwargs=inputs)
-    seconds = time.perf_counter() - t
-    assert seconds < 30, seconds  # minutes when every input size was left free to torch.export
     with torch.no_grad():
         ref = model(**inputs).logits
         with torch.autocast("cpu", dtype=torch.float16):

@@ -471,3 +471,46 @@ def test_trial_without_a_cuda_device_falls_back_to_the_cost_model():
     plan = padding.plan_padding(gm, 8, gate="trial")
     assert plan.gate == "model" and "a timed trial needs a CUDA device" in plan.target
     assert plan.decisions[0].rules == ("memory_bound",)
+
+
+class _Unbatched(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(8, 10, 3, padding=1), nn.Conv2d(10, 12, 3, padding=1)
+
+    def forward(self, x):
+        return self.c2(torch.relu(self.c1(x)))
+
+
+def test_a_convolution_of_an_unbatched_input_is_not_padded():
+    """Before: padding took dim 1 as a convolution's channels, which is the height of an unbatched (C, H, W) input:
+    the output came back (16, 12, 16) for (12, 16, 16), its values wrong, with no error."""
+    torch.manual_seed(0)
+    model, x = _Unbatched(), torch.randn(8, 16, 16)
+    gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16,
+                            policy=autocastfx.Policy.default().override(pad_gate="always"))
+    out, want = gm(x), model(x)
+    assert out.shape == want.shape and float((out.float() - want).norm() / want.norm()) < 2e-2
+
+
+class _TokensThroughBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(16, 20), nn.BatchNorm1d(24), nn.Linear(20, 12)
+
+    def forward(self, x):  # (N, 24, 16): the batch norm's channels are the 24 tokens, not the features
+        return self.fc2(self.bn(self.fc1(x)))
+
+
+def test_a_linears_padded_features_do_not_pass_through_a_batch_norm_of_another_dim():
+    """Before: a linear's padded output was kept padded through a BatchNorm1d whose channels (dim 1) are not the
+    features (the last dim) of an (N, L, F) input, so the norm took statistics over the zero features (output
+    0.115 off float32, running mean 0.167; autocast 0.004 and 0.002)."""
+    torch.manual_seed(0)
+    model, x = _TokensThroughBatchNorm(), torch.randn(4, 24, 16)
+    ref = copy.deepcopy(model)
+    gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16,
+                            policy=autocastfx.Policy.default().override(pad_gate="always"))
+    out, want = gm(x), ref(x)
+    assert float((out.float() - want).norm() / want.norm()) < 2e-2
+    assert float((gm.bn.running_mean - ref.bn.running_mean).norm() / ref.bn.running_mean.norm()) < 2e-2

@@ -1668,3 +1668,53 @@ def test_example_inputs_that_are_one_tensor_stay_two_inputs(hooked):
     with torch.no_grad():
         (got, _), (want, _) = gm(input_ids=x, labels=y), model(input_ids=x, labels=y)
     assert _rel(got.float(), want) < 2e-2
+
+
+def test_a_backward_hook_on_a_layer_torch_export_computes_is_refused():
+    """Before: a backward hook on an activation or norm (kept as a module by symbolic tracing, so exempt) was
+    dropped where torch.export captured the model, whose graph computes every layer: a hook that zeroes the
+    gradient left it flowing (18.0 where the model's is 0)."""
+    model = _Hooked()
+    model.register_forward_pre_hook(lambda module, args: None)  # a hook of its own: torch.export captures it
+    model.act.register_full_backward_hook(lambda module, gin, gout: tuple(torch.zeros_like(g) for g in gin))
+    with pytest.raises(ValueError, match="act of _Hooked has a backward hook"):
+        autocastfx.convert(model, (torch.randn(4, 8),), dtype=torch.bfloat16)
+
+
+class _Graph(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, adjacency):
+        return torch.sparse.mm(adjacency, self.fc(x))
+
+
+def test_a_sparse_example_input_converts():
+    """The example's inputs that share memory are cloned before capture: a sparse input, which has no storage to
+    compare, is passed as it is (it raised NotImplementedError)."""
+    torch.manual_seed(0)
+    x, adjacency = torch.randn(4, 8), torch.eye(4).to_sparse()
+    model = _Graph()
+    gm = autocastfx.convert(model, (x, adjacency), dtype=torch.bfloat16)
+    assert _rel(gm(x, adjacency).float(), model(x, adjacency)) < 2e-2
+
+
+class _LowOpInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = torch.softmax(x, -1)  # float32
+        h.addmm_(x, self.fc2.weight)
+        return self.fc1(h)
+
+
+def test_a_matmul_changing_a_float32_value_in_place_runs_in_float32():
+    """Before: x.addmm_(a, b) on a float32 x had its other inputs cast low for a matmul that runs in x's dtype
+    ("self and mat2 must have the same dtype"); autocast runs it in float32, and so does gm now."""
+    torch.manual_seed(0)
+    model, x = _LowOpInPlace(), torch.randn(4, 16)
+    gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    assert _rel(gm(x).float(), model(x)) < 2e-2

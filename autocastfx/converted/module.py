@@ -528,6 +528,11 @@ class _Held:
                       "from the model's forward")
 
 
+def is_held(module: nn.Module) -> bool:
+    """Whether ``module`` is a holder of tensors the converted graph reads (:class:`_Held`), which it never calls."""
+    return isinstance(module, _Held)
+
+
 class _HeldContainer(_GuardsChildren, _Held):
     """A held plain container: the parent of held modules."""
 

@@ -138,6 +138,9 @@ def plan_padding(gm: fx.GraphModule, multiple: int, max_growth: float = DEFAULT_
             continue
         x = node.args[0].meta.get(K.INFO) if isinstance(node.args[0], fx.Node) else None
         x = x if isinstance(x, TensorInfo) else None
+        if kind == "conv" and (x is None or len(x.shape) != len(winfo.shape)):
+            d.action, d.reason = "skip", "skip: an unbatched input, whose channels are not dim 1"
+            continue
         site = cost.Site(kind, c_out, c_in, _arg(node, 6, "groups", 1) if kind == "conv" else 1,
                         layout if kind == "conv" else "contiguous", flops, (x.numel if x else 0) + out_info.numel)
         verdict = decide(site, node, winfo, x)
@@ -331,8 +334,10 @@ def _chain_source(gm: fx.GraphModule, padded_out: dict[fx.Node, tuple[str, int, 
         if v.op != "call_function" and v.op != "call_method" and v.op != "call_module":
             return None, []
         if v.op == "call_module":
+            # a batch norm normalises dim 1: a linear's padded features only where they are dim 1 (an (N, F) input)
             if not (_bn_can_pad(gm.get_submodule(str(v.target))) and len(v.users) == 1 and v.args
-                    and isinstance(v.args[0], fx.Node)):
+                    and isinstance(v.args[0], fx.Node)
+                    and (kind == "conv" or len(getattr(v.args[0].meta.get(K.INFO), "shape", ())) == 2)):
                 return None, []
         elif op_name(v) not in _ZERO_PRESERVING or len(v.users) != 1 or not v.args:
             return None, []

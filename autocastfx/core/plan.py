@@ -502,6 +502,9 @@ def _share_tensor_dtypes(st: _Planning, labels: dict[str, bool]) -> None:
             continue
         if labels[node.name] != labels[root.name]:
             labels[node.name] = labels[root.name]
+            for rs in st.reqs.values():  # its other inputs in that dtype too (x.addmm_(a, b) on a float32 x)
+                rs[:] = [Req(r.consumer, r.kind, labels[root.name]) if r.consumer == node.name and r.kind == "fixed"
+                         else r for r in rs]
             if node.name in st.nodes:
                 st.nodes[node.name].reason += f"; shares {root.name}'s memory, which is changed in place: its dtype"
 
