@@ -233,6 +233,7 @@ def test_a_model_whose_programs_differ_by_mode_converts_without_torch_warnings(b
     gm, ours, others = _caught(lambda: autocastfx.convert(_DropsOut(), (idx, idx), dtype=torch.bfloat16,
                                                           blocks=blocks))
     assert all(len(m.meta["autocastfx_programs"].graphs) == 2 for m in (gm.layers if blocks else [gm]))
+    ours = [w for w in ours if "has no fast kernels on this CPU" not in w]  # bfloat16 emulated: said once, rightly
     assert ours == [] and others == [], others
     _, ours, others = _caught(lambda: copy.deepcopy(gm))  # an EMA copy
     assert ours == [] and others == [], others
