@@ -145,11 +145,9 @@ def test_an_unpadded_example_leaves_later_padding_masks_read():
     captured from Hugging Face's call with attention_mask=None (its shortcut for no padding), while the graph around
     them computes the mask from the input: every later left-padded call ran unmasked (0.32 off at the real tokens,
     autocast 4e-3). Such blocks are converted again for the call the graph around them makes, which reads the mask."""
-    tf = pytest.importorskip("transformers")
-    cfg = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+    from test_large_models import _llama
     torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(cfg).eval()
+    model = _llama()().eval()
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
     gm = autocastfx.convert(model, example_kwargs={"input_ids": ids, "attention_mask": torch.ones_like(ids)},
                             dtype=torch.bfloat16)
