@@ -76,7 +76,6 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
     policy = policy if policy is not None else Policy.default()
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be an autocastfx.Policy, got {type(policy).__name__}")
-    _refuse_backward_hooks(model, policy)
     options = ConvertOptions(dtype=dtype, policy=policy, pad_multiple=pad_multiple,
                              keep_io_types=keep_io_types, memory_format=_layout.check_memory_format(memory_format),
                              blocks=blocks)
@@ -542,28 +541,18 @@ def _unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return torch.utils._pytree.tree_map(own, (args, kwargs))
 
 
-def _refuse_backward_hooks(model: nn.Module, policy: Policy) -> None:
-    """ValueError where a module whose ops the graph computes itself has a backward hook, which would never run."""
-    _hooks_lost(model, [name for name, m in model.named_modules()
-                        if (m._backward_hooks or m._backward_pre_hooks) and not (name and policy.is_leaf(m))])
-
-
 def _refuse_lost_backward_hooks(model: nn.Module, gm: nn.Module) -> None:
-    """The same, after conversion, for a layer kept as a module by symbolic tracing but whose ops torch.export's
-    graph computes: its backward hooks are kept only where ``gm`` still calls a module of its own at its name."""
+    """ValueError where a module of the model has a backward hook and ``gm`` no longer calls a module of its own at
+    that name with the hook (the graph computes its ops: a linear under symbolic tracing, every layer under
+    torch.export, the model itself): the hook would never run."""
     mine = dict(gm.named_modules())
-    lost = []
+    hooked = []
     for name, m in model.named_modules():
         count = len(m._backward_hooks) + len(m._backward_pre_hooks)
         sub = mine.get(name)
-        if name and count and (sub is None or _module.is_held(sub) or isinstance(sub, fx.GraphModule)
-                               or len(sub._backward_hooks) + len(sub._backward_pre_hooks) != count):
-            lost.append(name)
-    _hooks_lost(model, lost)
-
-
-def _hooks_lost(model: nn.Module, hooked: list[str]) -> None:
-    hooked = [name or "the model" for name in hooked]
+        if count and (sub is None or _module.is_held(sub) or isinstance(sub, fx.GraphModule)
+                      or len(sub._backward_hooks) + len(sub._backward_pre_hooks) != count):
+            hooked.append(name or "the model")
     if hooked:
         raise ValueError(
             f"{', '.join(hooked[:4])}{' and more' if len(hooked) > 4 else ''} of {type(model).__name__} "
