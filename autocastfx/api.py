@@ -23,7 +23,7 @@ from .base.runtime import no_recompile
 from .capture import inline as _inline
 from .capture.context import CaptureContext
 from .capture.programs import Captured, capture as capture_programs, derive_from_graph
-from .capture.trace import tensors_kept
+from .capture.trace import tensors_kept, unregistered_tensors
 from .converted import calls as _calls
 from .converted import module as _module
 from .converted.state import guard_for
@@ -388,6 +388,7 @@ def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: Con
                 sub.training = modes_now[name].training
         _module.adopt_model_classes(gm, model)  # the model's layer classes where the graph reads their tensors
         _unsaved_constants(gm, model)
+        _trained_constants(gm, model)
     graphs = {k: p.graph for k, p in captured.programs.items()}
     one = len(graphs) == 1 or _modes.same_program(graphs)
     programs = {captured.current: gm} if one else captured.programs
@@ -519,6 +520,27 @@ def _unsaved_constants(gm: nn.Module, model: nn.Module) -> None:
             if t is not None and id(t) not in own and f"{path}.{name}".lstrip(".") not in saved \
                     and name not in sub._non_persistent_buffers_set:
                 sub._non_persistent_buffers_set.add(name)
+
+
+def _trained_constants(gm: nn.Module, model: nn.Module) -> None:
+    """Where the capture took a trained tensor the model keeps outside its parameters (an ``nn.Parameter`` in a
+    plain list) as a constant that views it, ``gm`` reads the tensor itself, so its gradient reaches it as in the
+    model."""
+    def key(t):
+        return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+                t.dtype)
+
+    trained = {key(t): t for t in unregistered_tensors(model)
+               if t.requires_grad and t.is_leaf and not t.is_meta and t.layout == torch.strided}
+    if not trained:
+        return
+    for sub in gm.modules():
+        for name, t in [*sub._buffers.items(), *vars(sub).items()]:
+            if type(t) is torch.Tensor and not t.requires_grad and not t.is_meta and t.layout == torch.strided \
+                    and key(t) in trained:
+                sub._buffers.pop(name, None)
+                sub._non_persistent_buffers_set.discard(name)
+                sub.__dict__[name] = trained[key(t)]
 
 
 def _unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -813,3 +813,84 @@ def test_converting_leaves_a_plain_tensor_the_forward_steps_as_it_was():
     model = _PlainCounter()
     autocastfx.convert(model, (torch.randn(4, 8),), dtype=torch.bfloat16)
     assert model.count.item() == 0.0
+
+
+def _net():
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+
+
+class _Distill(nn.Module):
+    """A teacher kept out of parameters() and the state dict in a plain list, updated in place by the loop (EMA)."""
+
+    def __init__(self):
+        super().__init__()
+        self.student, self.teacher = _net(), [_net()]
+
+    def forward(self, x):
+        with torch.no_grad():
+            t = self.teacher[0](x)
+        return F.mse_loss(self.student(x), t)
+
+
+def test_a_module_kept_in_a_list_is_read_as_it_is_now():
+    """The capture's copy of the model copied a module kept in a list (torch.export captures it), so an EMA teacher
+    updated in place by the loop went on as it was at convert(): its output 2.4 off the updated teacher's after 10
+    steps, where torch.autocast's is 0.003 off, and nothing said so."""
+    torch.manual_seed(0)
+    model, x = _Distill(), torch.randn(8, 16)
+    gm = autocastfx.convert(model, (x,), dtype=BF16)
+    opt = torch.optim.SGD(gm.parameters(), lr=0.1)
+    for _ in range(3):
+        gm(x).backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for pt, ps in zip(model.teacher[0].parameters(), gm.parameters()):
+                pt.mul_(0.5).add_(ps, alpha=0.5)
+    with torch.no_grad():
+        want = F.mse_loss(model.student(x), model.teacher[0](x))
+        got = gm(x)
+    assert abs(got.item() - want.item()) < 0.02 * want.item() + 1e-4, (got.item(), want.item())
+    assert all(p.grad is None for p in model.teacher[0].parameters())  # read under no_grad, as in the model
+
+
+class _ListParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.extra = [nn.Parameter(torch.zeros(16))]  # trained, kept out of parameters() on purpose
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x) + self.extra[0]))
+
+
+def test_a_parameter_kept_in_a_list_trains_through_the_converted_module():
+    """torch.export took an nn.Parameter kept in a plain list as a constant (a detached view of it): it never had a
+    gradient, and the optimizer given it by hand never moved it (0.0 where float32 and autocast reach 0.153)."""
+    torch.manual_seed(0)
+    model, x, y = _ListParameter(), torch.randn(32, 16), torch.randint(0, 4, (32,))
+    ref = copy.deepcopy(model)
+    gm = autocastfx.convert(model, (x,), dtype=BF16)
+    for m, owner in ((ref, ref), (gm, model)):
+        opt = torch.optim.SGD([*m.parameters(), *owner.extra], lr=0.2)
+        for _ in range(10):
+            F.cross_entropy(m(x).float(), y).backward()
+            opt.step()
+            opt.zero_grad()
+    want, got = ref.extra[0].norm().item(), model.extra[0].norm().item()
+    assert want > 0.05 and abs(got - want) < 0.05 * want, (got, want)
+    assert set(gm.state_dict()) == set(model.state_dict())  # the state dict is the model's, as before
+
+
+def test_a_patched_forward_on_a_layer_the_graph_computes_is_refused():
+    """An adapter added after convert() by patching a layer's forward (``layer.forward = lambda x: base(x) +
+    lora(x)``, loralib's and many scripts' way) was accepted and never ran: the graph computes the linear itself.
+    The adapter got no gradient and the loss stayed at 0.62 where float32 reaches 0.03."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    x = torch.randn(4, 16)
+    gm = autocastfx.convert(model, (x,), dtype=BF16)
+    layer = gm.get_submodule("0")
+    base = layer.forward
+    with pytest.raises(ValueError, match="forward cannot be replaced.*convert it after"):
+        layer.forward = lambda inp: base(inp) * 2
+    torch.testing.assert_close(layer(x), model[0](x))  # the layer's own forward, on the shared weights

@@ -79,14 +79,40 @@ def copy_model(model: nn.Module, share_tensors: bool, keep: Iterable[nn.Module] 
     if share_tensors:
         for t in itertools.chain(model.parameters(), model.buffers()):
             memo[id(t)] = t
-        for m in model.modules():  # a table kept as a plain attribute: the model's own, not a copy to go stale
-            for t in vars(m).values():
-                if isinstance(t, torch.Tensor):
-                    memo[id(t)] = t
+        for t in unregistered_tensors(model):  # a table kept as a plain attribute, a teacher kept in a list: the
+            memo[id(t)] = t                     # model's own, not copies to go stale (or never train)
         for name, m in model.named_modules():
             if name and is_converted(m):  # a converted block inside: the capture calls it, never copies it
                 memo[id(m)] = m
     return copy.deepcopy(model, memo)
+
+
+def unregistered_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors ``model``'s modules hold outside their parameters and buffers: plain tensor attributes, and
+    tensors in lists, tuples and dicts of them, with every tensor of a module found there."""
+    found: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+
+    def walk(v, depth):
+        if isinstance(v, torch.Tensor):
+            found.setdefault(id(v), v)
+        elif isinstance(v, nn.Module):
+            if id(v) in seen:
+                return
+            seen.add(id(v))
+            for m in v.modules():
+                seen.add(id(m))
+                for t in itertools.chain(m._parameters.values(), m._buffers.values()):
+                    walk(t, depth)
+                for k, x in vars(m).items():
+                    if k not in ("_parameters", "_buffers", "_modules"):
+                        walk(x, depth + 1)
+        elif depth < 4 and type(v) in (list, tuple, dict, set):
+            for x in (v.values() if isinstance(v, dict) else v):
+                walk(x, depth + 1)
+
+    walk(model, 0)
+    return list(found.values())
 
 
 def capture_graph(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, ctx: CaptureContext,

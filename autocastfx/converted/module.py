@@ -570,6 +570,26 @@ class _Setting:
         self.__set__(obj, None)
 
 
+class _Forward:
+    """A held module's ``forward``, on its class: the class's own, and refused on write, as the graph never calls it
+    (an adapter patched in, ``layer.forward = lambda x: base(x) + lora(x)``, would never run)."""
+
+    def __get__(self, obj, owner=None):
+        owner = owner if owner is not None else type(obj)
+        forward = super(_Held, owner).forward  # the model's class's
+        return forward if obj is None else forward.__get__(obj, owner)
+
+    def __set__(self, obj, value):
+        raise ValueError(
+            f"{type(obj).__name__}.forward cannot be replaced on the converted module: its graph computes this "
+            "module's ops itself and never calls its forward, so a patched forward (a LoRA adapter added as "
+            "'layer.forward = ...') would never run. Add the adapter to the model and convert it after "
+            "(autocastfx.convert(model, ...)): the frozen base and the adapter then train as in the model")
+
+    def __delete__(self, obj):
+        self.__set__(obj, None)
+
+
 class _Constant(_Setting):
     """A plain attribute of the model (a temperature), answered by the converted module and refused on write."""
 
@@ -664,7 +684,7 @@ def _held_class(cls: type, settings: frozenset = frozenset()) -> type:
     if key not in _HELD:
         mixin = _HeldContainer if cls is nn.Module else _Held
         _HELD[key] = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                                        **{k: _Setting(k) for k in settings}})
+                                                        "forward": _Forward(), **{k: _Setting(k) for k in settings}})
     return _HELD[key]
 
 
