@@ -12,6 +12,7 @@ INFO = "autocastfx_info"                           # TensorInfo of the value (pr
 FLOPS = "autocastfx_flops"                         # FLOPs of the op, counted once (flops; padding, report)
 LAYOUT = "autocastfx_layout"                       # why a layout-changing node was inserted (layout)
 INLINED_FROM = "autocastfx_inlined_from"           # the wrapped function an inlined node came from (inline)
+UPCAST = "autocastfx_upcast"                       # the model's own cast to float32, kept (rewrite; plan: float32)
 
 # gm.meta
 BLOCK = "autocastfx_block"                         # a converted block: name, inputs' dtypes, whence its plan

@@ -295,7 +295,7 @@ def _run(model: nn.Module, args: tuple, kwargs: dict, take: int, run, state: tup
     torch.set_rng_state(state[0])
     for d, s in zip(devices, state[1]):
         torch.cuda.set_rng_state(s, d)
-    with tensors_kept(model):
+    with tensors_kept(model), _ParameterWritesUndone(model.parameters()):
         try:
             out = run(a, k)
         except Exception:  # noqa: BLE001 - told to the caller
@@ -313,6 +313,44 @@ _RANDOM = frozenset(getattr(torch.ops.aten, n) for n in (
 
 
 _TO_PYTHON = {torch.ops.aten._local_scalar_dense, torch.ops.aten.is_nonzero, torch.ops.aten.equal}
+
+
+class _ParameterWritesUndone(TorchDispatchMode):
+    """Meanwhile each parameter an op writes in place (``self.w.data.mul_(0.5)`` in a forward, which no version
+    counter of the parameter sees) is saved before its first write, and put back on exit: a run for real leaves the
+    model's weights as they were, at the cost of a copy of those it writes only."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.params = {_storage(p): p for p in params if _storage(p)}
+        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.params and func._schema.is_mutable:
+            for arg, value in zip(func._schema.arguments, itertools.chain(args, kwargs.values())):
+                if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor):
+                    p = self.params.get(_storage(value))
+                    if p is not None and id(p) not in self.saved:
+                        self.saved[id(p)] = (p, p.detach().clone())
+        return func(*args, **kwargs)
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        with torch.no_grad():
+            for p, value in self.saved.values():
+                p.copy_(value)
+        return out
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The address of a real strided tensor's memory; 0 for any other."""
+    if t.is_meta or t.layout != torch.strided or type(t) not in (torch.Tensor, nn.Parameter):
+        return 0
+    try:
+        return t.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):
+        return 0
 
 
 class _RealOps(TorchDispatchMode):

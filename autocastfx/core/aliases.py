@@ -9,6 +9,8 @@ import inspect
 import torch
 import torch.fx as fx
 
+from ..base.meta import fetch
+
 # ops whose result may share its first argument's memory (over-approximated: a copy taken for a view only costs a
 # cast more, a view taken for a copy would lose a change)
 VIEWS = frozenset({"slice", "select", "view", "as_strided", "transpose", "permute", "unsqueeze", "squeeze", "expand",
@@ -49,6 +51,8 @@ def _inplace_argument(node: fx.Node) -> bool:
 def changes(user: fx.Node, value: fx.Node, gm: fx.GraphModule | None = None) -> bool:
     """Whether ``user`` changes ``value`` in place: ``h.mul_(2)``, ``h[:, :4] = 0``, a mutable aten op,
     ``F.relu(h, inplace=True)``, a leaf module built with ``inplace=True`` (``nn.ReLU(inplace=True)``)."""
+    if isinstance(user.target, torch._ops.HigherOrderOperator):
+        return _changed_inside(user, value, gm)
     if not user.args or user.args[0] is not value:
         return False
     t = user.target
@@ -62,6 +66,39 @@ def changes(user: fx.Node, value: fx.Node, gm: fx.GraphModule | None = None) -> 
     return user.op == "call_function" and _inplace_argument(user)
 
 
+def _changed_inside(user: fx.Node, value: fx.Node, gm: fx.GraphModule | None) -> bool:
+    """Whether a higher-order op (torch.export's ``wrap_with_set_grad_enabled`` for a ``torch.no_grad()`` region)
+    changes ``value``, an operand, in its subgraph: the subgraph's input for it, or a view of that, changed in
+    place. True where the subgraph cannot be read."""
+    operands = [a for a in user.args if isinstance(a, fx.Node)]
+    if value not in operands:
+        return False
+    subs = [a for a in operands if a.op == "get_attr"]
+    sub = None
+    if gm is not None and subs:
+        try:
+            sub = gm.get_submodule(str(subs[0].target))
+        except AttributeError:
+            sub = None
+    if not isinstance(sub, fx.GraphModule):
+        return True
+    inputs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    rest = [a for a in operands if a is not subs[0]]
+    if len(inputs) != len(rest):
+        return True
+    reached = {inputs[rest.index(value)]}
+    for node in sub.graph.nodes:
+        base = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        if base in reached and changes(node, base, sub):
+            return True
+        if base in reached and _is_alias(node, base):
+            reached.add(node)
+        if isinstance(node.target, torch._ops.HigherOrderOperator) and any(
+                changes(node, r, sub) for r in reached if r in node.args):
+            return True
+    return False
+
+
 def _is_alias(user: fx.Node, value: fx.Node) -> bool:
     """Whether ``user``'s result may share ``value``'s memory (a view, or the result of a change in place)."""
     if not user.args or user.args[0] is not value:
@@ -69,6 +106,10 @@ def _is_alias(user: fx.Node, value: fx.Node) -> bool:
     if user.op == "call_function" and user.target is getattr:
         return len(user.args) == 2 and user.args[1] in _ALIAS_ATTRIBUTES
     return _name(user.target) in VIEWS
+
+
+def _is_subgraph(node: fx.Node, gm: fx.GraphModule) -> bool:
+    return node.op == "get_attr" and isinstance(fetch(gm, str(node.target), None), fx.GraphModule)
 
 
 def alias_groups(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
@@ -82,9 +123,16 @@ def alias_groups(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     members: dict[fx.Node, list[fx.Node]] = {}
     for node, r in root.items():
         members.setdefault(r, [r]).append(node)
+    inside = set()  # roots changed in a higher-order op's subgraph
+    for node in gm.graph.nodes:
+        if isinstance(node.target, torch._ops.HigherOrderOperator):
+            inside.update(root.get(v, v) for v in node.args
+                          if isinstance(v, fx.Node) and not _is_subgraph(v, gm) and changes(node, v, gm))
+    for r in inside:
+        members.setdefault(r, [r])
     out: dict[fx.Node, fx.Node] = {}
     for r, group in members.items():
-        if any(changes(m, m.args[0], gm) for m in group if m is not r) or any(
+        if r in inside or any(changes(m, m.args[0], gm) for m in group if m is not r) or any(
                 changes(u, m, gm) for m in group for u in m.users):
             out.update({m: r for m in group})
     return out

@@ -235,7 +235,8 @@ def find_routers(gm: fx.GraphModule, policy: Policy) -> tuple[dict[str, str], se
                                                 "float32")
                     out.setdefault(choice.name, f"router: the choice of the gate {n.name}: float32")
                 continue
-            if depth >= _ROUTE_DEPTH or policy.classify(n, None, None)[0] not in _ROUTE_THROUGH:
+            if depth >= _ROUTE_DEPTH or (policy.classify(n, None, None)[0] not in _ROUTE_THROUGH
+                                         and not n.meta.get(K.UPCAST)):  # the model's own .float()
                 continue
             for a in _float_inputs(n):
                 if a not in toward:
@@ -372,6 +373,8 @@ def _plan_call(st: _Planning, node: fx.Node, info: Any, is_value: bool) -> None:
                                                   "its inputs in the dtypes its plan chose")
         return
     cls, reason = st.policy.classify(node, module, module_path(node))
+    if node.meta.get(K.UPCAST) and not st.policy.by_name(node, module_path(node)):
+        cls, reason = OpClass.FP32, "the model's own cast to float32: what follows runs in float32, as it asks"
     if not fins:
         if is_value:  # a source: creation op, or computed from integers only
             lab = LOW if (isinstance(info, TensorInfo) and info.dtype == st.low) else FP32
@@ -406,11 +409,30 @@ def _policy_class(st: _Planning, node: fx.Node, module: nn.Module | None, fins: 
         cls, reason = OpClass.FP32, "unclassified op: float32 (add it to the policy)"
     if node.name in st.routers and cls in (OpClass.LOW, OpClass.FOLLOW, OpClass.PROMOTE):
         cls, reason = OpClass.FP32, st.routers[node.name]
+    if cls is OpClass.LOW and _sums_over_nothing(node) and not st.policy.by_name(node, module_path(node)):
+        cls, reason = OpClass.PROMOTE, ("a product that sums over no index (an outer product, such as positions "
+                                        "times frequencies): no matrix product to speed up, so a multiply in its "
+                                        "inputs' dtype")
     if op_name(node) in _COMPARISONS and len(fins) >= 2 and cls in (OpClass.FOLLOW, OpClass.PROMOTE):
         cls, reason = OpClass.FP32, ("compares two float tensors: in float32 (autocast's widest type), where "
                                      "widening a low operand is exact and rounding a float32 one would change "
                                      "the answer")
     return cls, reason
+
+
+def _sums_over_nothing(node: fx.Node) -> bool:
+    """An einsum whose every input index is in its output, or a matrix product over an inner size of 1."""
+    name = op_name(node)
+    if name == "einsum":
+        eq = node.args[0] if node.args and isinstance(node.args[0], str) else node.kwargs.get("equation")
+        if not isinstance(eq, str) or "->" not in eq or "." in eq:
+            return False
+        ins, out = eq.replace(" ", "").split("->")
+        return set(ins.replace(",", "")) <= set(out)
+    if name in ("matmul", "mm", "bmm") and node.args and isinstance(node.args[0], fx.Node):
+        info = node.args[0].meta.get(K.INFO)
+        return isinstance(info, TensorInfo) and len(info.shape) >= 2 and info.shape[-1] == 1
+    return False
 
 
 def _numeric_class(st: _Planning, node: fx.Node, fins: list[fx.Node], cls: OpClass,

@@ -51,9 +51,11 @@ def undo(gm: fx.GraphModule) -> None:
 
 
 def absorb_casts(gm: fx.GraphModule) -> list[str]:
-    """Remove the model's own float-to-float casts (``.float()``, ``.to(dtype)``, ``type_as``), as the plan decides
+    """Remove the model's own float-to-float casts (``.half()``, ``.to(dtype)``, ``type_as``), as the plan decides
     those dtypes; returns their names. A cast that also changes the memory format becomes
-    ``x.contiguous(memory_format=...)``."""
+    ``x.contiguous(memory_format=...)``. A cast to a literal float32 (``.float()``, ``.to(torch.float32)``) stays,
+    marked: what follows it runs in float32, as the model asks (and as torch.autocast does)."""
+    _dtype_reads_fixed(gm)
     removed = []
     for node in list(gm.graph.nodes):
         if node.op not in ("call_method", "call_function") or op_name(node) not in CAST_OPS:
@@ -68,6 +70,9 @@ def absorb_casts(gm: fx.GraphModule) -> list[str]:
             continue
         if not _only_changes_dtype(node, src.device):
             continue
+        if out.dtype == torch.float32 and _literal_float32(node):  # the model asks for float32 from here on
+            node.meta[K.UPCAST] = True
+            continue
         replacement = node.args[0]
         if _changes_layout(node):
             with gm.graph.inserting_before(node):
@@ -78,6 +83,34 @@ def absorb_casts(gm: fx.GraphModule) -> list[str]:
         gm.graph.erase_node(node)
         removed.append(node.name)
     return removed
+
+
+def _dtype_reads_fixed(gm: fx.GraphModule) -> None:
+    """Each ``x.dtype`` the graph reads as it runs (symbolic tracing keeps the read) made the dtype the model had
+    there: the plan decides dtypes, and a read would see the low one it chose (``torch.zeros(n, dtype=h.dtype)``
+    made low beside a float32 the plan kept)."""
+    for node in list(gm.graph.nodes):
+        if not (node.op == "call_function" and node.target is getattr and len(node.args) == 2
+                and node.args[1] == "dtype" and isinstance(node.args[0], fx.Node)):
+            continue
+        info = node.args[0].meta.get(K.INFO)
+        if not isinstance(info, TensorInfo):
+            continue
+        for user in list(node.users):
+            user.args = fx.node.map_arg(user.args, lambda a: info.dtype if a is node else a)
+            user.kwargs = fx.node.map_arg(user.kwargs, lambda a: info.dtype if a is node else a)
+        if not node.users:
+            gm.graph.erase_node(node)
+
+
+def _literal_float32(node: fx.Node) -> bool:
+    """Whether the cast names float32 itself (not another tensor's dtype, which the plan may make low)."""
+    name = op_name(node)
+    if name == "float":
+        return True
+    if name == "type_as":
+        return False
+    return any(a is torch.float32 for a in (*node.args[1:], *node.kwargs.values()))
 
 
 def _changes_layout(node: fx.Node) -> bool:
