@@ -2,6 +2,7 @@
 syncs."""
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -981,3 +982,94 @@ def test_a_parameter_frozen_mid_accumulation_has_its_gradient_unscaled_and_freed
     w.requires_grad_(False)
     step(x, y)
     assert w.grad is None and (w - start).abs().max().item() < 0.1
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_skipped_first_update_of_a_damped_fused_sgd_leaves_no_momentum(fused):
+    """With dampening, no start value of the buffer stands for torch's first update (the buffer is the gradient):
+    the fused skip left torch's uninitialised buffer as the momentum, and the weights went to 1e27 or NaN. The
+    first update of such a group is skipped from the host, as a plain loop skips it."""
+    weights = [1e6, 1.0, 1.0, 1.0]  # the first update overflows float16 and is skipped
+
+    def run(use_fused):
+        gm = autocastfx.convert(_stack(), (data()[0],), dtype=torch.float16)
+        opt = torch.optim.SGD(gm.parameters(), lr=0.05, momentum=0.9, dampening=0.5, fused=use_fused)
+        step = autocastfx.train_step(gm, lambda out, y, w: F.cross_entropy(out, y) * w, opt, init_scale=2.0**8)
+        for (x, y), w in zip(_batches(4), weights):
+            step(x, y, torch.tensor(w))
+        assert step.stats.summary()["skipped"] == 1
+        return [p.detach().clone() for p in gm.parameters()]
+
+    got, want = run(fused), run(False)
+    assert all(torch.isfinite(p).all() for p in got)
+    assert max((p - q).abs().max().item() for p, q in zip(got, want)) < 1e-5
+
+
+def test_a_retry_under_hysteresis_redoes_the_batch_at_a_lower_scale():
+    """With hysteresis, an overflow lowers the scale only after N of them, so a retry redid the batch at the same
+    scale, overflowed again, and lost the update once the retries ran out (4 of 6 batches applied). A retry now
+    lowers the scale itself."""
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(6)]
+
+    def applied(hysteresis):
+        torch.manual_seed(0)
+        gm = autocastfx.convert(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)), (batches[0][0],),
+                                dtype=torch.float16)
+        opt = torch.optim.AdamW(gm.parameters(), lr=1e-3)
+        step = autocastfx.train_step(gm, lambda out, y: F.cross_entropy(out, y) * 3000, opt, init_scale=2.0**9,
+                                     on_overflow="retry", max_retries=2, hysteresis=hysteresis)
+        for x, y in batches:
+            step(x, y)
+        assert any(overflow for _, overflow in step.stats.history())  # retries happened
+        return int(next(iter(opt.state.values()))["step"])
+
+    assert applied(2) == applied(1) == 6
+
+
+def test_dynamic_scaling_options_given_where_no_dynamic_scale_runs_are_named():
+    """bfloat16 with init_scale and hysteresis, or a static scale with a growth interval: the options were
+    accepted and did nothing, without a word."""
+    def build(dtype, **kw):
+        gm = autocastfx.convert(_stack(), (data()[0],), dtype=dtype)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            autocastfx.train_step(gm, F.cross_entropy, torch.optim.SGD(gm.parameters(), lr=0.1), **kw)
+        return [str(w.message) for w in caught if "dynamic loss scaling only" in str(w.message)]
+
+    assert build(torch.bfloat16, init_scale=1024.0, hysteresis=4) == [
+        "autocastfx: init_scale=1024.0, hysteresis=4 apply to dynamic loss scaling only, and bfloat16 needs no loss "
+        "scale: they are not used. Drop them, or pass loss_scale='dynamic'"]
+    assert "static (512)" in build(torch.float16, loss_scale=512.0, growth_interval=5)[0]
+    assert build(torch.float16, init_scale=1024.0, hysteresis=4) == []
+    assert build(torch.bfloat16) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_sparse_embedding_gradient_is_unscaled_and_checked(dtype):
+    """``nn.Embedding(sparse=True)``: the step's fused unscale-and-check has no sparse kernel and raised torch's
+    NotImplementedError, with the gradient left on the weight; GradScaler handles the sparse gradient's values."""
+    class Bag(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.fc = nn.Embedding(50, 16, sparse=True), nn.Linear(16, 4)
+
+        def forward(self, ids):
+            return self.fc(self.emb(ids).mean(1))
+
+    torch.manual_seed(0)
+    ids, y = torch.randint(0, 50, (8, 6)), torch.randint(0, 4, (8,))
+    model = Bag()
+    ref = copy.deepcopy(model)
+    gm = autocastfx.convert(model, (ids,), dtype=dtype)
+    step = autocastfx.train_step(gm, F.cross_entropy, torch.optim.SGD(gm.parameters(), lr=0.5))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for _ in range(3):
+        step(ids, y)
+        with torch.autocast("cpu", dtype):
+            out = ref(ids)
+        F.cross_entropy(out.float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert model.emb.weight.grad is None
+    assert (model.emb.weight - ref.emb.weight).abs().max().item() < 1e-2

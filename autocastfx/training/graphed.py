@@ -210,6 +210,8 @@ def _record_graphs(step, device: torch.device, static_inputs: Any,
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     outputs[kind] = step._fn(static_inputs, *static_targets)
                 graphs[kind] = graph
+                if kind == "first":  # the gradients every replay inside a cycle accumulates into
+                    outputs["grads"] = {n: p.grad for n, p in step.gm.named_parameters() if p.grad is not None}
     except Exception as e:
         # torch.cuda.graph.__exit__ ends the capture before restoring the stream; when ending raises (after any
         # error inside the capture), this thread would stay on the capture stream
@@ -230,10 +232,13 @@ def _record_graphs(step, device: torch.device, static_inputs: Any,
 
 
 # ------------------------------------------------------------------------------- state dicts
-def portable_state_dict(step) -> dict[str, Any]:
+def portable_state_dict(step, grads: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """``step.state_dict()`` with optimizer state cloned and tensor hyperparameters as floats, so it loads into an
-    eager step as well as a graph step."""
+    eager step as well as a graph step; inside a cycle, ``grads`` (the captured graphs' gradients by parameter name,
+    which no ``.grad`` holds between replays) are its pending gradients."""
     sd = step.state_dict()
+    if grads and step.micro % step.accum_steps != 0 and not sd["grads"]:
+        sd["grads"] = {n: g.detach().clone() for n, g in grads.items()}
     opt = dict(sd["optimizer"])
     opt["state"] = {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()}
                     for k, s in opt["state"].items()}
@@ -340,7 +345,8 @@ class CudaGraphStep:
     def state_dict(self) -> dict[str, Any]:
         """A snapshot of the step's state that loads into this step, a new CudaGraphStep or an eager step, and
         resumes bit for bit."""
-        return portable_state_dict(self.step)
+        replaying = self._graphs is not None and not self._eager_to_cycle_start
+        return portable_state_dict(self.step, self._outputs.get("grads") if replaying else None)
 
     def reloaded(self) -> None:
         """Drop the graphs after ``autocastfx.load_checkpoint`` (they may read tensors the optimizer has
@@ -360,6 +366,9 @@ class CudaGraphStep:
         elif self._graphs is not None and (baked_settings(self.step.optimizer) != self._baked
                                            or self.step.state.auto_pending):
             self._drop()
+        if self._graphs is not None:  # loaded into the tensors the graphs read: their new holders are theirs
+            opt = self.step.optimizer
+            self._opt_state, self._opt_entries = opt.state, [(p, opt.state.get(p)) for p in self._params]
         self._eager_to_cycle_start = self.step.micro % self.step.accum_steps != 0
 
     def __call__(self, inputs, *targets):
@@ -369,6 +378,9 @@ class CudaGraphStep:
         position = self.step.micro % n
         if self._eager_to_cycle_start and position == 0:
             self._eager_to_cycle_start = False
+        if self._graphs is not None and not self._eager_to_cycle_start and self._tensors_changed(position):
+            self._drop()  # at a cycle's start: eager calls, then a capture of the tensors as they are now
+            self._calls = 0
         if self._graphs is not None and not self._eager_to_cycle_start:
             why = mismatch(self._sig, sig)
             if why is not None:
@@ -396,6 +408,10 @@ class CudaGraphStep:
         self._lrs: list[torch.Tensor] = []
         self._modules: list[torch.nn.Module] = []
         self._modes: list[bool] = []
+        self._params: list[torch.Tensor] = []  # what the graphs read, as captured (_tensors_changed)
+        self._trains: list[bool] = []
+        self._opt_state: Any = None
+        self._opt_entries: list[tuple] = []
         self._eager_to_cycle_start = False
 
     def _eager(self, inputs, targets):
@@ -422,7 +438,30 @@ class CudaGraphStep:
         self._lrs = [g["lr"] for g in step.optimizer.param_groups]
         self._modules = list(step.gm.modules())
         self._modes = [m.training for m in self._modules]
+        self._params = list(step.gm.parameters())
+        self._trains = [p.requires_grad for p in self._params]
+        self._opt_state = step.optimizer.state
+        self._opt_entries = [(p, step.optimizer.state.get(p)) for p in self._params]
         self.captures += 1
+
+    def _tensors_changed(self, position: int) -> bool:
+        """Whether the tensors the graphs read were replaced or their ``requires_grad`` flipped since capture (a
+        layer frozen or a head swapped in, ``optimizer.load_state_dict``); RuntimeError where that happened inside
+        an accumulation cycle, whose gradients only the graphs hold."""
+        params = list(self.step.gm.parameters())
+        opt = self.step.optimizer
+        same = (len(params) == len(self._params) and all(p is q for p, q in zip(params, self._params))
+                and [p.requires_grad for p in params] == self._trains and opt.state is self._opt_state
+                and all(opt.state.get(p) is s for p, s in self._opt_entries))
+        if same:
+            return False
+        if position != 0:
+            raise RuntimeError(
+                "the model's parameters or the optimizer's state changed inside an accumulation cycle (a layer "
+                "frozen or replaced, optimizer.load_state_dict): the captured graphs read the old ones, and the "
+                "cycle's gradients are theirs. Make such changes after the cycle's last micro-batch (when "
+                "step.micro % accum_steps == 0): the graph step then captures again")
+        return True
 
     def _replay(self, leaves: list[Any], position: int) -> torch.Tensor:
         kind = kind_at(position, self.step.accum_steps)

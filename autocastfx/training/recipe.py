@@ -83,7 +83,7 @@ def train_step(step, inputs, *targets) -> torch.Tensor:
             if not o.retry or attempt == o.max_retries or not bool(S.found_inf):  # retry: one host read
                 break
             S.record()  # redo the batch at the lowered scale, from the buffers it started with
-            S.update_dynamic()
+            S.back_off()
             for p in params:
                 p.grad = None
             for b, kept in buffers:
@@ -108,6 +108,16 @@ def forward_backward(step, inputs, targets: tuple) -> torch.Tensor:
     return loss
 
 
+def _values(grad: torch.Tensor) -> torch.Tensor:
+    """What a gradient holds: a sparse one's values (an ``nn.Embedding(sparse=True)``'s, coalesced first so that
+    a repeated index is one value, as GradScaler does), a dense one itself."""
+    if not grad.is_sparse:
+        return grad
+    if not grad.is_coalesced():
+        grad.data = grad.coalesce()
+    return grad._values()
+
+
 def unscale_and_check(step) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The float32 gradients unscaled and checked for inf/NaN in one fused pass, into ``S.found_inf``; one skip
     decision on every process where there are several. Returns the trained parameters as they are now (a layer
@@ -119,7 +129,7 @@ def unscale_and_check(step) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     if o.sharded:
         grads = P.locals(grads)  # the shards' local tensors: the kernels below take plain ones
     S.found_inf.zero_()
-    torch._amp_foreach_non_finite_check_and_unscale_(grads, S.found_inf, S.inv_scale)
+    torch._amp_foreach_non_finite_check_and_unscale_([_values(g) for g in grads], S.found_inf, S.inv_scale)
     if o.distributed:
         P.all_reduce_max(S.found_inf)
     return params, grads
@@ -136,14 +146,13 @@ def update(step, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
             torch._foreach_mul_(grads, torch.clamp(o.clip / (step.grad_norm + 1e-6), max=1.0))
         else:
             step.grad_norm.copy_(torch.nn.utils.clip_grad_norm_(params, o.clip, foreach=True))
-    if o.fused:  # the fused kernel skips on the device, as under GradScaler
-        step.zero_new_momentum()
+    if o.fused and step.zero_new_momentum():  # the fused kernel skips on the device, as under GradScaler
         optimizer.grad_scale, optimizer.found_inf = None, S.found_inf
         try:
             optimizer.step()
         finally:
             del optimizer.grad_scale, optimizer.found_inf
-    elif not bool(S.found_inf):  # an optimizer without a fused kernel: one host read to skip
+    elif not bool(S.found_inf):  # no fused kernel, or a damped SGD's first update: one host read to skip
         optimizer.step()
     for p in params:  # gradients freed: the next backward writes, not adds
         p.grad = None

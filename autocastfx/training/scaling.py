@@ -104,12 +104,25 @@ class ScaleState:
         self.skipped.add_(flag)
         self.steps.add_(1)
 
-    def update_dynamic(self) -> None:
-        cfg = self.cfg
+    def _note_stuck(self) -> None:
         # stuck: an overflow although the scale already is at its minimum (sticky; poll() and check() read it)
-        self.stuck.logical_or_((self.found_inf > 0).logical_and_(self.scale <= cfg.min_scale))
+        self.stuck.logical_or_((self.found_inf > 0).logical_and_(self.scale <= self.cfg.min_scale))
         if self.stuck_host is not None:
             self.stuck_host.copy_(self.stuck, non_blocking=self._events is not None)
+
+    def back_off(self) -> None:
+        """The scale lowered now, whatever the hysteresis: a batch that overflowed is redone at it
+        (``on_overflow="retry"``)."""
+        cfg = self.cfg
+        self._note_stuck()
+        self.scale.mul_(cfg.backoff_factor).clamp_(min=cfg.min_scale)
+        self.growth_tracker.zero_()
+        self.hysteresis_left.fill_(cfg.hysteresis)
+        torch.reciprocal(self.scale, out=self.inv_scale)
+
+    def update_dynamic(self) -> None:
+        cfg = self.cfg
+        self._note_stuck()
         if cfg.hysteresis == 1:
             torch._amp_update_scale_(self.scale, self.growth_tracker, self.found_inf, cfg.growth_factor,
                                      cfg.backoff_factor, cfg.growth_interval)
@@ -130,7 +143,8 @@ class ScaleState:
     def amax(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The largest gradient magnitude over ``grads`` (and over every process where there are several)."""
         if grads:
-            amax = torch.stack(torch._foreach_norm(grads, float("inf"))).max().float()
+            dense = [g._values() if g.is_sparse else g for g in grads]  # a sparse gradient: its values
+            amax = torch.stack(torch._foreach_norm(dense, float("inf"))).max().float()
         else:
             amax = torch.zeros((), dtype=torch.float32, device=self.scale.device)
         if self.reduce_max is not None:

@@ -19,6 +19,7 @@ from .checks import InputChecker, StepError, check_grad_mode, signature, unique_
 from . import heap as _heap
 from .scaling import HISTORY, LossScaleError, ScalerConfig, ScaleState
 from . import recipe
+from ..base.quiet import warn_user
 from .recipe import StepOptions
 
 
@@ -166,6 +167,24 @@ def _checked_options(info, loss_fn, optimizer, loss_scale, init_scale, on_overfl
     return mode, init_scale
 
 
+_DYNAMIC_ONLY = dict(init_scale=("auto", 2.0**16), growth_factor=(2.0,), backoff_factor=(0.5,),
+                     growth_interval=(2000,), min_scale=(1.0,), hysteresis=(1,))
+
+
+def _warn_unused_scaling(mode: str, scale: Any, given: dict[str, Any], dtype: torch.dtype) -> None:
+    """A warning naming the dynamic-scaling options given where the scale is static or off, which use none."""
+    if mode == "dynamic":
+        return
+    unused = [f"{k}={v!r}" for k, v in given.items() if v not in _DYNAMIC_ONLY[k]
+              and not (k == "init_scale" and mode == "static")]
+    if unused:
+        why = f"the loss scale is static ({scale:g})" if mode == "static" else (
+            "the loss is not scaled (loss_scale=None)" if dtype == torch.float16 else
+            f"{str(dtype).removeprefix('torch.')} needs no loss scale")
+        warn_user(f"autocastfx: {', '.join(unused)} apply to dynamic loss scaling only, and {why}: they are not "
+                  "used. Drop them, or pass loss_scale='dynamic'")
+
+
 class TrainStep:
     """``step(inputs, *targets) -> loss``; see :func:`train_step`.
 
@@ -183,6 +202,9 @@ class TrainStep:
                             "it, or train the converted module itself")
         mode, init_scale = _checked_options(info, loss_fn, optimizer, loss_scale, init_scale, on_overflow,
                                             max_retries, accum_steps, clip_grad_norm)
+        _warn_unused_scaling(mode, init_scale, dict(init_scale=init_scale, growth_factor=growth_factor,
+                                                    backoff_factor=backoff_factor, growth_interval=growth_interval,
+                                                    min_scale=min_scale, hysteresis=hysteresis), info.dtype)
         self.model, self.gm, self.loss_fn, self.optimizer = model, parallel.gm, loss_fn, optimizer
         self.parallel = P = parallel
         self.ddp = P.kind == "ddp"
@@ -239,18 +261,22 @@ class TrainStep:
             self._union_key = key
         return [p for p in self._union if p.requires_grad or p.grad is not None]
 
-    def zero_new_momentum(self) -> None:
+    def zero_new_momentum(self) -> bool:
         """A fused SGD's momentum buffers, for parameters with a gradient and none yet, started at zero (torch's
         first-step buffer where dampening is 0): a skipped first update would otherwise leave the uninitialised
-        buffer that torch's fused kernel allocates (``torch.empty_like``) as the momentum."""
+        buffer that torch's fused kernel allocates (``torch.empty_like``) as the momentum. False where a group
+        with dampening has such a parameter: no start value stands for its first update, which is then skipped
+        from the host."""
         opt = self.optimizer
         if not isinstance(opt, torch.optim.SGD) or len(opt.state) == len(self._union_key or ()):
-            return  # every parameter has its state (its buffer) already
-        for group in opt.param_groups:
-            if group["momentum"] and not group["dampening"]:
-                for p in group["params"]:
-                    if p.grad is not None and "momentum_buffer" not in opt.state.get(p, ()):
-                        opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            return True  # every parameter has its state (its buffer) already
+        new = [(group, p) for group in opt.param_groups if group["momentum"] for p in group["params"]
+               if p.grad is not None and "momentum_buffer" not in opt.state.get(p, ())]
+        if any(group["dampening"] for group, _ in new):
+            return False
+        for _, p in new:
+            opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        return True
 
     # ---------------------------------------------------------------------------------------- public
     def __call__(self, inputs, *targets):
