@@ -805,7 +805,8 @@ def test_a_parameter_trained_after_the_step_was_built_is_unscaled_and_freed_as_a
         if late == "unfrozen":
             first.requires_grad_(False)
         opt = torch.optim.SGD(gm.parameters(), lr=0.1)
-        step = autocastfx.train_step(gm, loss_fn, opt, init_scale=2.0**10) if use_step else None
+        scaled = {"init_scale": 2.0**10} if dtype == torch.float16 else {}
+        step = autocastfx.train_step(gm, loss_fn, opt, **scaled) if use_step else None
         for i, (x, y) in enumerate(_batches()):
             if i == 2:
                 if late == "unfrozen":
@@ -1073,3 +1074,31 @@ def test_a_sparse_embedding_gradient_is_unscaled_and_checked(dtype):
         opt.zero_grad()
     assert model.emb.weight.grad is None
     assert (model.emb.weight - ref.emb.weight).abs().max().item() < 1e-2
+
+
+def test_a_parameter_of_the_loss_beside_the_modules_own_trains_as_under_gradscaler():
+    """A learned loss weighting in the optimizer beside gm.parameters() was refused at train_step() (and accepted
+    when added with add_param_group later): it is none of the model's, and the step trains it as a plain loop."""
+    def run(use_step):
+        torch.manual_seed(0)
+        gm = autocastfx.convert(_stack(), (data()[0],), dtype=torch.float16)
+        s = nn.Parameter(torch.zeros(()))
+        opt = torch.optim.SGD([*gm.parameters(), s], lr=0.1)
+        loss = lambda out, y: F.cross_entropy(out, y) * torch.exp(-s) + s
+        if use_step:
+            step = autocastfx.train_step(gm, loss, opt, init_scale=2.0**8)
+        else:
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        for x, y in _batches(4):
+            if use_step:
+                step(x, y)
+            else:
+                scaler.scale(loss(gm(x), y)).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+        return s.item(), [p.detach().clone() for p in gm.parameters()]
+
+    (s1, w1), (s2, w2) = run(True), run(False)
+    assert s1 != 0.0 and abs(s1 - s2) < 1e-6
+    assert max((p - q).abs().max().item() for p, q in zip(w1, w2)) < 1e-6

@@ -181,8 +181,10 @@ def _warn_unused_scaling(mode: str, scale: Any, given: dict[str, Any], dtype: to
         why = f"the loss scale is static ({scale:g})" if mode == "static" else (
             "the loss is not scaled (loss_scale=None)" if dtype == torch.float16 else
             f"{str(dtype).removeprefix('torch.')} needs no loss scale")
-        warn_user(f"autocastfx: {', '.join(unused)} apply to dynamic loss scaling only, and {why}: they are not "
-                  "used. Drop them, or pass loss_scale='dynamic'")
+        one = len(unused) == 1
+        warn_user(f"autocastfx: {', '.join(unused)} appl{'ies' if one else 'y'} to dynamic loss scaling only, and "
+                  f"{why}: {'it is' if one else 'they are'} not used. Drop {'it' if one else 'them'}, or pass "
+                  "loss_scale='dynamic'")
 
 
 class TrainStep:
@@ -359,15 +361,19 @@ class TrainStep:
 # ------------------------------------------------------------------------------------------- the optimizer
 def _check_optimizer(optimizer: torch.optim.Optimizer, gm: nn.Module, info) -> None:
     """StepError for an optimizer entry that is not a parameter of the converted module (one converted on meta or
-    from a low-precision checkpoint has its own parameters, not the model's)."""
+    from a low-precision checkpoint has its own parameters, not the model's), unless it is none of the model's and
+    the optimizer holds the module's own too (a parameter of the loss)."""
     own = {id(p) for p in gm.parameters()}
     names = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
+    holds_own = any(id(p) in own for group in optimizer.param_groups for p in group["params"])
     for g, group in enumerate(optimizer.param_groups):
         for i, p in enumerate(group["params"]):
             if id(p) in own:
                 continue
             if id(p) in info.source_params and not names.intersection(info.source_params[id(p)]):
                 continue  # the model's, but the graph never reads it: no gradient, as in the model itself
+            if id(p) not in info.source_params and holds_own:
+                continue  # beside the module's own: a parameter of the loss (a learned weighting), trained as is
             whose = ("a parameter of the model it was converted from, which the converted module does not share "
                      "(converted on the meta device or from a low-precision checkpoint, or moved with .to())"
                      if id(p) in info.source_params else "not a parameter of the converted module")
