@@ -205,14 +205,16 @@ def test_another_batch_size_keeps_working_and_known_signatures_are_not_rechecked
 
 
 def test_optimizer_over_foreign_tensors_changes_nothing():
+    """An optimizer over none of the module's parameters (another model's, and a stray tensor) is refused; a stray
+    tensor beside the module's own is a parameter of the loss, and trains (test_step.py)."""
     torch.manual_seed(0)
     model = BNNet()
     gm = autocastfx.convert(model, (torch.randn(8, 12),))
     stray = nn.Parameter(torch.zeros(3))
-    opt = torch.optim.SGD([{"params": list(model.parameters())}, {"params": [stray]}], lr=0.1)
+    opt = torch.optim.SGD([{"params": [stray]}, {"params": list(BNNet().parameters())}], lr=0.1)
     groups = [list(g["params"]) for g in opt.param_groups]
     masters = [m.detach().clone() for m in autocastfx.master_parameters(gm)]
-    with pytest.raises(autocastfx.StepError, match=r"shape \(3,\) \(param group 1, entry 0\).*gm.parameters\(\)"):
+    with pytest.raises(autocastfx.StepError, match=r"shape \(3,\) \(param group 0, entry 0\).*gm.parameters\(\)"):
         autocastfx.train_step(gm, F.cross_entropy, opt)
     assert [list(g["params"]) for g in opt.param_groups] == groups  # the optimizer's groups untouched
     assert all(a is b for g, h in zip(opt.param_groups, groups) for a, b in zip(g["params"], h))
