@@ -894,3 +894,16 @@ def test_a_patched_forward_on_a_layer_the_graph_computes_is_refused():
     with pytest.raises(ValueError, match="forward cannot be replaced.*convert it after"):
         layer.forward = lambda inp: base(inp) * 2
     torch.testing.assert_close(layer(x), model[0](x))  # the layer's own forward, on the shared weights
+
+
+def test_torchs_older_spectral_norm_is_refused_naming_the_parametrization():
+    """``torch.nn.utils.spectral_norm`` sets the weight in a forward pre-hook; the refusal said to keep the weight in
+    a buffer, where the fix is torch's parametrization, which converts."""
+    model = nn.Sequential(torch.nn.utils.spectral_norm(nn.Linear(16, 16)), nn.ReLU(), nn.Linear(16, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=r"torch.nn.utils.parametrizations.spectral_norm"):
+            autocastfx.convert(model, (torch.randn(4, 16),))
+        fixed = nn.Sequential(torch.nn.utils.parametrizations.spectral_norm(nn.Linear(16, 16)), nn.ReLU(),
+                              nn.Linear(16, 4))
+        autocastfx.convert(fixed, (torch.randn(4, 16),))

@@ -655,8 +655,10 @@ def check_replacement(parent: nn.Module, name: str, value: Any) -> None:
             f"{name!r} is a {cls.__name__} whose ops the converted graph computes itself, planned for its tensors' "
             f"shapes {shapes[0]}; the new one's are {shapes[2]}. Make the change on the model and convert again "
             "(gm.state_dict() loads into the model where the shapes agree)")
+    what = f"a {cls.__name__}" if cls is not nn.Module else "the holder of the tensors of the model's module of " \
+        "that name,"
     raise ValueError(
-        f"{name!r} is a {cls.__name__} whose ops the converted graph computes itself, reading only its tensors: "
+        f"{name!r} is {what} whose ops the converted graph computes itself, reading only its tensors: "
         f"replacing it with a {type(value).__name__} (SyncBatchNorm.convert_sync_batchnorm, a LoRA wrapper) would "
         "change nothing the graph computes. Make the change on the model and convert again (gm.state_dict() loads "
         "into the model)")

@@ -191,6 +191,16 @@ def _short(v: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _legacy_reparametrization(module: nn.Module, name: str) -> str | None:
+    """``"spectral_norm"`` or ``"weight_norm"`` where ``module``'s attribute ``name`` is set by the forward pre-hook
+    of torch's older form of that reparametrization; else None."""
+    for hook in module._forward_pre_hooks.values():
+        kind = {"SpectralNorm": "spectral_norm", "WeightNorm": "weight_norm"}.get(type(hook).__name__)
+        if kind is not None and getattr(hook, "name", None) == name and type(hook).__module__.startswith("torch.nn"):
+            return kind
+    return None
+
+
 def guard_for(state: StateUse | None, model: nn.Module) -> StateGuard | None:
     """The guard of what ``state`` says the capture read, watching ``model`` (None: nothing read); ValueError where
     the model's code changes an attribute it reads (a counter the forward moves)."""
@@ -200,6 +210,13 @@ def guard_for(state: StateUse | None, model: nn.Module) -> StateGuard | None:
     for (path, name), (old, new) in sorted(state.changed.items(), key=lambda kv: kv[0]):
         if (path, name) in state.read and path not in leaves and not isinstance(new, torch.Tensor):
             owner = type(model.get_submodule(path)).__name__ if _has(model, path) else type(model).__name__
+            legacy = _legacy_reparametrization(model.get_submodule(path) if _has(model, path) else model, name)
+            if legacy is not None:
+                raise ValueError(
+                    f"{owner}.{name} is recomputed before each call by torch.nn.utils.{legacy} (a forward pre-hook "
+                    "that sets the attribute), which a converted graph cannot repeat. Use "
+                    f"torch.nn.utils.parametrizations.{legacy} (a parametrization), which converts and trains as "
+                    "in the model")
             raise ValueError(
                 f"{owner}.forward changes its attribute {name!r} ({_short(old)} -> {_short(new)}), which it also "
                 "reads: a converted graph repeats the tensor ops only, so the change would happen once, at "
