@@ -152,3 +152,85 @@ def test_hugging_face_trainer_accumulates_as_one_batch_when_label_tokens_vary(tm
     means of the micro-batches were averaged: 0.16 apart, where bfloat16 noise is 3e-3)."""
     big, accumulated = _padded_run(tmp_path, 8, 1), _padded_run(tmp_path, 4, 2)
     assert ((accumulated - big).norm() / big.norm()).item() < 1e-2
+
+
+class _NoKwargs(torch.nn.Module):
+    """A model whose forward takes no ``**kwargs``: the Trainer passes no token count, and scales by windows."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 3)
+
+    def forward(self, x, labels):
+        from transformers.modeling_outputs import SequenceClassifierOutput
+        logits = self.fc2(torch.relu(self.fc1(x)))
+        return SequenceClassifierOutput(loss=torch.nn.functional.cross_entropy(logits, labels), logits=logits)
+
+
+def test_hugging_face_trainer_averages_an_epochs_shorter_last_window_as_the_trainer_does(tmp_path):
+    """Five batches an epoch, windows of 2, 2 and 1: transformers.Trainer divides by each window's own length;
+    autocastfx's Trainer divided by 2 throughout, halving the last update (loss logged 0.58 for 1.17)."""
+    tf = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from autocastfx.integrations.hf import Trainer
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 16, generator=g)
+    rows = [{"x": x[i], "labels": x[i, :3].argmax()} for i in range(40)]
+
+    def run(cls, **kw):
+        torch.manual_seed(0)
+        model = _NoKwargs()
+        args = tf.TrainingArguments(str(tmp_path / cls.__module__), per_device_train_batch_size=8,
+                                    gradient_accumulation_steps=2, num_train_epochs=2, learning_rate=0.5, optim="sgd",
+                                    lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
+                                    use_cpu=True, seed=0, data_seed=0, disable_tqdm=True, max_grad_norm=0,
+                                    remove_unused_columns=False)
+        trainer = cls(model=model, args=args, train_dataset=rows, **kw)
+        trainer.train()
+        return _losses(trainer), torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    (want, w32), (got, w) = run(tf.Trainer), run(Trainer, dtype=torch.bfloat16)
+    assert len(got) == len(want) == 6
+    assert max(abs(a - b) for a, b in zip(got, want)) < 0.01, (got, want)
+    assert ((w - w32).norm() / w32.norm()).item() < 0.03
+
+
+def test_a_converted_causal_lm_keeps_its_class_name_for_the_trainers_label_shift(tmp_path):
+    """transformers.Trainer shifts the labels of label smoothing for a causal LM, which it knows by
+    ``model._get_name()``: the converted module answered "GraphModuleImpl", so a converted GPT-2 learnt to copy its
+    input (compute_loss 3.81 where the model's is 4.16)."""
+    tf = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=32, use_cache=False)
+    model = tf.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 64, (4, 16))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    gm = autocastfx.convert(model, example_kwargs=batch, dtype=torch.bfloat16)
+    assert gm._get_name() == "GPT2LMHeadModel"
+    args = tf.TrainingArguments(str(tmp_path), label_smoothing_factor=0.1, report_to=[], use_cpu=True)
+    with torch.no_grad():
+        want = tf.Trainer(model=model, args=args).compute_loss(model, dict(batch))
+        got = tf.Trainer(model=gm, args=args).compute_loss(gm, dict(batch))
+    assert abs(got.item() - want.item()) < 0.02 * want.item(), (got.item(), want.item())
+
+
+def test_hugging_face_trainer_refuses_a_loss_it_would_not_train_on(tmp_path):
+    """autocastfx's Trainer trains on the model's own loss: label smoothing and compute_loss_func were ignored in
+    training without a word (the weights bit-identical to a run without them)."""
+    tf = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from autocastfx.integrations.hf import Trainer
+
+    cfg = tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32, use_cache=False)
+    ids = torch.randint(0, 64, (8, 16))
+    rows = [{"input_ids": i, "labels": i.clone()} for i in ids]
+    for kw in ({"label_smoothing_factor": 0.1}, {}):
+        args = tf.TrainingArguments(str(tmp_path), per_device_train_batch_size=4, max_steps=1, report_to=[],
+                                    use_cpu=True, **kw)
+        extra = {} if kw else {"compute_loss_func": lambda out, labels, num_items_in_batch=None: out.loss * 3}
+        trainer = Trainer(model=tf.GPT2LMHeadModel(cfg), args=args, train_dataset=rows, dtype=torch.bfloat16,
+                          **extra)
+        with pytest.raises(ValueError, match="trains on the model's own loss.*transformers.Trainer"):
+            trainer.train()

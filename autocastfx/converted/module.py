@@ -792,6 +792,7 @@ def add_model_surface(gm: nn.Module) -> None:
         return
     own = type(gm)
     base = own.__mro__[1]
+    own._get_name = lambda self: cls.__name__  # the model's name, which libraries match (HF's causal-LM list)
     for klass in reversed(cls.__mro__):
         if klass in (nn.Module, object) or klass in base.__mro__:
             continue

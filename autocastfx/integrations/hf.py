@@ -56,6 +56,12 @@ class _Applied(torch.optim.Optimizer):
         return f"applied by autocastfx's step: {self.real!r}"
 
 
+def _loss(out: Any) -> torch.Tensor:
+    """The model's own loss, from its output as ``transformers.Trainer`` reads it: a ``ModelOutput`` or dict's
+    ``"loss"``, else the first element."""
+    return out["loss"] if isinstance(out, dict) else out[0]
+
+
 class Trainer(transformers.Trainer):
     """``transformers.Trainer`` whose training runs through autocastfx's step; ``convert_kwargs`` / ``step_kwargs``
     go to ``autocastfx.convert`` / ``autocastfx.train_step``. Leave ``TrainingArguments(fp16=..., bf16=...)`` off."""
@@ -77,6 +83,7 @@ class Trainer(transformers.Trainer):
 
     # ------------------------------------------------------------------------------------ conversion
     def train(self, *args, **kwargs):
+        self._refuse_other_losses()
         # converted first, so a checkpoint to resume from loads into the converted module
         if "autocastfx" not in getattr(self.model, "meta", {}):
             self.model = self.model_wrapped = self._convert(self.model)
@@ -86,6 +93,20 @@ class Trainer(transformers.Trainer):
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:  # clipped by the step, after unscaling
             self.clip, self.args.max_grad_norm = self.args.max_grad_norm, 0.0
         return super().train(*args, **kwargs)
+
+    def _refuse_other_losses(self) -> None:
+        """ValueError where the Trainer would compute a loss other than the model's own ``out.loss``, which the step
+        trains on: label smoothing, ``compute_loss_func``, an overridden ``compute_loss``."""
+        other = [what for what, on in (
+            (f"label_smoothing_factor={self.args.label_smoothing_factor}", getattr(self, "label_smoother", None)),
+            ("compute_loss_func", getattr(self, "compute_loss_func", None)),
+            (f"{type(self).__name__}.compute_loss", type(self).compute_loss is not transformers.Trainer.compute_loss),
+        ) if on]
+        if other:
+            raise ValueError(
+                f"autocastfx.integrations.hf.Trainer trains on the model's own loss (out.loss), and {', '.join(other)} "
+                "asks for another: convert the model (autocastfx.convert(model, example_kwargs=batch)) and train it "
+                "with transformers.Trainer, which applies it, or compute that loss in the model's forward")
 
     def _convert(self, model):
         # the first examples read without the sampler, so the data order stays a float32 run's
@@ -106,7 +127,7 @@ class Trainer(transformers.Trainer):
         if self.step is None:
             real = super().create_optimizer(model)
             self.step = train_step(
-                self.model, lambda out, weight=None: out.loss if weight is None else out.loss * weight, real,
+                self.model, lambda out, weight=None: _loss(out) if weight is None else _loss(out) * weight, real,
                 accum_steps=self.args.gradient_accumulation_steps,
                 clip_grad_norm=self.clip, **self.step_kwargs)
             self.real_optimizer = real
@@ -125,6 +146,9 @@ class Trainer(transformers.Trainer):
             # the Trainer ends an epoch's last, shorter window early: this batch completes an update
             step.micro = (step.micro // step.accum_steps) * step.accum_steps + step.accum_steps - 1
         weight = self._token_weight(inputs, num_items_in_batch)
+        window = getattr(self, "current_gradient_accumulation_steps", step.accum_steps)
+        if weight is None and window != step.accum_steps:  # a shorter last window: its mean, as the Trainer's
+            weight = torch.tensor(step.accum_steps / window, device=self.args.device)
         loss = step(inputs) if weight is None else step(inputs, weight)
         return loss.detach() / step.accum_steps
 

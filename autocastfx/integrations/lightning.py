@@ -162,6 +162,10 @@ class MixedPrecision(Precision):
             raise RuntimeError(f"training_step's loss did not come from {type(model).__name__}.{self.name}: the "
                                "plugin trains the network it converts; call it in training_step (or name the "
                                "right one with MixedPrecision(attribute='...'))")
+        accum = model.trainer.accumulate_grad_batches
+        if accum != step.accum_steps and step.micro % step.accum_steps == 0:  # a GradientAccumulationScheduler
+            self._build_step(getattr(self.module, self.name))
+            step = self.step
         if self._stepping:  # Lightning updates after this batch, so the step does (an epoch's last window is short)
             a = step.accum_steps
             step.micro = step.micro // a * a + a - 1
@@ -173,6 +177,8 @@ class MixedPrecision(Precision):
             result = closure()  # training_step, zero_grad, backward: the step's update included
         finally:
             self._stepping = False
+        if result is None and self.step is not None:  # training_step skipped this batch: Lightning still updates
+            self.step.finish_cycle()                  # from the window's batches so far
         self._after_closure(model, optimizer)  # on_before_optimizer_step hooks; clipping was the step's
         trainer = model.trainer
         if self.step is not None and trainer.loggers and trainer._logger_connector.should_update_logs:

@@ -280,6 +280,18 @@ class TrainStep:
             opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
         return True
 
+    def finish_cycle(self) -> None:
+        """The update of an unfinished accumulation cycle's micro-batches, now, on one process (a trainer that
+        updates after a batch it skipped); nothing at a cycle's end."""
+        if self.micro % self.accum_steps == 0:
+            return
+        if self.parallel.distributed:
+            raise RuntimeError("finish_cycle() updates from this process's gradients alone: under DDP or FSDP2 "
+                               "every micro-batch of a cycle goes through the step")
+        with torch.no_grad():
+            recipe.update(self, *recipe.unscale_and_check(self))
+        self.micro += self.accum_steps - self.micro % self.accum_steps
+
     # ---------------------------------------------------------------------------------------- public
     def __call__(self, inputs, *targets):
         """``inputs``: a tensor, a tuple of positional inputs or a dict of keyword inputs; ``targets`` go to
