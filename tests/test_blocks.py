@@ -1,5 +1,7 @@
 """Blocks stay modules (convert(..., blocks="auto")), and piecewise conversion of a model that does not capture."""
+import copy
 import os
+import random
 import subprocess
 import sys
 import warnings
@@ -541,3 +543,41 @@ def test_a_piecewise_part_is_an_instance_of_the_class_it_stands_in_for():
     assert isinstance(twin.get_submodule("body"), nn.Linear) and twin.get_submodule("body").in_features == 8
     torch.testing.assert_close(twin(x), gm(x))
     assert list(gm.state_dict()) == list(model.state_dict())
+
+
+class _PyLayerDrop(nn.Module):
+    """LayerDrop drawn from Python's random module (fairseq's and older Hugging Face models' way)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 32)
+        self.layers = nn.ModuleList(nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 32)) for _ in range(4))
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            if self.training and random.random() < 0.5:
+                continue
+            x = x + layer(x)
+        return self.head(x)
+
+
+def test_a_draw_from_pythons_random_is_not_fixed_into_the_graph():
+    """The capture ran random.random() once and the graph kept that draw: the layers skipped then were skipped at
+    every call, the others never (0.5-0.7 off float32, autocast 0.006). Now such a root runs as the model's own
+    Python around converted blocks, and one graph of it is refused, naming the fix."""
+    torch.manual_seed(0)
+    model = _PyLayerDrop().train()
+    x = torch.randn(4, 8)
+    state = random.getstate()
+    gm = autocastfx.convert(copy.deepcopy(model), (x,), dtype=torch.bfloat16)
+    assert random.getstate() == state  # the caller's random stream as it was
+    for seed in range(4):
+        random.seed(seed)
+        want = model(x)
+        random.seed(seed)
+        got = gm(x).float()
+        assert ((got - want).norm() / want.norm()).item() < 0.03, seed
+    with pytest.raises(autocastfx.CaptureError, match=r"Python's random module.*torch.rand"):
+        autocastfx.convert(model, (x,), dtype=torch.bfloat16, blocks=None)

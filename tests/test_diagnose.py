@@ -93,3 +93,31 @@ def test_calibrate_and_for_inference_of_a_piecewise_module_say_what_to_apply_the
         calibrate(gm, [(ids(),)])
     with pytest.raises(ValueError, match="autocastfx.for_inference rewrites one converted graph.*piecewise"):
         autocastfx.for_inference(gm)
+
+
+def test_the_low_flop_share_counts_the_matmuls_kept_in_float32():
+    """A matmul moved to float32 (by calibration or the policy) was left out of the FLOP count: the report said
+    100% low where one of two matmuls ran in float32."""
+    torch.manual_seed(0)
+    m = Hot()
+    x = torch.randn(4, 16) * 200
+    gm = autocastfx.convert(m, (x,), pad_multiple=1, dtype=torch.float16)
+    full = autocastfx.report(gm).totals["flops"]
+    cal = calibrate(gm, [(x,)])
+    t = autocastfx.report(cal).totals
+    moved = 2 * 4 * 32 * 32  # linear_1's FLOPs, now float32
+    assert t["flops"] == full and t["low_flops"] == full - moved
+    assert abs(t["low_flop_share"] - (full - moved) / full) < 1e-9
+
+
+def test_calibrate_and_grad_histogram_leave_the_callers_random_stream():
+    """Their float32 runs of a model with dropout drew from the global generator: the next training step after
+    calibrate() was not the one a run without it takes."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 4)).train()
+    x = torch.randn(8, 16)
+    gm = autocastfx.convert(m, (x,), pad_multiple=1)
+    state = torch.get_rng_state()
+    calibrate(gm, [(x,)])
+    grad_histogram(m, (x,), lambda out: out.square().mean())
+    assert torch.equal(torch.get_rng_state(), state)

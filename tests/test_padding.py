@@ -514,3 +514,31 @@ def test_a_linears_padded_features_do_not_pass_through_a_batch_norm_of_another_d
     out, want = gm(x), ref(x)
     assert float((out.float() - want).norm() / want.norm()) < 2e-2
     assert float((gm.bn.running_mean - ref.bn.running_mean).norm() / ref.bn.running_mean.norm()) < 2e-2
+
+
+@pytest.mark.usefixtures("pad_always")
+def test_a_padded_batch_norm_saved_in_training_mode_loads(tmp_path):
+    """The padded batch norm wrote its statistics back inside torch.no_grad(), which torch.export records as a
+    region its own loader refuses: autocastfx.save and autocastfx.export wrote files in training mode that did not
+    load ("wrap_with_set_grad_enabled is missing val field")."""
+    class ConvBN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.bn = nn.Conv2d(100, 100, 3, padding=1), nn.BatchNorm2d(100)
+            self.c2 = nn.Conv2d(100, 100, 3, padding=1)
+
+        def forward(self, x):
+            return self.c2(torch.relu(self.bn(self.c1(x))))
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 100, 8, 8)
+    gm = autocastfx.convert(ConvBN(), (x,), dtype=torch.bfloat16)
+    assert type(gm.bn).__name__.startswith("ChannelPadded")
+    autocastfx.save(gm, tmp_path / "m.acfx")
+    loaded = autocastfx.load(tmp_path / "m.acfx")
+    autocastfx.export(gm, tmp_path / "m.pt2", (x,))
+    exported = torch.export.load(str(tmp_path / "m.pt2")).module()
+    with torch.no_grad():
+        want = gm(x)
+        for other in (loaded, exported):
+            torch.testing.assert_close(other(x), want)

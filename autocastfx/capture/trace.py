@@ -5,6 +5,7 @@ import contextlib
 import copy
 import itertools
 import os
+import random
 import sys
 from typing import Any, Iterable
 
@@ -132,8 +133,35 @@ def capture_graph(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, c
     # captured as it trains: a no_grad region of its own is a change of mode to keep; a draw the capture runs for
     # real (a trace of ``torch.randn(8)``) leaves the caller's random stream as it was
     caller = torch.is_grad_enabled()
-    with torch.enable_grad(), torch.random.fork_rng(devices=devices), _plain_tensors_kept(model):
+    with torch.enable_grad(), torch.random.fork_rng(devices=devices), _plain_tensors_kept(model), \
+            _python_draws_refused(model):
         return _capture_graph(model, args, kwargs, policy, ctx, compile_code, method, check, reads, caller)
+
+
+@contextlib.contextmanager
+def _python_draws_refused(model: nn.Module):
+    """Meanwhile Python's and NumPy's global random states are kept; CaptureError where the model's code drew from
+    them (LayerDrop as ``random.random() < p``): a captured graph would fix that draw as the capture's one."""
+    numpy = sys.modules.get("numpy")
+    before = random.getstate(), numpy.random.get_state() if numpy is not None else None
+    drew = False
+    try:
+        yield
+    finally:
+        drew = random.getstate() != before[0] or (numpy is not None and not _same_numpy_state(
+            numpy.random.get_state(), before[1]))
+        random.setstate(before[0])
+        if numpy is not None:
+            numpy.random.set_state(before[1])
+    if drew:
+        raise CaptureError(
+            f"{type(model).__name__}'s code draws random numbers from Python's random module or NumPy's (a "
+            "LayerDrop written as random.random() < p), which a captured graph would fix as one draw: draw with "
+            "torch (torch.rand(()) < p), which the converted module draws at each call")
+
+
+def _same_numpy_state(a, b) -> bool:
+    return a[0] == b[0] and bool((a[1] == b[1]).all()) and tuple(a[2:]) == tuple(b[2:])
 
 
 def _capture_graph(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, ctx: CaptureContext,
@@ -209,15 +237,20 @@ def _plain_tensors_kept(model: nn.Module):
 @contextlib.contextmanager
 def tensors_kept(model: nn.Module):
     """Meanwhile the model's code may run for real: its buffers, plain tensor attributes and plain settings (an int
-    it counts with) get their values back on exit."""
+    it counts with) get their values back on exit, and Python's and NumPy's random streams their states."""
     tensors = {id(t): t for t in itertools.chain(model.buffers(), (v for m in model.modules() for v in vars(m).values()
                                                                    if isinstance(v, torch.Tensor)))
                if not t.is_meta and not isinstance(t, nn.Parameter)}
     saved = [(t, t._version, t.detach().clone()) for t in tensors.values()]
     plain = [(m.__dict__, k, v) for m in model.modules() for k, v in vars(m).items() if is_plain_setting(v)]
+    numpy = sys.modules.get("numpy")
+    draws = random.getstate(), numpy.random.get_state() if numpy is not None else None
     try:
         yield
     finally:
+        random.setstate(draws[0])  # Python's and NumPy's random streams as the caller left them
+        if numpy is not None:
+            numpy.random.set_state(draws[1])
         for own, k, v in plain:
             if own.get(k, plain) is not v:
                 own[k] = v

@@ -224,10 +224,9 @@ def _padded_bn_class(cls: type) -> type:
             rv = F.pad(self.running_var, (0, extra), value=1.0) if self.running_var is not None else None
             y = F.batch_norm(x, rm, rv, F.pad(self.weight, (0, extra)), F.pad(self.bias, (0, extra)),
                              training, self.momentum, self.eps)
-            if self.training and rm is not None:
-                with torch.no_grad():
-                    self.running_mean.copy_(rm[:c])
-                    self.running_var.copy_(rv[:c])
+            if self.training and rm is not None:  # no torch.no_grad() region: torch.export's loader refuses one
+                self.running_mean.copy_(rm[:c].detach())  # that writes buffers ("missing val field")
+                self.running_var.copy_(rv[:c].detach())
             return y
 
         _BN_PADDED[cls] = type(f"ChannelPadded{cls.__name__}", (cls,), {"forward": forward})

@@ -90,7 +90,7 @@ def calibrate(gm: fx.GraphModule, batches: Iterable, *, margin: float = 4.0, max
                    and d.op_class == "low"}
         amax: dict[str, float] = {}
         err: dict[str, float] = {}
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=_cuda_devices(f32)):  # its dropout draws: not the caller's
             for b in batches:
                 _Probe(f32, low_ops, amax, err).run(*_flat(f32, b))
         new = {}
@@ -205,6 +205,10 @@ class _GradCollector(TorchFunctionMode):
         return out
 
 
+def _cuda_devices(model: nn.Module) -> list[int]:
+    return sorted({t.device.index or 0 for t in model.parameters() if t.device.type == "cuda"})
+
+
 def grad_histogram(model: nn.Module, inputs: tuple, loss_fn: Callable, *targets: Any) -> GradHistogram:
     """The activation gradients of one float32 forward/backward of ``loss_fn(model(*inputs), *targets)`` on a copy
     of ``model``."""
@@ -212,10 +216,11 @@ def grad_histogram(model: nn.Module, inputs: tuple, loss_fn: Callable, *targets:
         raise TypeError("inputs must be a tuple: write (x,) instead of x")
     m = copy.deepcopy(model).float()
     col = _GradCollector()
-    with col:
-        out = m(*inputs)
-    loss = loss_fn(out, *targets)
-    loss.backward()
+    with torch.random.fork_rng(devices=_cuda_devices(m)):  # its dropout draws: not the caller's
+        with col:
+            out = m(*inputs)
+        loss = loss_fn(out, *targets)
+        loss.backward()
     if not col.grads:
         raise ValueError("no activation gradient was recorded: does the loss depend on the model's output?")
     g = torch.cat(col.grads)

@@ -55,14 +55,19 @@ class Report:
         if t.get("blocks"):
             lines.append("blocks: converted modules of their own (report(gm.get_submodule(name)) for each):")
             for name, b in t["blocks"].items():
-                extra = (f"; casts {b['casts']}, parameters stored low {b['low_parameters']}, inputs "
+                extra = (f"; casts {b['casts']}, parameters cast low {b['low_parameters']}, inputs "
                          f"{', '.join(b['inputs']) or '-'}") if "casts" in b else ""
                 lines.append(f"  {name}: {b['plan']}{extra}")
         if t.get("capture") == "piecewise":
             return "\n".join(lines)
         if t.get("options"):
             lines.append(f"options: {t['options']}")
-        lines += _summary(t)
+        summary = _summary(t)
+        if t.get("blocks"):  # the totals are the root graph's; each block's are in its own report
+            summary = [summary[0] + " (the graph around the blocks: a block's call is one node, its output's dtype)",
+                       *(line.replace(" per forward", " per forward of the graph around the blocks")
+                         for line in summary[1:])]
+        lines += summary
         if t.get("shapes", "fake") != "fake":
             lines.append(f"shapes and dtypes learnt from a {t['shapes']}")
         if t.get("dtype_choice"):
@@ -158,7 +163,7 @@ def report(gm: fx.GraphModule) -> Report:
         d = node.meta.get("autocastfx")
         if d is None:
             continue
-        node_flops = node_flops_of(gm, node) if d.kind == "op" and d.op_class == "low" else 0
+        node_flops = node_flops_of(gm, node) if d.kind == "op" else 0  # a matmul the policy keeps float32 too
         rows.append(Row(node.name, node.op, _target(node), d.kind, d.op_class, _SHORT.get(d.dtype, str(d.dtype)),
                         d.reason, list(d.casts_in)))
         if d.kind == "cast":
