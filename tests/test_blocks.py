@@ -581,3 +581,30 @@ def test_a_draw_from_pythons_random_is_not_fixed_into_the_graph():
         assert ((got - want).norm() / want.norm()).item() < 0.03, seed
     with pytest.raises(autocastfx.CaptureError, match=r"Python's random module.*torch.rand"):
         autocastfx.convert(model, (x,), dtype=torch.bfloat16, blocks=None)
+
+
+class _Stages(nn.Module):
+    """Stages of blocks: a ModuleList of ModuleLists, iterated by the model's own loops."""
+
+    def __init__(self):
+        super().__init__()
+        self.stages = nn.ModuleList(nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(2))
+                                    for _ in range(2))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        for stage in self.stages:
+            for block in stage:
+                x = x + block(x)
+        return self.head(x)
+
+
+def test_auto_takes_the_blocks_of_nested_module_lists():
+    """blocks='auto' took the inner ModuleLists themselves as blocks, and the model's ``for b in stage`` failed
+    with "'_Stand' object is not iterable"."""
+    torch.manual_seed(0)
+    model, x = _Stages(), torch.randn(4, 16)
+    gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    names = list(autocastfx.report(gm).totals.get("blocks", {}))
+    assert names == ["stages.0.0", "stages.0.1", "stages.1.0", "stages.1.1"], names
+    torch.testing.assert_close(gm(x).float(), model(x), rtol=3e-2, atol=3e-2)

@@ -56,7 +56,8 @@ def choose(model: nn.Module, blocks: Any, policy) -> list[str]:
                 continue
             kinds = collections.Counter(type(c) for c in m.children())
             for key, c in m.named_children():
-                if kinds[type(c)] >= 2 and not policy.is_leaf(c) and has_gemm(c):
+                if kinds[type(c)] >= 2 and not isinstance(c, (nn.ModuleList, nn.ModuleDict)) \
+                        and not policy.is_leaf(c) and has_gemm(c):  # a list of lists: the inner lists' blocks
                     names.append(f"{name}.{key}" if name else key)
         return names
     if callable(blocks):
