@@ -608,3 +608,48 @@ def test_auto_takes_the_blocks_of_nested_module_lists():
     names = list(autocastfx.report(gm).totals.get("blocks", {}))
     assert names == ["stages.0.0", "stages.0.1", "stages.1.0", "stages.1.1"], names
     torch.testing.assert_close(gm(x).float(), model(x), rtol=3e-2, atol=3e-2)
+
+
+class _Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return F.dropout(self.q(x), 0.1, training=self.training)  # the mode read in Python, as HF attention does
+
+
+class _DropBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.ff = _Attn(), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.ff(self.attn(x))
+
+
+class _TorchLayerDrop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers, self.head = nn.ModuleList(_DropBlock() for _ in range(2)), nn.Linear(16, 2)
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training and torch.rand([]) < 0.3:  # LayerDrop, as Hugging Face's BART draws it
+                continue
+            x = layer(x)
+        return self.head(x)
+
+
+def test_a_piecewise_model_converted_in_training_mode_keeps_its_blocks_modules_in_its_mode():
+    """The piecewise conversion's one run set the blocks' own modules to eval while the blocks stayed in training:
+    convert() raised "modules of this converted module are in another mode than the program it runs"."""
+    torch.manual_seed(0)
+    model, x = _TorchLayerDrop().train(), torch.randn(4, 16)
+    gm = autocastfx.convert(copy.deepcopy(model), (x,), dtype=torch.bfloat16)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        want = model(x)
+        torch.manual_seed(seed)
+        got = gm(x).float()
+        assert ((got - want).norm() / want.norm()).item() < 0.03, seed

@@ -101,16 +101,16 @@ def quiet_run(tree: nn.Module, low: torch.dtype | None = None, inputs: Any = Non
     auto = torch.autocast(_device_type(inputs), dtype=low) if low is not None and low != torch.float32 \
         else contextlib.nullcontext()
     with torch.random.fork_rng(devices=[]), torch.no_grad(), auto, torch_internal_warnings_off():
-        flags = [(m, m.training) for m in tree.modules()]
+        # a converted block's own modules keep its mode, which the block checks they have at each call
+        inside = {id(s) for m in tree.modules() if is_converted(m) for s in m.modules()}
+        flags = [(m, m.training) for m in tree.modules() if id(m) not in inside]
         for m, _ in flags:
-            if not is_converted(m):
-                m.training = False
+            m.training = False
         try:
             yield
         finally:
             for m, f in flags:
-                if not is_converted(m):
-                    m.training = f
+                m.training = f
 
 
 def to_float32(value: Any) -> Any:
