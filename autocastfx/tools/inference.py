@@ -176,6 +176,10 @@ class _LowParams(nn.Module):
             owner, _, attr = n.rpartition(".")
             module.get_submodule(owner)._parameters[attr] = None
 
+    def casts_per_call(self) -> list[int]:
+        """The elements of each cast its forward makes (for the report)."""
+        return [getattr(self, "low_" + n.replace(".", "_")).numel() for n in self.names]
+
     def forward(self, *args, **kwargs):
         params = {n: getattr(self, "low_" + n.replace(".", "_")).float() for n in self.names}
         return torch.func.functional_call(self.inner, params, args, kwargs)
@@ -203,6 +207,9 @@ def store_every_weight_low(gm: fx.GraphModule, dtype: torch.dtype) -> list[str]:
                 if len(casts) < len(node.users):  # read in float32 too: cast up there
                     with gm.graph.inserting_after(node):
                         up = gm.graph.call_method("to", (node, torch.float32))
+                    up.meta["autocastfx"] = _rewrite.Decision(  # a cast the report counts
+                        "cast", None, torch.float32, f"{node.target}, stored {dtype}, read in float32",
+                        numel=p.numel())
                     node.replace_all_uses_with(up, delete_user_cb=lambda u: u is not up and u not in casts)
                 for cast in casts:  # read low: the stored weight itself now
                     cast.replace_all_uses_with(node)

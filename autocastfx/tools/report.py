@@ -122,9 +122,16 @@ def _summary(t: dict[str, Any]) -> list[str]:
     return [f"captured by {t['capture']}; low dtype {t['dtype']}; nodes per dtype: {per_dtype}",
             f"casts per forward: {t['casts']} ({t['cast_bytes']:,} bytes); naive rule would use "
             f"{t['casts_naive']} ({t['cast_bytes_naive']:,} bytes)",
-            f"parameters cast low: {t['low_parameters']} (float32 in the module, cast once per forward); "
-            f"model casts absorbed: {t['absorbed_casts']}",
+            _parameters_line(t) + f"; model casts absorbed: {t['absorbed_casts']}",
             f"matmul/conv FLOPs in low precision: {t['low_flop_share']:.1%} of {t['flops']:,} per forward"]
+
+
+def _parameters_line(t: dict[str, Any]) -> str:
+    stored = (t.get("inference") or {}).get("weights_stored_low_and_cast_up")
+    if stored:  # a deployment copy (autocastfx.for_inference)
+        return (f"parameters stored low: {len(stored)} (in the low dtype in the module; cast up where the graph "
+                "reads one in float32)")
+    return f"parameters cast low: {t['low_parameters']} (float32 in the module, cast once per forward)"
 
 
 def _cut(s: str, w: int) -> str:
@@ -166,6 +173,11 @@ def report(gm: fx.GraphModule) -> Report:
         node_flops = node_flops_of(gm, node) if d.kind == "op" else 0  # a matmul the policy keeps float32 too
         rows.append(Row(node.name, node.op, _target(node), d.kind, d.op_class, _SHORT.get(d.dtype, str(d.dtype)),
                         d.reason, list(d.casts_in)))
+        inside = getattr(gm.get_submodule(str(node.target)), "casts_per_call", None) \
+            if node.op == "call_module" else None
+        if inside is not None:  # a deployment copy's leaf module, casting its low parameters up
+            casts += len(inside())
+            cast_elems += sum(inside())
         if d.kind == "cast":
             casts += 1
             cast_elems += d.numel
