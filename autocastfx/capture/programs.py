@@ -123,7 +123,9 @@ def _derive_all(model: nn.Module, work: nn.Module, gm: fx.GraphModule, how: str,
     marks = flag_marks(gm, None if captured_training else (lambda node: _owner_mode(node, work)))
     programs = {k: derived(gm, marks, k, work, copy_graph=k != current) for k in keys}
     off = "" if captured_training else (" (an attention's dropout probability, written as 'p if self.training "
-                                         "else 0.0', was captured as 0.0 and stays off in training)")
+                                         "else 0.0', was captured as 0.0 and stays off in training; code that runs "
+                                         "in training only, such as a LayerDrop, is not in the program: convert the "
+                                         "model in training mode, model.train(), to keep it)")
     warn_user(f"autocastfx: {type(model).__name__} is converted from one capture because {why}: gm.train()/gm.eval() "
               "switch the dropout and batch-norm flags they recognise, and other mode-dependent code keeps the form "
               f"it was captured in{off}")
