@@ -388,7 +388,8 @@ def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: Con
                 sub.training = modes_now[name].training
         _module.adopt_model_classes(gm, model)  # the model's layer classes where the graph reads their tensors
         _unsaved_constants(gm, model)
-        _trained_constants(gm, model)
+        if captured.how == "torch.export":  # symbolic tracing takes such a tensor only as what the model made of it
+            _trained_constants(gm, model)
     graphs = {k: p.graph for k, p in captured.programs.items()}
     one = len(graphs) == 1 or _modes.same_program(graphs)
     programs = {captured.current: gm} if one else captured.programs
@@ -534,13 +535,22 @@ def _trained_constants(gm: nn.Module, model: nn.Module) -> None:
                if t.requires_grad and t.is_leaf and not t.is_meta and t.layout == torch.strided}
     if not trained:
         return
-    for sub in gm.modules():
-        for name, t in [*sub._buffers.items(), *vars(sub).items()]:
-            if type(t) is torch.Tensor and not t.requires_grad and not t.is_meta and t.layout == torch.strided \
-                    and key(t) in trained:
-                sub._buffers.pop(name, None)
-                sub._non_persistent_buffers_set.discard(name)
-                sub.__dict__[name] = trained[key(t)]
+    for node in gm.graph.nodes:  # read as it is: not through the model's own .detach() (torch.export keeps it)
+        if node.op != "get_attr" or all(_name_of(u) in ("detach", "alias") for u in node.users):
+            continue
+        owner, _, name = str(node.target).rpartition(".")
+        sub = gm.get_submodule(owner)
+        t = getattr(sub, name, None)
+        if type(t) is torch.Tensor and not t.requires_grad and not t.is_meta and t.layout == torch.strided \
+                and key(t) in trained:
+            sub._buffers.pop(name, None)
+            sub._non_persistent_buffers_set.discard(name)
+            sub.__dict__[name] = trained[key(t)]
+
+
+def _name_of(node: fx.Node) -> str:
+    t = node.target
+    return t if isinstance(t, str) else getattr(getattr(t, "overloadpacket", t), "__name__", "")
 
 
 def _unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

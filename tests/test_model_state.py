@@ -907,3 +907,50 @@ def test_torchs_older_spectral_norm_is_refused_naming_the_parametrization():
         fixed = nn.Sequential(torch.nn.utils.parametrizations.spectral_norm(nn.Linear(16, 16)), nn.ReLU(),
                               nn.Linear(16, 4))
         autocastfx.convert(fixed, (torch.randn(4, 16),))
+
+
+class _ListBatchNorm(nn.Module):
+    def __init__(self, momentum):
+        super().__init__()
+        self.lin, self.teacher = nn.Linear(8, 8), [nn.BatchNorm1d(8, momentum=momentum)]
+
+    def forward(self, x):
+        return ((self.lin(x) - self.teacher[0](x).detach()) ** 2).mean()
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_convert_leaves_a_list_held_modules_statistics_as_they_were(momentum):
+    """With a list-held module's tensors shared, convert()'s own runs of the model moved its batch-norm statistics
+    and left them moved (num_batches_tracked 2, running_mean 1.6 off)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8) * 3 + 1
+    model = _ListBatchNorm(momentum)
+    ref = copy.deepcopy(model)
+    gm = autocastfx.convert(model, (x,), dtype=BF16)
+    bn = model.teacher[0]
+    assert int(bn.num_batches_tracked) == 0 and bn.running_mean.abs().max().item() == 0
+    gm(x)
+    ref(x)
+    torch.testing.assert_close(bn.running_mean, ref.teacher[0].running_mean)
+
+
+class _DetachedListParameter(nn.Module):
+    def __init__(self, untraceable):
+        super().__init__()
+        self.lin, self.extra, self.untraceable = nn.Linear(8, 8), [nn.Parameter(torch.randn(8))], untraceable
+
+    def forward(self, x):
+        if self.untraceable:  # a traced shape as a size: symbolic tracing fails, torch.export captures
+            n, _ = x.shape
+            x = x + torch.zeros(n, 1)
+        return self.lin(x) * self.extra[0].detach()
+
+
+@pytest.mark.parametrize("trace", ["symbolic_trace", "torch.export"])
+def test_a_list_held_parameter_the_model_detaches_gets_no_gradient(trace):
+    """A constant taken from ``p.detach()`` shares p's storage: it was swapped for p itself, which then trained."""
+    model, x = _DetachedListParameter(untraceable=trace == "torch.export"), torch.randn(4, 8)
+    gm = autocastfx.convert(model, (x,), dtype=BF16)
+    assert gm.meta["autocastfx"].capture == trace
+    gm(x).sum().backward()
+    assert model.extra[0].grad is None

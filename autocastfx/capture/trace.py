@@ -96,7 +96,8 @@ def unregistered_tensors(model: nn.Module) -> list[torch.Tensor]:
 
     def walk(v, depth):
         if isinstance(v, torch.Tensor):
-            found.setdefault(id(v), v)
+            if type(v) in (torch.Tensor, nn.Parameter):  # not a fake or other wrapper a pass left behind
+                found.setdefault(id(v), v)
         elif isinstance(v, nn.Module):
             if id(v) in seen:
                 return
@@ -105,8 +106,9 @@ def unregistered_tensors(model: nn.Module) -> list[torch.Tensor]:
                 seen.add(id(m))
                 for t in itertools.chain(m._parameters.values(), m._buffers.values()):
                     walk(t, depth)
+                own_cache = type(m).__module__.startswith("torch.")  # torch's private caches (an RNN's _flat_weights)
                 for k, x in vars(m).items():
-                    if k not in ("_parameters", "_buffers", "_modules"):
+                    if k not in ("_parameters", "_buffers", "_modules") and not (own_cache and k[0] == "_"):
                         walk(x, depth + 1)
         elif depth < 4 and type(v) in (list, tuple, dict, set):
             for x in (v.values() if isinstance(v, dict) else v):
@@ -223,8 +225,8 @@ def _root_hooks(model: nn.Module) -> bool:
 def _plain_tensors_kept(model: nn.Module):
     """Meanwhile the capture may run the model's code for real: its plain tensor attributes (shared with the
     capture's copy; a counter it steps) get their values back on exit."""
-    saved = {id(t): (t, t.detach().clone()) for m in model.modules() for t in vars(m).values()
-             if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and not t.is_meta}
+    saved = {id(t): (t, t.detach().clone()) for t in unregistered_tensors(model)
+             if not isinstance(t, nn.Parameter) and not t.is_meta}  # a list-held module's buffers too
     try:
         yield
     finally:
@@ -238,9 +240,8 @@ def _plain_tensors_kept(model: nn.Module):
 def tensors_kept(model: nn.Module):
     """Meanwhile the model's code may run for real: its buffers, plain tensor attributes and plain settings (an int
     it counts with) get their values back on exit, and Python's and NumPy's random streams their states."""
-    tensors = {id(t): t for t in itertools.chain(model.buffers(), (v for m in model.modules() for v in vars(m).values()
-                                                                   if isinstance(v, torch.Tensor)))
-               if not t.is_meta and not isinstance(t, nn.Parameter)}
+    tensors = {id(t): t for t in itertools.chain(model.buffers(), unregistered_tensors(model))
+               if not t.is_meta and not isinstance(t, nn.Parameter)}  # a list-held module's buffers too
     saved = [(t, t._version, t.detach().clone()) for t in tensors.values()]
     plain = [(m.__dict__, k, v) for m in model.modules() for k, v in vars(m).items() if is_plain_setting(v)]
     numpy = sys.modules.get("numpy")

@@ -56,6 +56,7 @@ def absorb_casts(gm: fx.GraphModule) -> list[str]:
     ``x.contiguous(memory_format=...)``. A cast to a literal float32 (``.float()``, ``.to(torch.float32)``) stays,
     marked: what follows it runs in float32, as the model asks (and as torch.autocast does)."""
     _dtype_reads_fixed(gm)
+    changed = alias_groups(gm)  # values changed in place: a cast kept on them would copy where the model aliases
     removed = []
     for node in list(gm.graph.nodes):
         if node.op not in ("call_method", "call_function") or op_name(node) not in CAST_OPS:
@@ -70,7 +71,8 @@ def absorb_casts(gm: fx.GraphModule) -> list[str]:
             continue
         if not _only_changes_dtype(node, src.device):
             continue
-        if out.dtype == torch.float32 and _literal_float32(node):  # the model asks for float32 from here on
+        if out.dtype == torch.float32 and _literal_float32(node) and node not in changed \
+                and node.args[0] not in changed:  # the model asks for float32 from here on
             node.meta[K.UPCAST] = True
             continue
         replacement = node.args[0]
@@ -94,18 +96,24 @@ def _dtype_reads_fixed(gm: fx.GraphModule) -> None:
                 and node.args[1] == "dtype" and isinstance(node.args[0], fx.Node)):
             continue
         info = node.args[0].meta.get(K.INFO)
-        if not isinstance(info, TensorInfo):
+        if not isinstance(info, TensorInfo) or node.args[0].op == "placeholder":  # an input's: the caller's to pick
             continue
         for user in list(node.users):
             user.args = fx.node.map_arg(user.args, lambda a: info.dtype if a is node else a)
             user.kwargs = fx.node.map_arg(user.kwargs, lambda a: info.dtype if a is node else a)
+            user.meta[_READ_DTYPE] = True  # a cast to it is to another tensor's dtype, not the model's float32
         if not node.users:
             gm.graph.erase_node(node)
+
+
+_READ_DTYPE = "autocastfx_read_dtype"  # a node given the dtype another value had at capture (_dtype_reads_fixed)
 
 
 def _literal_float32(node: fx.Node) -> bool:
     """Whether the cast names float32 itself (not another tensor's dtype, which the plan may make low)."""
     name = op_name(node)
+    if node.meta.get(_READ_DTYPE):
+        return False
     if name == "float":
         return True
     if name == "type_as":
