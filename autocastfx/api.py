@@ -33,7 +33,7 @@ from .core import modes as _modes
 from .core import rewrite as _rewrite
 from .core import weights as _weights
 from .core.pipeline import run_passes
-from .core.policy import Policy
+from .core.policy import Policy, op_name
 from .core.propagate import propagate
 from .tree.blocks import Conversions, choose, convert_tree, why_not_captured
 from .tree.parts import has_gemm
@@ -536,7 +536,7 @@ def _trained_constants(gm: nn.Module, model: nn.Module) -> None:
     if not trained:
         return
     for node in gm.graph.nodes:  # read as it is: not through the model's own .detach() (torch.export keeps it)
-        if node.op != "get_attr" or all(_name_of(u) in ("detach", "alias") for u in node.users):
+        if node.op != "get_attr" or all(op_name(u) in ("detach", "alias") for u in node.users):
             continue
         owner, _, name = str(node.target).rpartition(".")
         sub = gm.get_submodule(owner)
@@ -547,10 +547,6 @@ def _trained_constants(gm: nn.Module, model: nn.Module) -> None:
             sub._non_persistent_buffers_set.discard(name)
             sub.__dict__[name] = trained[key(t)]
 
-
-def _name_of(node: fx.Node) -> str:
-    t = node.target
-    return t if isinstance(t, str) else getattr(getattr(t, "overloadpacket", t), "__name__", "")
 
 
 def _unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

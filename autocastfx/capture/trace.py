@@ -144,17 +144,13 @@ def capture_graph(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, c
 def _python_draws_refused(model: nn.Module):
     """Meanwhile Python's and NumPy's global random states are kept; CaptureError where the model's code drew from
     them (LayerDrop as ``random.random() < p``): a captured graph would fix that draw as the capture's one."""
-    numpy = sys.modules.get("numpy")
-    before = random.getstate(), numpy.random.get_state() if numpy is not None else None
+    before = _python_random_states()
     drew = False
     try:
         yield
     finally:
-        drew = random.getstate() != before[0] or (numpy is not None and not _same_numpy_state(
-            numpy.random.get_state(), before[1]))
-        random.setstate(before[0])
-        if numpy is not None:
-            numpy.random.set_state(before[1])
+        drew = _python_random_states() != before
+        _set_python_random_states(before)
     if drew:
         raise CaptureError(
             f"{type(model).__name__}'s code draws random numbers from Python's random module or NumPy's (a "
@@ -162,8 +158,22 @@ def _python_draws_refused(model: nn.Module):
             "torch (torch.rand(()) < p), which the converted module draws at each call")
 
 
-def _same_numpy_state(a, b) -> bool:
-    return a[0] == b[0] and bool((a[1] == b[1]).all()) and tuple(a[2:]) == tuple(b[2:])
+def _python_random_states() -> tuple:
+    """Python's random state, and NumPy's global one where NumPy is imported (its key array as a tuple, comparable
+    with ==)."""
+    numpy = sys.modules.get("numpy")
+    if numpy is None:
+        return random.getstate(), None
+    name, keys, *rest = numpy.random.get_state()
+    return random.getstate(), (name, tuple(keys.tolist()), *rest)
+
+
+def _set_python_random_states(states: tuple) -> None:
+    random.setstate(states[0])
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and states[1] is not None:
+        name, keys, *rest = states[1]
+        numpy.random.set_state((name, numpy.array(keys, dtype=numpy.uint32), *rest))
 
 
 def _capture_graph(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, ctx: CaptureContext,
@@ -244,14 +254,11 @@ def tensors_kept(model: nn.Module):
                if not t.is_meta and not isinstance(t, nn.Parameter)}  # a list-held module's buffers too
     saved = [(t, t._version, t.detach().clone()) for t in tensors.values()]
     plain = [(m.__dict__, k, v) for m in model.modules() for k, v in vars(m).items() if is_plain_setting(v)]
-    numpy = sys.modules.get("numpy")
-    draws = random.getstate(), numpy.random.get_state() if numpy is not None else None
+    draws = _python_random_states()
     try:
         yield
     finally:
-        random.setstate(draws[0])  # Python's and NumPy's random streams as the caller left them
-        if numpy is not None:
-            numpy.random.set_state(draws[1])
+        _set_python_random_states(draws)  # Python's and NumPy's random streams as the caller left them
         for own, k, v in plain:
             if own.get(k, plain) is not v:
                 own[k] = v
