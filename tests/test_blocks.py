@@ -653,3 +653,64 @@ def test_a_piecewise_model_converted_in_training_mode_keeps_its_blocks_modules_i
         torch.manual_seed(seed)
         got = gm(x).float()
         assert ((got - want).norm() / want.norm()).item() < 0.03, seed
+
+
+class _Collects(nn.Module):
+    """A block that appends to a list its caller gives it (auxiliary losses, as mixture-of-experts layers do)."""
+
+    def __init__(self, d=32, scale=1.0):
+        super().__init__()
+        self.ln, self.ff, self.scale = nn.LayerNorm(d), nn.Linear(d, d), scale
+
+    def forward(self, x, step=0, store=None):
+        h = self.ff(self.ln(x)) * self.scale
+        if store is not None:
+            store.append(h.mean())
+        return x + h * (1 + 0.01 * step)
+
+
+class _Plain(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x, step=0, store=None):
+        return x + self.b(F.silu(self.a(x)))
+
+
+class _AuxModel(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        self.layers = nn.ModuleList([_Collects(d, 1.0), _Plain(d), _Collects(d, 0.5), _Plain(d), _Collects(d, 2.0)])
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x):
+        x, store = self.inp(x), []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, step=i, store=store)
+        return self.head(x) + torch.stack(store).sum()
+
+
+@pytest.mark.parametrize("blocks", [["layers.0"], "auto", True])
+def test_a_block_that_appends_to_a_list_its_caller_gives_keeps_the_append(blocks):
+    """A graph around the blocks would hold the list as it was before the block's call (the append lost, and with
+    it that block's share of the output and of the gradient): such a model runs its own Python around the blocks."""
+    torch.manual_seed(0)
+    model, x = _AuxModel(), torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = autocastfx.convert(copy.deepcopy(model), (x,), dtype=torch.bfloat16, blocks=blocks)
+    for xi in (x, torch.randn(4, 8)):
+        ref = model(xi)
+        with torch.autocast("cpu", torch.bfloat16):
+            ac = model(xi)
+        with AtenRecorder() as rec:
+            out = gm(xi)
+        assert any(c.name == "addmm" and torch.bfloat16 in c.in_dtypes for c in rec.calls)  # it still runs low
+        bound = 3 * (ac - ref).norm() / ref.norm() + 1e-3
+        assert (out - ref).norm() / ref.norm() <= bound
+    first = dict(gm.named_parameters())["layers.0.ff.bias"]
+    g32 = torch.autograd.grad(model(x).sum(), model.layers[0].ff.bias)[0]
+    g = torch.autograd.grad(gm(x).sum(), first)[0]
+    assert (g - g32).norm() / g32.norm() < 0.02

@@ -336,7 +336,7 @@ def _run(model: nn.Module, args: tuple, kwargs: dict, take: int, run, state: tup
     torch.set_rng_state(state[0])
     for d, s in zip(devices, state[1]):
         torch.cuda.set_rng_state(s, d)
-    with tensors_kept(model), _ParameterWritesUndone(model.parameters()):
+    with tensors_kept(model), _WritesUndone(model.parameters()):
         try:
             out = run(a, k)
         except Exception:  # noqa: BLE001 - told to the caller
@@ -356,31 +356,46 @@ _RANDOM = frozenset(getattr(torch.ops.aten, n) for n in (
 _TO_PYTHON = {torch.ops.aten._local_scalar_dense, torch.ops.aten.is_nonzero, torch.ops.aten.equal}
 
 
-class _ParameterWritesUndone(TorchDispatchMode):
-    """Meanwhile each parameter an op writes in place (``self.w.data.mul_(0.5)`` in a forward, which no version
-    counter of the parameter sees) is saved before its first write, and put back on exit: a run for real leaves the
-    model's weights as they were, at the cost of a copy of those it writes only."""
+class _WritesUndone(TorchDispatchMode):
+    """Meanwhile each of ``tensors`` an op writes in place (``self.w.data.mul_(0.5)`` in a forward, which no version
+    counter of the parameter sees, or a write through a view) is saved before its first write, and put back on exit:
+    a run for real leaves the model's tensors as they were, at the cost of a copy of those it writes only."""
 
-    def __init__(self, params):
+    def __init__(self, tensors):
         super().__init__()
-        self.params = {_storage(p): p for p in params if _storage(p)}
+        tensors = list(tensors)
+        self.own = {id(t): t for t in tensors}
+        self.by_storage: dict[int, list[torch.Tensor]] = {}
+        for t in tensors:
+            if _storage(t):
+                self.by_storage.setdefault(_storage(t), []).append(t)
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def written(self, func, args, kwargs) -> list[torch.Tensor]:
+        """The tensors of the mode's that ``func`` writes (each saved on its first write)."""
+        if not func._schema.is_mutable:
+            return []
+        out = []
+        for arg, value in zip(func._schema.arguments, itertools.chain(args, kwargs.values())):
+            if arg.alias_info is None or not arg.alias_info.is_write or not isinstance(value, torch.Tensor):
+                continue
+            owners = [self.own[id(value)]] if id(value) in self.own else self.by_storage.get(_storage(value), [])
+            for t in owners:
+                if id(t) not in self.saved:
+                    self.saved[id(t)] = (t, t.detach().clone())
+            out.extend(owners)
+        return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.params and func._schema.is_mutable:
-            for arg, value in zip(func._schema.arguments, itertools.chain(args, kwargs.values())):
-                if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor):
-                    p = self.params.get(_storage(value))
-                    if p is not None and id(p) not in self.saved:
-                        self.saved[id(p)] = (p, p.detach().clone())
+        self.written(func, args, kwargs)
         return func(*args, **kwargs)
 
     def __exit__(self, *exc):
         out = super().__exit__(*exc)
         with torch.no_grad():
-            for p, value in self.saved.values():
-                p.copy_(value)
+            for t, value in self.saved.values():
+                t.copy_(value)
         return out
 
 
@@ -394,17 +409,13 @@ def _storage(t: torch.Tensor) -> int:
         return 0
 
 
-class _RealOps(TorchDispatchMode):
+class _RealOps(_WritesUndone):
     """Notes (``why``) ops that symbolic tracing would run once and bake into the graph: a random draw from no
     traced input (``h + torch.randn(8)``) and an in-place update of the model's own tensors (a step counter); either
     sends the capture to torch.export. Updated tensors get their values back on exit."""
 
     def __init__(self, model: nn.Module):
-        super().__init__()
-        self.own = {id(t) for t in itertools.chain(model.parameters(), model.buffers())}
-        self.storages = {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())
-                         if not t.is_meta and t.untyped_storage().data_ptr()}
-        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        super().__init__(itertools.chain(model.parameters(), model.buffers()))
         self.why: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -415,26 +426,13 @@ class _RealOps(TorchDispatchMode):
         if func._overloadpacket in _TO_PYTHON and self.why is None and args and self._owns(args[0]):
             self.why = ("its code reads the value of a tensor of its own into Python (.item(), float(), bool()), "
                         "which symbolic tracing would fix as a constant, stale once the tensor changes")
-        if func._schema.is_mutable:
-            for arg, value in zip(func._schema.arguments, itertools.chain(args, kwargs.values())):
-                if arg.alias_info is not None and arg.alias_info.is_write and self._owns(value):
-                    self.saved.append((value, value.detach().clone()))
-                    if self.why is None:
-                        self.why = (f"its code updates a tensor of its own in place ({func._overloadpacket.__name__}), "
-                                    "which symbolic tracing would do once, while tracing")
+        if self.written(func, args, kwargs) and self.why is None:
+            self.why = (f"its code updates a tensor of its own in place ({func._overloadpacket.__name__}), "
+                        "which symbolic tracing would do once, while tracing")
         return func(*args, **kwargs)
 
     def _owns(self, t) -> bool:
-        if not isinstance(t, torch.Tensor):
-            return False
-        return id(t) in self.own or (not t.is_meta and t.untyped_storage().data_ptr() in self.storages)
-
-    def __exit__(self, *exc):
-        out = super().__exit__(*exc)
-        with torch.no_grad():
-            for t, value in reversed(self.saved):  # the first value saved is the one before the trace
-                t.copy_(value)
-        return out
+        return isinstance(t, torch.Tensor) and (id(t) in self.own or _storage(t) in self.by_storage)
 
 
 def _graph_module(root: nn.Module, graph: fx.Graph, name: str, compile_code: bool) -> fx.GraphModule:

@@ -342,9 +342,10 @@ def _plan_input(st: _Planning, node: fx.Node, info: Any, is_value: bool) -> None
                                                    "by the plan, the model around the block delivers it so")
         lab = LOW if info.dtype == st.low else FP32
     elif is_value:
-        lab = LOW if info.dtype == st.low else FP32
+        dtype = info.dtype if _is_float(info) else next(i.dtype for i in info if _is_float(i))  # a list's first
+        lab = LOW if dtype == st.low else FP32
         st.fixed[node.name] = lab
-        st.nodes[node.name] = NodePlan(None, lab, f"input ({info.dtype})")
+        st.nodes[node.name] = NodePlan(None, lab, f"input ({dtype})")
     else:
         return
     if not st.seen_float_input:

@@ -100,6 +100,7 @@ class _Stand(ReadsThrough):
         self.unit: nn.Module | None = None
         self.calls = 0
         self.template: Any = None
+        self.changes_inputs = False  # whether its call changed a list, dict or set it was given
 
     def forward(self, *args, **kwargs):
         self.calls += 1
@@ -114,9 +115,65 @@ class _Stand(ReadsThrough):
         if not is_converted(self.unit):  # not converted: it runs as the code around the blocks does
             return self.unit(*args, **kwargs)
         with no_autocast(args):
-            out = _as_unit_gives(self.unit, self.block, args, kwargs)
+            out, changed = _as_unit_gives(self.unit, self.block, args, kwargs)
+        self.changes_inputs = self.changes_inputs or changed
         self.template = _residual_template(self.unit, args, out)
         return out
+
+
+def _containers(tree: Any) -> list:
+    """Each list, dict and set in ``tree`` (nested ones too) with what it holds, by identity: a block that appends to
+    a list its caller gives it (auxiliary losses) changes this."""
+    out: list = []
+
+    def walk(v):
+        if isinstance(v, (list, dict, set)):
+            items = list(v.items()) if isinstance(v, dict) else list(v)
+            out.append((id(v), type(v), [(id(k), id(x)) if isinstance(v, dict) else id(x)
+                                          for k, x in (items if isinstance(v, dict) else ((None, x) for x in items))]))
+            for x in (v.values() if isinstance(v, dict) else items):
+                walk(x)
+        elif isinstance(v, tuple):
+            for x in v:
+                walk(x)
+    walk(tree)
+    return out
+
+
+def _container_pairs(real: Any, up: Any) -> list[tuple]:
+    """(container, its float32 copy, the copy's items by identity -> the container's) for each list, dict and set
+    of ``real`` and the same place in ``up`` (``to_float32(real)``)."""
+    out: list[tuple] = []
+
+    def walk(r, u):
+        if isinstance(r, dict) and isinstance(u, dict):
+            out.append((r, u, {id(u[k]): r[k] for k in r if k in u}, list(map(id, u)) + list(map(id, u.values()))))
+            for k in r:
+                if k in u:
+                    walk(r[k], u[k])
+        elif isinstance(r, (list, tuple)) and isinstance(u, (list, tuple)) and len(r) == len(u):
+            if isinstance(r, list):
+                out.append((r, u, {id(b): a for a, b in zip(r, u)}, list(map(id, u))))
+            for a, b in zip(r, u):
+                walk(a, b)
+    walk(real, up)
+    return out
+
+
+def _mirrored(pairs: list[tuple]) -> bool:
+    """Give each container of :func:`_container_pairs` what the block changed in its copy; whether any changed."""
+    changed = False
+    for real, up, back, before in pairs:
+        now = list(map(id, up)) + (list(map(id, up.values())) if isinstance(up, dict) else [])
+        if now == before:
+            continue
+        changed = True
+        if isinstance(real, dict):
+            real.clear()
+            real.update({k: back.get(id(v), v) for k, v in up.items()})
+        else:
+            real[:] = [back.get(id(v), v) for v in up]
+    return changed
 
 
 def _residual_template(unit: nn.Module, args: tuple, out: Any) -> Any:
@@ -159,26 +216,29 @@ def _buffers_kept(block: nn.Module):
                 t.copy_(value)
 
 
-def _as_unit_gives(unit: nn.Module, block: nn.Module, args: tuple, kwargs: dict) -> Any:
+def _as_unit_gives(unit: nn.Module, block: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, bool]:
     """What the converted block gives, for the rest of the one run: the model's block run in float32 (emulated low
     kernels are slow, and only dtypes and shapes matter here) cast to the unit's output dtypes, else the unit's own
-    result where the two do not match up."""
+    result where the two do not match up; and whether the block changed a list, dict or set it was given."""
     graph = unit.graph
     out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
     want = [getattr(a.meta.get(K.INFO), "dtype", None) if isinstance(a, fx.Node) else None
             for a in torch.utils._pytree.tree_leaves(out_node.args[0])]
+    given = _containers((args, kwargs))
     up = to_float32((args, kwargs))
+    pairs = _container_pairs((args, kwargs), up)
     try:
         with _buffers_kept(block):  # the block runs in the model's modes
             out = block(*up[0], **up[1])
     except Exception:  # noqa: BLE001 - the converted block then
-        return unit(*args, **kwargs)
+        return unit(*args, **kwargs), _containers((args, kwargs)) != given
+    changed = _mirrored(pairs)
     leaves, spec = torch.utils._pytree.tree_flatten(out)
     if len(leaves) != len(want):
-        return unit(*args, **kwargs)
+        return unit(*args, **kwargs), changed
     leaves = [t.to(d) if isinstance(t, torch.Tensor) and t.is_floating_point() and d is not None else t
               for t, d in zip(leaves, want)]
-    return torch.utils._pytree.tree_unflatten(leaves, spec)
+    return torch.utils._pytree.tree_unflatten(leaves, spec), changed
 
 
 class _CalledTwice(Exception):
@@ -274,6 +334,11 @@ def _tree(model, names, args, kwargs, conv, options, ctx, *, piecewise: bool, wh
         return conv.whole(model, args, kwargs, options, ctx)
     if piecewise:
         return piecewise_units(model, tree, units, skipped, args, kwargs, conv, options, ctx, modes, why)
+    changing = [n for n in units if stands[n].changes_inputs]
+    if changing:  # a graph around the blocks would hold the list as it was before the block's call
+        raise RootError(f"{', '.join(changing)} change{'s' if len(changing) == 1 else ''} a list, dict or set "
+                        "the model's code gives it (an append to a list of auxiliary losses): a graph around "
+                        "the blocks would not see the change")
     # what torch.export traces for the converted blocks: a copy of the input where that has the block's
     # result's shape, else the model's own block
     sources = {id(u): (model.get_submodule(n), stands[n].template) for n, u in units.items()}
