@@ -714,3 +714,43 @@ def test_a_block_that_appends_to_a_list_its_caller_gives_keeps_the_append(blocks
     g32 = torch.autograd.grad(model(x).sum(), model.layers[0].ff.bias)[0]
     g = torch.autograd.grad(gm(x).sum(), first)[0]
     assert (g - g32).norm() / g32.norm() < 0.02
+
+
+class _TorchEncoder(nn.Module):
+    """torch's own TransformerEncoder called with a causal mask, as pytorch/examples' word language model does: its
+    mask check reads values, so the model around the blocks runs as its own Python, and that Python reads settings
+    of each layer's attention (``layers[0].self_attn.batch_first``)."""
+
+    def __init__(self, vocab=50, d=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, 2, 32, dropout=0.0)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.dec = nn.Linear(d, vocab)
+
+    def forward(self, src):
+        mask = torch.log(torch.tril(torch.ones(len(src), len(src))))
+        return F.log_softmax(self.dec(self.enc(self.emb(src), mask=mask)), dim=-1)
+
+
+def test_the_model_around_blocks_reads_the_settings_of_a_converted_layers_submodules():
+    torch.manual_seed(0)
+    model, src = _TorchEncoder(), torch.randint(0, 50, (12, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = autocastfx.convert(copy.deepcopy(model), (src,), dtype=torch.bfloat16)
+    attn = gm.enc.layers[0].self_attn
+    assert attn.batch_first is False and attn.num_heads == 2
+    with pytest.raises((ValueError, AttributeError)):
+        attn.batch_first = True  # held: the graph holds what it was at conversion
+    for mode in ("train", "eval"):
+        model.train(mode == "train")
+        gm.train(mode == "train")
+        for s in (src, torch.randint(0, 50, (7, 2))):
+            ref = model(s)
+            with torch.autocast("cpu", torch.bfloat16):
+                ac = model(s)
+            with AtenRecorder() as rec:
+                out = gm(s)
+            assert any(c.name == "addmm" and torch.bfloat16 in c.in_dtypes for c in rec.calls)
+            assert (out - ref).norm() / ref.norm() <= 3 * (ac - ref).norm() / ref.norm() + 1e-3

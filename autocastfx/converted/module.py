@@ -729,7 +729,12 @@ def adopt_model_classes(gm: nn.Module, model: nn.Module) -> None:
             settings = {k: v for k, v in vars(own).items() if k not in _OWN_FIELDS and k not in sub.__dict__}
             if _hold(sub, own.__dict__.get(_CLASS, original_class(own)), settings):
                 continue
-        _hold(sub, nn.Module, {})
+        # a container the model's code reads settings of (``layer.self_attn.batch_first`` in TransformerEncoder):
+        # its plain settings, read-only
+        plain = {k: v for k, v in vars(own).items() if k[0] != "_" and k not in _OWN_FIELDS
+                 and k not in sub.__dict__ and is_plain_setting(v)} if own is not None else {}
+        if not plain or not _hold(sub, nn.Module, plain):
+            _hold(sub, nn.Module, {})
 
 
 def stand_in_for_settings(gm: nn.Module, model: nn.Module) -> None:
