@@ -244,12 +244,16 @@ def _keep_checks(out: nn.Module, model: nn.Module, args: tuple, kwargs: dict) ->
     info.convert_call = _convert_for_call
 
 
-def _convert_for_call(gm: nn.Module, args: tuple, kwargs: dict, state: tuple = ()) -> nn.Module:
+def _convert_for_call(gm: nn.Module, args: tuple, kwargs: dict, state: tuple = (), widen: bool = True
+                      ) -> nn.Module:
     """The model kept on meta, converted for a call of another structure with ``gm``'s options and module ``state``
-    (``calls.module_state``), sharing ``gm``'s tensors (calls.other_call); TypeError naming both calls on failure."""
+    (``calls.module_state``), sharing ``gm``'s tensors (calls.other_call); TypeError naming both calls on failure.
+    Not ``widen``: for the call's own sizes (a capture that fixed the example's)."""
     info = gm.meta[K.CONVERTED]
     try:
         try:  # sizes of 1 would be fixed by the capture (a first sample of one sequence): converted at 2
+            if not widen:
+                raise ValueError("converted for the call's own sizes")
             other = _convert_quietly(info, *_calls.widened(args, kwargs), state, gm)
         except Exception:  # noqa: BLE001 - a size of 1 the model needs as it is: converted for the call as given
             other = _convert_quietly(info, args, kwargs, state, gm)

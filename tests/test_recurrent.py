@@ -7,6 +7,7 @@ weights cast from their float32 parameters in the graph), the one-dtype call cuD
 sequence defeats the capture: the model is converted piecewise, and a layer called with a packed sequence becomes a
 converted part whose graph is its one call on the packed data (``torch.lstm(data, batch_sizes, ...)``), low as well.
 """
+import copy
 import os
 import warnings
 
@@ -19,6 +20,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from torch.overrides import TorchFunctionMode
 
 import autocastfx
+from autocastfx.base import keys as K
 from autocastfx.core import kernels
 from autocastfx import master_parameters
 from helpers import AtenRecorder, cpu_autocast
@@ -560,11 +562,45 @@ class _LastStep(nn.Module):
         return self.fc(y[:, -1])
 
 
-def test_a_size_the_capture_fixed_is_named_with_the_fix():
+def test_a_size_the_capture_fixed_is_converted_for_on_first_use():
+    """torch.export fixes an LSTM's sequence length and batch at the example's (as plain torch.export does): a call of
+    other sizes (the shorter last chunk of an epoch, an evaluation batch) gets a conversion of its own on first use,
+    over the same parameters, as a call of another structure does."""
     torch.manual_seed(0)
+    model, x = _LastStep(), torch.randn(2, 5, 8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        gm = autocastfx.convert(_LastStep(), (torch.randn(2, 5, 8),), dtype=torch.bfloat16)
-    assert gm(torch.randn(3, 5, 8)).shape == (3, 4)  # another batch: free
+        gm = autocastfx.convert(copy.deepcopy(model), (x,), dtype=torch.bfloat16)
+    for shape in ((3, 5, 8), (2, 7, 8), (4, 3, 8), (2, 7, 8)):
+        xi = torch.randn(*shape)
+        ref = model(xi)
+        with torch.autocast("cpu", torch.bfloat16):
+            ac = model(xi)
+        with AtenRecorder() as rec:
+            out = gm(xi)
+        assert out.shape == ref.shape
+        assert any(torch.bfloat16 in c.in_dtypes for c in rec.ops("addmm", "mm", "linear"))
+        assert (out - ref).norm() / ref.norm() <= 3 * (ac - ref).norm() / ref.norm() + 1e-3
+    sizes = gm.meta[K.OTHER_CALLS].sized
+    assert (2, 7, 8) in {s[0] for s in sizes} and len(sizes) <= 3  # each new size converted once
+    gm.zero_grad()
+    gm(torch.randn(2, 7, 8)).sum().backward()
+    assert all(p.grad is not None for p in gm.parameters())  # the model's own parameters train
+
+
+class _FixedPositions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.pos = nn.LSTM(8, 16, batch_first=True), nn.Parameter(torch.zeros(5, 16))
+
+    def forward(self, x):
+        y, _ = self.rnn(x)
+        return y + self.pos  # a table of the example's length: the model itself runs no other
+
+
+def test_a_size_the_model_cannot_take_either_is_named_with_the_fix():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = autocastfx.convert(_FixedPositions(), (torch.randn(2, 5, 8),), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"\[\(2, 7, 8\)\].*size\(\)\[1\] == 5.*Convert with example inputs of this size"):
         gm(torch.randn(2, 7, 8))

@@ -62,11 +62,16 @@ def check(captured: tuple, args: tuple, kwargs: dict, error: BaseException) -> N
     ) from error
 
 
+def size_guard(error: BaseException) -> bool:
+    """Whether ``error`` is torch.export's guard on an input size (``Guard failed: x.size()[1] == 5``)."""
+    return isinstance(error, AssertionError) and str(error).startswith("Guard failed:")
+
+
 def fixed_size(args: tuple, kwargs: dict, error: BaseException) -> None:
     """Raise a ValueError saying which size the capture fixed, where ``error`` is torch.export's guard on an input
     size (``Guard failed: x.size()[1] == 5``); return for any other error."""
     message = str(error)
-    if not isinstance(error, AssertionError) or not message.startswith("Guard failed:"):
+    if not size_guard(error):
         return
     shapes = [tuple(t.shape) for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     raise ValueError(
@@ -207,6 +212,7 @@ class OtherCalls:
     def __init__(self):
         self.by_key: dict[tuple, tuple[nn.Module, list]] = {}  # (call key, state) -> (module, its tensor holders)
         self.example_key: tuple | None = None
+        self.sized: set[tuple] = set()  # input sizes converted for where the capture fixed the example's
         self.warned = False  # the oldest conversion dropped, said once
 
     def __deepcopy__(self, memo):
@@ -274,8 +280,23 @@ def bound_key(model: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
     return tuple((name, _call_shape(v)) for name, v in bound.arguments.items())
 
 
-def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict) -> tuple[nn.Module | None, tuple, dict]:
-    """``(module, args, kwargs)`` for a call of another structure: the model converted for it (on first use) in
+def _sizes(args: tuple, kwargs: dict) -> tuple:
+    return tuple(tuple(t.shape) for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+
+
+def sized_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict) -> tuple[nn.Module | None, tuple, dict]:
+    """:func:`other_call` for a call whose sizes the capture fixed otherwise, where a conversion for them was made
+    (``(None, args, kwargs)`` where none was: the call runs ``gm``)."""
+    holder = gm.__dict__.get("meta", {}).get(K.OTHER_CALLS)
+    if holder is None or not holder.sized or _sizes(args, kwargs) not in holder.sized:
+        return None, args, kwargs
+    return other_call(gm, info, args, kwargs, sizes=True)
+
+
+def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict, sizes: bool = False
+               ) -> tuple[nn.Module | None, tuple, dict]:
+    """``(module, args, kwargs)`` for a call of another structure, or with ``sizes`` of other input sizes than a
+    capture that fixed them (torch.export's guard refused the call): the model converted for it (on first use) in
     the state of ``gm``'s modules, sharing ``gm``'s tensors, the call spelled as that conversion's was; the module
     is None (``gm`` runs it) for the captured call spelled another way, or where no model is kept."""
     checks = info.checks
@@ -290,13 +311,16 @@ def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict) -> tuple[nn.
         holder = meta[K.OTHER_CALLS] = OtherCalls()
     if holder.example_key is None:
         holder.example_key = bound_key(checks.model, *checks.example)
-    if key == holder.example_key:
+    if sizes:
+        holder.sized.add(_sizes(args, kwargs))
+        key = (key, _sizes(args, kwargs))
+    elif key == holder.example_key:
         return (None, *(respelled(checks.model, info.call_signature, args, kwargs) or (args, kwargs)))
     mods = dict(gm.named_modules(remove_duplicate=False))
     state = module_state(mods)
     made = holder.by_key.get((key, state))
     if made is None:
-        other = info.convert_call(gm, args, kwargs, state)
+        other = info.convert_call(gm, args, kwargs, state, widen=not sizes)
         # converted from the model as it was: the model's attributes as they are, but for the settings of gm's
         # modules it was converted with
         follow_model(other, info.state, frozenset((e[0], k) for e in state if len(e) == 3 for k, _ in e[2]))
@@ -307,7 +331,8 @@ def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict) -> tuple[nn.
                 holder.warned = True
                 name = getattr(info.model_class, "__name__", type(gm).__name__)
                 warn_user(f"autocastfx: {name} has been converted for {MAX_OTHER_CONVERSIONS} other calls: "
-                          "each call whose structure, plain values (a scale, a step number) or module modes are new "
+                          "each call whose structure, plain values (a scale, a step number), module modes or sizes the "
+                          "capture fixed are new "
                           "is converted on first use, which takes seconds. Pass a value that changes from call to "
                           f"call as a tensor. This call: {text(describe(args, kwargs))}")
         made = holder.by_key[(key, state)] = (other, holders)

@@ -293,6 +293,10 @@ class _Switchable(_GuardsChildren):
                     raise
         if info is not None and self.__dict__.get("_compiled_call_impl") is not None:
             _calls.mark_free_dims(info.free_dims, args, kwargs)  # gm.compile(): sizes free to vary left free
+        if info is not None:  # sizes the capture fixed at the example's, converted for on an earlier call
+            other, a, k = _calls.sized_call(self, info, args, kwargs)
+            if other is not None:
+                return _run_as(self, other, a, k)
         try:
             with _without_autocast():  # the program gm.code shows, whatever autocast the caller has on
                 return super().__call__(*args, **kwargs)
@@ -301,7 +305,14 @@ class _Switchable(_GuardsChildren):
                 _calls.check(info.call_signature, args, kwargs, e)
             if info is not None:
                 _calls.model_check(info.checks, args, kwargs, e, self.training)
-                _calls.fixed_size(args, kwargs, e)  # else a size torch.export fixed at the example's: said so
+                if _calls.size_guard(e):  # a size torch.export fixed at the example's: converted for this one
+                    try:
+                        other, a, k = _calls.other_call(self, info, args, kwargs, sizes=True)
+                    except Exception:  # noqa: BLE001 - it does not convert for these sizes: said so below
+                        other = None
+                    if other is not None:
+                        return _run_as(self, other, a, k)
+                _calls.fixed_size(args, kwargs, e)  # else said so
             raise
 
     # the model's own names for its tied weights in the state dict (core/weights.py)
