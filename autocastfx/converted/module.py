@@ -352,6 +352,8 @@ class _Switchable(_GuardsChildren):
             "its mode. "
             "Save its state instead: torch.save(gm.state_dict()) is the float32 model under the model's own names; "
             "load it into the model, or into a module converted again (autocastfx.convert(model, example_inputs)). "
+            "To save the whole module as before, save the model you converted: its parameters and buffers are this "
+            "module's, trained (net = model; model = autocastfx.convert(net, ...); torch.save(net, f)). "
             "copy.deepcopy(gm) makes a working copy; autocastfx.export(gm, 'model.pt2') writes a program that loads "
             "without autocastfx")
 
