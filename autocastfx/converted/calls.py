@@ -312,7 +312,6 @@ def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict, sizes: bool 
     if holder.example_key is None:
         holder.example_key = bound_key(checks.model, *checks.example)
     if sizes:
-        holder.sized.add(_sizes(args, kwargs))
         key = (key, _sizes(args, kwargs))
     elif key == holder.example_key:
         return (None, *(respelled(checks.model, info.call_signature, args, kwargs) or (args, kwargs)))
@@ -336,6 +335,8 @@ def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict, sizes: bool 
                           "is converted on first use, which takes seconds. Pass a value that changes from call to "
                           f"call as a tensor. This call: {text(describe(args, kwargs))}")
         made = holder.by_key[(key, state)] = (other, holders)
+        if sizes:  # later calls of these sizes go to it first (converted.module)
+            holder.sized.add(key[1])
     other, holders = made
     # every call: a move or load may have replaced gm's tensors, or a same-class module one of its modules
     _weights.share_tensors(gm, other, _weights.pair_modules(gm, other, mods, holders))
