@@ -67,18 +67,23 @@ def size_guard(error: BaseException) -> bool:
     return isinstance(error, AssertionError) and str(error).startswith("Guard failed:")
 
 
-def fixed_size(args: tuple, kwargs: dict, error: BaseException) -> None:
+def fixed_size(args: tuple, kwargs: dict, error: BaseException, tried: BaseException | None = None) -> None:
     """Raise a ValueError saying which size the capture fixed, where ``error`` is torch.export's guard on an input
-    size (``Guard failed: x.size()[1] == 5``); return for any other error."""
+    size (``Guard failed: x.size()[1] == 5``), and why converting for this call's sizes failed (``tried``) where
+    that was tried; return for any other error."""
     message = str(error)
     if not size_guard(error):
         return
     shapes = [tuple(t.shape) for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    why = (f" Converting the model for these sizes failed too ({one_line(tried.__cause__ or tried)}): the model "
+           "itself may not take them." if tried is not None else
+           " The model is not kept with this module (loaded, or converted from a graph), so it cannot be converted "
+           "for these sizes here.")
     raise ValueError(
         f"this call's input sizes {shapes} differ from the example's in a size the capture fixed "
-        f"({message.splitlines()[0]}): torch.export leaves free only what varies freely in the model's code (every "
-        "input's batch, a token input's sequence length) and fixes the rest at the example's. Convert with example "
-        "inputs of this size (one converted module per size), or call with the example's sizes") from error
+        f"({message.splitlines()[0]}): torch.export leaves free only the sizes it proves free in the model's code "
+        f"and fixes the rest at the example's.{why} Convert with example inputs of this size (one converted module "
+        "per size), or call with the example's sizes") from error
 
 
 _PLAIN = (bool, int, float, str, torch.dtype, torch.device)

@@ -305,14 +305,15 @@ class _Switchable(_GuardsChildren):
                 _calls.check(info.call_signature, args, kwargs, e)
             if info is not None:
                 _calls.model_check(info.checks, args, kwargs, e, self.training)
+                tried = None
                 if _calls.size_guard(e):  # a size torch.export fixed at the example's: converted for this one
                     try:
                         other, a, k = _calls.other_call(self, info, args, kwargs, sizes=True)
-                    except Exception:  # noqa: BLE001 - it does not convert for these sizes: said so below
-                        other = None
+                    except Exception as failed:  # noqa: BLE001 - it does not convert for these sizes: said below
+                        other, tried = None, failed
                     if other is not None:
                         return _run_as(self, other, a, k)
-                _calls.fixed_size(args, kwargs, e)  # else said so
+                _calls.fixed_size(args, kwargs, e, tried)  # else said so
             raise
 
     # the model's own names for its tied weights in the state dict (core/weights.py)
