@@ -954,3 +954,69 @@ def test_a_list_held_parameter_the_model_detaches_gets_no_gradient(trace):
     assert gm.meta["autocastfx"].capture == trace
     gm(x).sum().backward()
     assert model.extra[0].grad is None
+
+
+class _NormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bn, self.drop, self.fc2 = nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Dropout(0.3), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc2(self.drop(F.gelu(self.bn(self.fc1(x)))))
+
+
+class _ExportedNormNet(_NormNet):
+    def forward(self, x):
+        b, *_ = x.shape  # symbolic tracing refuses the unpacking: torch.export captures it
+        return super().forward(x).reshape(b, -1)
+
+
+@pytest.mark.parametrize("what", ["model.eval()", "model.bn.eval()"])
+def test_a_mode_set_on_the_model_after_convert_is_followed(what):
+    """gm's modules are its own, its tensors the model's: a mode set on the model afterwards reaches gm at its next
+    call, as it reaches a module compiled from the model (neither the training program's statistics updates on the
+    model's shared buffers, nor its dropout)."""
+    torch.manual_seed(0)
+    model, x = _NormNet(), torch.randn(8, 16)
+    with torch.no_grad():
+        model.bn.running_mean.normal_(0, 0.5)
+        model.bn.running_var.uniform_(0.5, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    eval(what)  # noqa: S307 - one of the two lines above, on the model
+    eager, mean = copy.deepcopy(model), model.bn.running_mean.clone()
+    with torch.no_grad():
+        want = eager(x) if what == "model.eval()" else None
+        got = gm(x)
+        again = gm(x)
+    assert not gm.bn.training and gm.training == (what != "model.eval()")
+    assert torch.equal(model.bn.running_mean, mean)  # no batch statistics taken into the model's buffers
+    if want is not None:
+        with torch.autocast("cpu", torch.bfloat16), torch.no_grad():
+            ac = copy.deepcopy(eager)(x).float()
+        assert torch.equal(got, again)  # dropout off
+        assert (got - want).abs().max() <= 3 * (ac - want).abs().max() + 1e-3
+    gm.train()  # gm's own call wins afterwards: the model's mode is followed where it changes
+    gm(x)
+    assert gm.training and gm.bn.training
+
+
+def test_a_batch_norm_replaced_on_gm_has_its_own_mode_checked():
+    """The modules whose modes a torch.export capture holds as op flags are found again where one was replaced on
+    gm after a call: freezing the new batch norm alone is refused, and gm.eval() runs the eval program."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = autocastfx.convert(_ExportedNormNet(), (x,), dtype=torch.bfloat16)
+    gm(x)
+    gm.bn = nn.BatchNorm1d(32)
+    gm.bn.eval()
+    with pytest.raises(ValueError, match=r"another mode than the program it runs \(train\): bn \(eval\)"):
+        gm(x)
+    gm.eval()
+    count = int(gm.bn.num_batches_tracked)
+    with torch.no_grad():
+        gm(x)
+    assert int(gm.bn.num_batches_tracked) == count

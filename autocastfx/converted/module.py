@@ -210,7 +210,7 @@ def _check_state(gm: nn.Module) -> None:
     info = gm.__dict__.get("meta", {}).get("autocastfx")
     guard = getattr(info, "state", None)
     if guard is not None:
-        guard.check()
+        guard.check(gm)
 
 
 @torch.compiler.disable
@@ -388,7 +388,8 @@ def _check_owner_modes(gm: fx.GraphModule, programs: Programs) -> None:
     """Before a call, check that the modules whose modes the programs hold as op flags match the running program;
     their conversion-time mixture (frozen batch norms) runs that program, any other is a ValueError."""
     kept = gm.__dict__.get("_autocastfx_owners")  # the modules, found once per Programs (a copy has its own)
-    if kept is None or kept[0] is not programs:
+    if kept is None or kept[0] is not programs or not all(map(_still_at, itertools.repeat(gm), programs.owners,
+                                                               kept[1])):  # one replaced since (gm.bn = ...)
         kept = gm.__dict__["_autocastfx_owners"] = (programs, [gm.get_submodule(n) for n in programs.owners],
                                                     list(programs.owners.values()))
     want = {TRAIN: True, EVAL: False}.get(programs.current)
@@ -412,6 +413,16 @@ def _check_owner_modes(gm: fx.GraphModule, programs: Programs) -> None:
         "set those modules' modes again as they were")
 
 
+def _still_at(gm: nn.Module, path: str, module: nn.Module) -> bool:
+    """Whether ``module`` is still ``gm``'s module at ``path`` (none replaced on the way)."""
+    m = gm
+    for part in path.split("."):
+        m = m._modules.get(part)
+        if m is None:
+            return False
+    return m is module
+
+
 def settle_programs(gm: nn.Module) -> None:
     """Make each converted module in ``gm`` run its current modes' program, as its next call would, for what reads
     the running graph uncalled (export, save)."""
@@ -425,11 +436,11 @@ def _check_nested_modes(gm: nn.Module) -> None:
     """:func:`_check_owner_modes` for every converted block inside ``gm``, so a refused call is refused before any
     block has run."""
     nested = gm.__dict__.get("_autocastfx_nested")
-    if nested is None:
+    if nested is None or not all(_still_at(gm, n, m) for n, m in nested):  # a block replaced since
         nested = gm.__dict__["_autocastfx_nested"] = [
-            m for m in gm.modules() if m is not gm and isinstance(m, _Switchable)
+            (n, m) for n, m in gm.named_modules() if m is not gm and isinstance(m, _Switchable)
             and getattr(m.__dict__.get("meta", {}).get(K.PROGRAMS), "owners", None)]
-    for m in nested:
+    for _, m in nested:
         _check_owner_modes(m, m.meta[K.PROGRAMS])
 
 

@@ -27,6 +27,7 @@ class StateGuard:
         self.contents: list[tuple[Any, weakref.ref, str, str, Any]] = []
         self.held: list[tuple[Any, str, tuple]] = []  # each module's parameters, buffers and children, by id
         self.tensors: list[tuple] = []  # (module ref, path, name, fingerprint, tensor ref or None)
+        self.modes: list[list] = []  # [module ref, path, its training flag as last seen]
         self.root = None  # the module bound
 
     def bound(self, model: nn.Module) -> StateGuard:
@@ -42,6 +43,7 @@ class StateGuard:
         inside = {id(s) for n, u in model.named_modules() if n and is_converted(u) for s in u.modules() if s is not u}
         out.held = [(weakref.ref(m), path, _held(m)) for path, m in model.named_modules()
                     if id(m) not in inside and (m._parameters or m._buffers or m._modules)]
+        out.modes = [[weakref.ref(m), path, m.training] for path, m in model.named_modules() if id(m) not in inside]
         by_owner: dict[tuple[str, str], list[str]] = {}  # (module path, attribute holding a config or "") -> names
         for path, name in self.reads:
             head, _, rest = name.rpartition(".")
@@ -71,8 +73,12 @@ class StateGuard:
                     out.contents.append((own[n], ref, path, n, fp))  # changed in place: compared by content
         return out
 
-    def check(self) -> None:
-        """ValueError naming the first attribute whose value changed since capture."""
+    def check(self, gm: nn.Module | None = None) -> None:
+        """ValueError naming the first attribute whose value changed since capture; a mode set on the model since
+        (``model.eval()``, ``model.bn.eval()``) is set on ``gm``'s module of that name, as on a module compiled
+        from the model."""
+        if gm is not None:
+            self._follow_modes(gm)
         try:
             for ref, get, values, *_ in self.modules:  # by identity first, the cheap check
                 m = ref()
@@ -96,6 +102,25 @@ class StateGuard:
             m = ref()
             if m is not None and fingerprint(now := getattr(m, name, _MISSING)) != fp:
                 _refuse(m, path, name, old, now)
+
+    def _follow_modes(self, gm: nn.Module) -> None:
+        changed = []
+        for entry in self.modes:
+            m = entry[0]()
+            if m is not None and m.training is not entry[2]:
+                entry[2] = m.training
+                changed.append((entry[1], entry[2]))
+        if not changed:
+            return
+        mods = dict(gm.named_modules(remove_duplicate=False))
+        for path, mode in changed:  # the root first (it sets every module), then the modules set on their own
+            target = mods.get(path)
+            if target is None:
+                continue
+            if path:
+                target.training = mode
+            else:
+                gm.train(mode)
 
     def _compare(self) -> None:
         """Refuse a changed value; one set again to an equal value is taken as the one watched from now on."""
