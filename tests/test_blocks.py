@@ -754,3 +754,28 @@ def test_the_model_around_blocks_reads_the_settings_of_a_converted_layers_submod
                 out = gm(s)
             assert any(c.name == "addmm" and torch.bfloat16 in c.in_dtypes for c in rec.calls)
             assert (out - ref).norm() / ref.norm() <= 3 * (ac - ref).norm() / ref.norm() + 1e-3
+
+
+def test_a_block_added_or_removed_on_gm_is_refused_and_one_replaced_is_followed():
+    """The graph around the blocks calls them by index: an appended block would never run (its gradient None,
+    0.7 off float32 on the example), a removed one would still be called."""
+    torch.manual_seed(0)
+    model, x = Stack(layers=3), ids(2, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = autocastfx.convert(copy.deepcopy(model), (x,), dtype=torch.bfloat16)
+    assert isinstance(gm.layers, nn.ModuleList)
+    for change in (lambda: gm.layers.append(copy.deepcopy(gm.layers[-1])),
+                   lambda: gm.layers.insert(0, copy.deepcopy(gm.layers[0])),
+                   lambda: gm.layers.extend([copy.deepcopy(gm.layers[0])]),
+                   lambda: gm.layers.__delitem__(2), lambda: gm.layers.pop(1)):
+        with pytest.raises(ValueError, match=r"calls its 3 entries by name.*convert it again"):
+            change()
+    assert len(gm.layers) == 3
+    with torch.no_grad():
+        before = gm(x)
+        gm.layers[1] = copy.deepcopy(gm.layers[2])  # the same class and shapes: followed
+        model.layers[1] = copy.deepcopy(model.layers[2])
+        after, want = gm(x), model(x)
+    assert not torch.equal(before, after)
+    assert (after - want).norm() / want.norm() < 0.05

@@ -141,7 +141,40 @@ def keep_containers(gm: nn.Module, tree: nn.Module, units: dict) -> None:
         kept = copy.copy(container)
         kept._modules = {k: made._modules[k] if k in made._modules else
                          (c if is_converted(c) else copy.deepcopy(c)) for k, c in container._modules.items()}
+        kept.__class__ = _fixed_length(type(container))
         put_module(gm, parent, kept)
+
+
+_RESIZING = ("append", "extend", "insert", "pop", "__delitem__", "__iadd__", "update", "clear", "popitem")
+_FIXED: dict[type, type] = {}
+
+
+def _refuse_resize(name: str):
+    def refuse(self, *args, **kwargs):
+        raise ValueError(
+            f"{type(self).__name__}.{name}() on a converted module's container of blocks: the graph around the "
+            f"blocks calls its {len(self._modules)} entries by name, so a block added would never run and one "
+            "removed would be called still; nothing was changed. Change the model's container and convert it "
+            "again (gm.state_dict() loads into the model first if gm was trained); replacing a block at an "
+            "existing index by one of the same class and shapes is followed")
+    refuse.__name__ = name
+    return refuse
+
+
+def _fixed_length(cls: type) -> type:
+    """``cls`` (a ModuleList, ModuleDict or Sequential of blocks) with the methods that add or remove entries
+    refused; ``isinstance`` of ``cls``, and its entries replaced in place as before."""
+    if cls not in _FIXED:
+        refused = {n: _refuse_resize(n) for n in _RESIZING if hasattr(cls, n)}
+        if hasattr(cls, "__setitem__") and issubclass(cls, nn.ModuleDict):
+            def setitem(self, key, module, _set=cls.__setitem__):
+                if key not in self._modules:
+                    _refuse_resize("__setitem__")(self)
+                _set(self, key, module)
+            refused["__setitem__"] = setitem
+        _FIXED[cls] = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                                  **refused})
+    return _FIXED[cls]
 
 
 def describe_units(units: dict, skipped: dict) -> dict:
