@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -205,10 +207,42 @@ def test_a_reentrant_checkpoint_in_forward_still_traces_and_trains():
             return self.b(checkpoint(lambda t: torch.relu(self.a(t)), x, use_reentrant=True))
 
     model, x = Ckpt(), torch.randn(4, 8)
-    gm = autocastfx.convert(model, (x,), dtype=BF16)
+    with pytest.warns(UserWarning, match=r"activation checkpointing.*activations are kept for backward"):
+        gm = autocastfx.convert(model, (x,), dtype=BF16)
     assert gm.meta["autocastfx"].capture == "symbolic_trace"
     gm(x).sum().backward()
     assert model.a.weight.grad is not None and model.b.weight.grad is not None
+
+
+@pytest.mark.parametrize("capture", ["symbolic_trace", "torch.export"])
+def test_checkpointing_in_the_models_forward_is_said_to_be_left_out(capture):
+    """timm's ``set_grad_checkpointing(True)`` (``torch.utils.checkpoint`` around its blocks): the converted graph
+    holds the ops as plain ops, so their activations are saved as without checkpointing. Said, naming the way to
+    recompute (checkpoint_blocks); nothing said for the same model without it."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.grad_checkpointing = nn.Linear(8, 8), nn.Linear(8, 4), False
+
+        def forward(self, x):
+            if capture == "torch.export":
+                b, *_ = x.shape  # symbolic tracing refuses the unpacking
+            h = checkpoint(lambda t: torch.relu(self.a(t)), x, use_reentrant=False) if self.grad_checkpointing \
+                else torch.relu(self.a(x))
+            return self.b(h)
+
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        autocastfx.convert(Net(), (x,), dtype=BF16)
+    assert not [w for w in seen if "checkpointing" in str(w.message)]
+    model = Net()
+    model.grad_checkpointing = True
+    with pytest.warns(UserWarning, match=r"activation checkpointing.*checkpoint_blocks"):
+        gm = autocastfx.convert(model, (x,), dtype=BF16)
+    assert gm.meta["autocastfx"].capture == capture
 
 
 def test_converting_leaves_the_callers_random_state_and_the_models_settings_alone():

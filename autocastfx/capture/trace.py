@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core.policy import Policy
 from ..base.errors import one_line, CaptureError
+from ..base.quiet import warn_user
 from ..base import keys as K
 from .torch_export import capture_export
 from ..base.meta import TensorInfo, is_converted, is_plain_setting
@@ -37,6 +38,7 @@ class ModelTracer(fx.Tracer):
     def trace(self, root, concrete_args=None):
         self._param_names = {id(p): n for n, p in root.named_parameters()} if isinstance(root, nn.Module) else {}
         self._arg_depth, self.output_type, self.why = 0, None, None
+        self.checkpointed = False  # whether an op was traced inside torch.utils.checkpoint
         self._modes = _grad_modes()
         return super().trace(root, concrete_args)
 
@@ -47,6 +49,8 @@ class ModelTracer(fx.Tracer):
                 and _grad_modes() != self._modes and not _in_reentrant_checkpoint():
             self.why = ("its code runs ops in a region of its own grad mode or autocast (torch.no_grad(), "
                         "torch.autocast(..., enabled=False)), which symbolic tracing does not record")
+        if not self.checkpointed and kind in ("call_function", "call_method", "call_module"):
+            self.checkpointed = _in_checkpoint()
         return super().create_proxy(kind, target, args, kwargs, *rest, **kw)
 
     def create_arg(self, a):
@@ -180,7 +184,10 @@ def _capture_graph(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, 
                    compile_code: bool, method: str | None, check: bool, reads: list | None, caller: bool
                    ) -> tuple[fx.GraphModule, str]:
     if method == "torch.export":
-        return capture_export(model, args, kwargs, ctx, check=check, reads=reads)
+        out = capture_export(model, args, kwargs, ctx, check=check, reads=reads)
+        if _export_checkpointing(model):
+            _warn_checkpointing(model)
+        return out
     try:
         if _root_hooks(model):  # symbolic tracing runs forward, not the model's call with its hooks
             raise CaptureError("the model has forward hooks of its own, which tracing its forward would leave out")
@@ -189,6 +196,8 @@ def _capture_graph(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, 
             graph = tracer.trace(model)
         if real.why is not None or tracer.why is not None:
             raise CaptureError(real.why or tracer.why)
+        if tracer.checkpointed:
+            _warn_checkpointing(model)
         gm = _graph_module(tracer.root, graph, model.__class__.__name__, compile_code)
         if tracer.output_type is not None:
             gm.meta[K.OUTPUT_TYPE] = tracer.output_type
@@ -204,13 +213,44 @@ def _capture_graph(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, 
         if method is not None:
             raise CaptureError(f"cannot trace {type(model).__name__} in this mode: {one_line(e)}") from e
         trace_error = e
-    return capture_export(model, args, kwargs, ctx, trace_error, reads=reads)
+    out = capture_export(model, args, kwargs, ctx, trace_error, reads=reads)
+    if _export_checkpointing(model):
+        _warn_checkpointing(model)
+    return out
+
+
+def _warn_checkpointing(model: nn.Module) -> None:
+    warn_user(f"autocastfx: {type(model).__name__}'s forward runs activation checkpointing (torch.utils.checkpoint; "
+              "timm's set_grad_checkpointing(True), Hugging Face's gradient_checkpointing_enable()), and the "
+              "converted graph holds the ops inside it as plain ops: their activations are kept for backward as "
+              "without checkpointing. For recomputation, convert with blocks (a ModuleList of them, blocks=\"auto\", "
+              "or blocks=[...] naming them) and call autocastfx.checkpoint_blocks(gm)")
+
+
+def _export_checkpointing(model: nn.Module) -> bool:
+    """Whether a module of ``model`` has its activation checkpointing switched on (timm's ``grad_checkpointing``,
+    Hugging Face's ``gradient_checkpointing``), which a torch.export capture records as plain ops."""
+    return any(getattr(m, "grad_checkpointing", False) is True or getattr(m, "gradient_checkpointing", False) is True
+               for m in model.modules())
 
 
 def _grad_modes() -> tuple:
     nesting = torch.autocast_increment_nesting()  # the autocast regions entered: read by moving it and back
     torch.autocast_decrement_nesting()
     return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), nesting
+
+
+_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
+
+
+def _in_checkpoint() -> bool:
+    """Whether the caller runs inside ``torch.utils.checkpoint`` (either form)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_CHECKPOINT_FILE):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _in_reentrant_checkpoint() -> bool:
