@@ -1000,6 +1000,10 @@ def test_a_mode_set_on_the_model_after_convert_is_followed(what):
     gm.train()  # gm's own call wins afterwards: the model's mode is followed where it changes
     gm(x)
     assert gm.training and gm.bn.training
+    model.train()
+    gm.eval()  # the later of the two calls decides
+    gm(x)
+    assert not gm.training and not gm.bn.training
 
 
 def test_a_batch_norm_replaced_on_gm_has_its_own_mode_checked():

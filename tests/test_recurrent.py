@@ -605,3 +605,34 @@ def test_a_size_the_model_cannot_take_either_is_named_with_the_fix():
     for _ in range(2):  # refused alike at every such call
         with pytest.raises(ValueError, match=r"\[\(2, 7, 8\)\].*size\(\)\[1\] == 5.*Convert with example inputs of this size"):
             gm(torch.randn(2, 7, 8))
+
+
+class _WordModel(nn.Module):
+    """pytorch/examples' word language model in small: main.py calls ``model.rnn.flatten_parameters()`` after
+    loading its checkpoint."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.rnn, self.dec = nn.Embedding(50, 16), nn.LSTM(16, 16, 2), nn.Linear(16, 50)
+
+    def forward(self, x, hidden):
+        out, hidden = self.rnn(self.emb(x), hidden)
+        return F.log_softmax(self.dec(out), dim=-1), hidden
+
+
+def test_a_converted_recurrent_layer_keeps_flatten_parameters_and_its_settings():
+    torch.manual_seed(0)
+    model, x = _WordModel(), torch.randint(0, 50, (7, 4))
+    hidden = (torch.zeros(2, 4, 16), torch.zeros(2, 4, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = autocastfx.convert(copy.deepcopy(model), (x, hidden), dtype=torch.bfloat16)
+    assert gm.rnn.hidden_size == 16 and gm.rnn.num_layers == 2 and gm.rnn.mode == "LSTM"
+    gm.rnn.flatten_parameters()  # nothing to lay out: the graph reads each weight by name
+    gm.load_state_dict(copy.deepcopy(gm.state_dict()))
+    gm.rnn.flatten_parameters()
+    out, _ = gm(x, hidden)
+    ref, _ = model(x, hidden)
+    assert (out - ref).norm() / ref.norm() < 0.02
+    out.sum().backward()
+    assert gm.rnn.weight_hh_l1.grad is not None

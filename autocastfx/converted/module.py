@@ -35,6 +35,9 @@ def set_mode(gm: fx.GraphModule, mode: bool) -> fx.GraphModule:
             _run_program(gm, programs, key)
     nn.Module.train(gm, mode)
     info = gm.meta.get("autocastfx")
+    guard = getattr(info, "state", None)
+    if guard is not None:  # a mode set on the model before this call is overridden by it
+        guard.modes_seen()
     for name, flag in (getattr(info, "mode_flags", None) or {}).get(mode, {}).items():
         sub = fetch(gm, name, None)  # as the model's own train() sets them (frozen batch norms)
         if isinstance(sub, nn.Module):
@@ -702,16 +705,24 @@ def _refuse_tied_name(parent: nn.Module, name: str) -> None:
                 "weight). Make the change on the model (untie or replace its head) and convert again")
 
 
-def _held_class(cls: type, settings: frozenset = frozenset()) -> type:
+def _no_flat_buffer(self) -> None:
+    """``flatten_parameters()`` of a recurrent layer the converted graph computes: it reads each weight by name,
+    so there is no flat buffer to lay out (on a CPU the layer's own is a no-op too)."""
+
+
+def _held_class(cls: type, settings: frozenset = frozenset(), recurrent: bool = False) -> type:
     """``cls`` with :class:`_Held` in front (:class:`_HeldContainer` for a plain container) and a :class:`_Setting`
-    for each of ``settings``: the same name, ``isinstance`` of ``cls``."""
+    for each of ``settings``: the same name, ``isinstance`` of ``cls``; a plain container standing for a
+    ``recurrent`` layer keeps its ``flatten_parameters()``, which training scripts call after loading."""
     if issubclass(cls, _Held):
         return cls
-    key = (cls, settings)
+    key = (cls, settings, recurrent)
     if key not in _HELD:
         mixin = _HeldContainer if cls is nn.Module else _Held
+        extra = {"flatten_parameters": _no_flat_buffer} if recurrent else {}
         _HELD[key] = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                                        "forward": _Forward(), **{k: _Setting(k) for k in settings}})
+                                                        "forward": _Forward(), **extra,
+                                                        **{k: _Setting(k) for k in settings}})
     return _HELD[key]
 
 
@@ -719,7 +730,7 @@ def _tensor_names(m: nn.Module, table: str) -> set[str]:
     return {k for k, v in getattr(m, table).items() if v is not None}
 
 
-def _hold(sub: nn.Module, cls: type, settings: dict) -> bool:
+def _hold(sub: nn.Module, cls: type, settings: dict, recurrent: bool = False) -> bool:
     """Make ``sub`` a held ``cls`` with ``settings`` (read-only where public); False, ``sub`` as it was, where the
     class does not take the container's layout (``__slots__``) or cannot describe it (its ``extra_repr``)."""
     kept = dict(sub.__dict__)
@@ -727,7 +738,7 @@ def _hold(sub: nn.Module, cls: type, settings: dict) -> bool:
     sub.__dict__.update(settings)
     sub.__dict__.update({_SETTINGS: public, _CLASS: cls})
     try:
-        sub.__class__ = _held_class(cls, public)
+        sub.__class__ = _held_class(cls, public, recurrent)
         sub.extra_repr()
         return True
     except Exception:  # noqa: BLE001 - the plain container it was
@@ -758,7 +769,8 @@ def adopt_model_classes(gm: nn.Module, model: nn.Module) -> None:
         # its plain settings, read-only
         plain = {k: v for k, v in vars(own).items() if k[0] != "_" and k not in _OWN_FIELDS
                  and k not in sub.__dict__ and is_plain_setting(v)} if own is not None else {}
-        if not plain or not _hold(sub, nn.Module, plain):
+        recurrent = isinstance(own, nn.RNNBase)
+        if not (plain or recurrent) or not _hold(sub, nn.Module, plain, recurrent):
             _hold(sub, nn.Module, {})
 
 

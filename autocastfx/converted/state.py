@@ -103,6 +103,14 @@ class StateGuard:
             if m is not None and fingerprint(now := getattr(m, name, _MISSING)) != fp:
                 _refuse(m, path, name, old, now)
 
+    def modes_seen(self) -> None:
+        """Take the model's modes as they are now as seen: ``gm.train()``/``gm.eval()`` after a mode set on the
+        model wins over it (the later call decides, as for one module)."""
+        for entry in self.modes:
+            m = entry[0]()
+            if m is not None:
+                entry[2] = m.training
+
     def _follow_modes(self, gm: nn.Module) -> None:
         changed = []
         for entry in self.modes:
