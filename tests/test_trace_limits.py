@@ -243,6 +243,9 @@ def test_checkpointing_in_the_models_forward_is_said_to_be_left_out(capture):
     with pytest.warns(UserWarning, match=r"activation checkpointing.*checkpoint_blocks"):
         gm = autocastfx.convert(model, (x,), dtype=BF16)
     assert gm.meta["autocastfx"].capture == capture
+    if capture == "symbolic_trace":  # the flag the graph read: switching it on gm names the way that recomputes
+        with pytest.raises(ValueError, match=r"no activation checkpointing.*checkpoint_blocks\(gm\)"):
+            gm.grad_checkpointing = False
 
 
 def test_converting_leaves_the_callers_random_state_and_the_models_settings_alone():

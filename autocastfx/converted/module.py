@@ -189,6 +189,11 @@ _READ = "_autocastfx_read"  # names of a module's attributes the model's code re
 
 def _refuse_write(module: nn.Module, name: str) -> None:
     value = getattr(module, name, _READ)
+    if name in ("grad_checkpointing", "gradient_checkpointing"):
+        raise ValueError(
+            f"{name} is an attribute of the model the converted graph read at conversion: the graph holds no "
+            "activation checkpointing of the model's (converted with it on, its ops are plain ops too). To recompute "
+            "activations on the converted module, convert with blocks and call autocastfx.checkpoint_blocks(gm)")
     raise ValueError(
         f"{name} is an attribute of the model{f' ({name}={value!r})' if value is not _READ else ''}, a constant of "
         "the converted graph wherever the "
