@@ -1024,3 +1024,36 @@ def test_a_batch_norm_replaced_on_gm_has_its_own_mode_checked():
     with torch.no_grad():
         gm(x)
     assert int(gm.bn.num_batches_tracked) == count
+
+
+class _TiedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc, self.head = nn.Embedding(10, 16), nn.Linear(16, 16), nn.Linear(16, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(F.gelu(self.fc(self.emb(x))))
+
+
+def test_an_untied_checkpoint_loaded_with_assign_into_tied_weights_is_refused_and_a_tied_one_loads():
+    """``load_state_dict(sd, assign=True)`` unties the model's weights where ``sd`` gives them different values; the
+    converted graph reads them as one, so it would silently run the head on the embedding (5.7 off float32)."""
+    torch.manual_seed(0)
+    x = torch.randint(0, 10, (4, 6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = autocastfx.convert(_TiedHead(), (x,), dtype=torch.bfloat16)
+    before = {k: v.clone() for k, v in gm.state_dict().items()}
+    untied = {k: v.clone() for k, v in gm.state_dict().items()}
+    untied["head.weight"] = torch.randn(10, 16)
+    with pytest.raises(ValueError, match=r"different values for emb\.weight, head\.weight.*untie them"):
+        gm.load_state_dict(untied, assign=True)
+    for k, v in gm.state_dict().items():  # nothing was loaded
+        assert torch.equal(v, before[k]), k
+    tied = {k: v.clone() for k, v in before.items()}
+    tied["emb.weight"] = tied["head.weight"] = torch.randn(10, 16)
+    gm.load_state_dict(tied, assign=True)
+    assert torch.equal(gm.state_dict()["head.weight"], tied["head.weight"])
+    gm.load_state_dict(untied)  # copied, as the model's own load copies: the last name's value
+    assert torch.equal(gm.state_dict()["emb.weight"], untied["head.weight"])

@@ -333,7 +333,8 @@ class _Switchable(_GuardsChildren):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        missing_keys.extend(_weights.model_names_from_state_dict(self, state_dict, prefix))
+        missing_keys.extend(_weights.model_names_from_state_dict(
+            self, state_dict, prefix, assign=bool(local_metadata.get("assign_to_params_buffers", False))))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 

@@ -173,10 +173,11 @@ def model_names_into_state_dict(unit: nn.Module, out: dict, prefix: str, start: 
             out.update((k, values[k]) for k in order)
 
 
-def model_names_from_state_dict(unit: nn.Module, state_dict: dict, prefix: str) -> list[str]:
+def model_names_from_state_dict(unit: nn.Module, state_dict: dict, prefix: str, assign: bool = False) -> list[str]:
     """Drop the tied-weight names the converted module does not have, keeping the value the model's own load would
     (the last of its names ``state_dict`` holds). Returns the tied-weight names ``state_dict`` lacks, which the
-    model's own load reports missing (safetensors' ``load_model`` relies on it)."""
+    model's own load reports missing (safetensors' ``load_model`` relies on it). With ``assign``, where the model's
+    own load would untie them, different values under tied names are a ValueError."""
     info = info_of(unit)
     missing: list[str] = []
     if info is None or unit.__dict__.get(_OWN_NAMES):  # within own_names(): the names are gm's own
@@ -192,6 +193,8 @@ def model_names_from_state_dict(unit: nn.Module, state_dict: dict, prefix: str) 
             continue
         absent = [n for n in names if prefix + n not in state_dict]
         given = next((prefix + n for n in reversed(names) if prefix + n in state_dict), None)
+        if assign:
+            _refuse_untied(names, [state_dict[prefix + n] for n in names if prefix + n in state_dict])
         for n in kept:
             if given is not None:
                 state_dict[prefix + n] = state_dict[given]
@@ -201,6 +204,19 @@ def model_names_from_state_dict(unit: nn.Module, state_dict: dict, prefix: str) 
         # as the model would: each name absent is missing (a kept one with no value at all, torch says itself)
         missing.extend(prefix + n for n in absent if given is not None or n not in own)
     return missing
+
+
+def _refuse_untied(names, values: list) -> None:
+    """ValueError where ``values`` (a checkpoint's, under tied names) differ: ``load_state_dict(..., assign=True)``
+    would untie the model's weights, and the converted graph reads them as one."""
+    real = [v for v in values if isinstance(v, torch.Tensor) and not v.is_meta]
+    if all(v.shape == real[0].shape and torch.equal(v.to(real[0].dtype), real[0]) for v in real[1:]):
+        return
+    raise ValueError(
+        f"the state dict holds different values for {', '.join(sorted(names))}, weights tied in the model, which the "
+        "converted graph reads as one: load_state_dict(..., assign=True) would untie them in the model and here "
+        "could not. Untie them in the model (give the head its own nn.Parameter), load the checkpoint there and "
+        "convert again; or load without assign=True, which copies into the tied weight as the model's own load does")
 
 
 def _require(gm: nn.Module):
