@@ -121,25 +121,6 @@ class _Stand(ReadsThrough):
         return out
 
 
-def _containers(tree: Any) -> list:
-    """Each list, dict and set in ``tree`` (nested ones too) with what it holds, by identity: a block that appends to
-    a list its caller gives it (auxiliary losses) changes this."""
-    out: list = []
-
-    def walk(v):
-        if isinstance(v, (list, dict, set)):
-            items = list(v.items()) if isinstance(v, dict) else list(v)
-            out.append((id(v), type(v), [(id(k), id(x)) if isinstance(v, dict) else id(x)
-                                          for k, x in (items if isinstance(v, dict) else ((None, x) for x in items))]))
-            for x in (v.values() if isinstance(v, dict) else items):
-                walk(x)
-        elif isinstance(v, tuple):
-            for x in v:
-                walk(x)
-    walk(tree)
-    return out
-
-
 def _container_pairs(real: Any, up: Any) -> list[tuple]:
     """(container, its float32 copy, the copy's items by identity -> the container's) for each list, dict and set
     of ``real`` and the same place in ``up`` (``to_float32(real)``)."""
@@ -168,9 +149,10 @@ def _mirrored(pairs: list[tuple]) -> bool:
         if now == before:
             continue
         changed = True
-        if isinstance(real, dict):
+        if isinstance(real, dict):  # (``up`` may be ``real`` itself: its new content first)
+            content = {k: back.get(id(v), v) for k, v in up.items()}
             real.clear()
-            real.update({k: back.get(id(v), v) for k, v in up.items()})
+            real.update(content)
         else:
             real[:] = [back.get(id(v), v) for v in up]
     return changed
@@ -224,14 +206,15 @@ def _as_unit_gives(unit: nn.Module, block: nn.Module, args: tuple, kwargs: dict)
     out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
     want = [getattr(a.meta.get(K.INFO), "dtype", None) if isinstance(a, fx.Node) else None
             for a in torch.utils._pytree.tree_leaves(out_node.args[0])]
-    given = _containers((args, kwargs))
+    given = _container_pairs((args, kwargs), (args, kwargs))  # for a unit run on the call's own values
     up = to_float32((args, kwargs))
     pairs = _container_pairs((args, kwargs), up)
     try:
         with _buffers_kept(block):  # the block runs in the model's modes
             out = block(*up[0], **up[1])
     except Exception:  # noqa: BLE001 - the converted block then
-        return unit(*args, **kwargs), _containers((args, kwargs)) != given
+        out = unit(*args, **kwargs)
+        return out, _mirrored(given)
     changed = _mirrored(pairs)
     leaves, spec = torch.utils._pytree.tree_flatten(out)
     if len(leaves) != len(want):
