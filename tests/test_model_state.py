@@ -1057,3 +1057,30 @@ def test_an_untied_checkpoint_loaded_with_assign_into_tied_weights_is_refused_an
     assert torch.equal(gm.state_dict()["head.weight"], tied["head.weight"])
     gm.load_state_dict(untied)  # copied, as the model's own load copies: the last name's value
     assert torch.equal(gm.state_dict()["emb.weight"], untied["head.weight"])
+
+
+def test_a_tied_weight_replaced_on_the_converted_module_is_refused_and_copying_into_it_keeps_the_tie():
+    """A new parameter (or module) where the converted module holds a weight the model ties to another name: the
+    graph reads every use through that one parameter, so the new one would replace the head too, where the same write
+    on the model unties them (10 off float32, silently). Refused, naming the tie and the fix; nothing changed."""
+    torch.manual_seed(0)
+    x, model = torch.randint(0, 10, (4, 6)), _TiedHead()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    emb, new = gm.emb, torch.randn(10, 16)
+    with pytest.raises(ValueError, match=r"'emb\.weight' is a weight the model ties to 'head\.weight'.*copy_\(new\)"):
+        gm.emb.weight = nn.Parameter(new.clone())
+    with pytest.raises(ValueError, match=r"'emb\.weight' is a weight the model ties to 'head\.weight'"):
+        gm.emb = nn.Embedding.from_pretrained(new.clone(), freeze=False)
+    with pytest.raises(ValueError, match=r"ties to 'head\.weight'"):
+        copy.deepcopy(gm).emb.weight = nn.Parameter(new.clone())  # copies keep the refusal
+    assert gm.emb is emb and gm.emb.weight is model.emb.weight is model.head.weight
+    gm.emb = emb  # the module it holds, put back: nothing new
+    gm.emb.weight = model.emb.weight
+    with torch.no_grad():
+        gm.emb.weight.copy_(new)  # new values, still tied, in the model too
+    assert model.head.weight is model.emb.weight and torch.equal(model.head.weight, new)
+    assert (gm(x).float() - model(x)).abs().max() < 0.1
+    gm.fc.weight = nn.Parameter(torch.randn(16, 16))  # an untied weight: the graph reads the new one
+    assert torch.equal(gm.state_dict()["fc.weight"], gm.fc.weight)

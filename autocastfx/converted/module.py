@@ -9,6 +9,7 @@ import copy
 import copyreg
 import inspect
 import itertools
+import sys
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ import torch.nn as nn
 
 from . import calls as _calls
 from ..base import keys as K
-from ..base.meta import is_converted, is_plain_setting, original_class
+from ..base.meta import is_converted, is_plain_setting, names_by_id, original_class
 from ..base.quiet import torch_internal_warnings_off, warn_user
 from ..core import weights as _weights
 from ..base.meta import fetch
@@ -544,7 +545,7 @@ class _Held:
 
     def __reduce_ex__(self, protocol):
         """Pickled (``torch.save(gm.head)``) as the model's class: the held class exists in this process only."""
-        state = {k: v for k, v in self.__dict__.items() if k not in (_SETTINGS, _CLASS)}
+        state = {k: v for k, v in self.__dict__.items() if k not in (_SETTINGS, _CLASS, _TIED)}
         return copyreg._reconstructor, (self.__dict__[_CLASS], object, None), state
 
     def __deepcopy__(self, memo):
@@ -659,7 +660,8 @@ del _method
 
 _HELD: dict[tuple, type] = {}
 _CLASS = "_autocastfx_class"  # a held module's model class (nn.Module for a plain container)
-_OWN_FIELDS = _MODULE_FIELDS | {_SETTINGS, _CLASS}  # not settings: nn.Module's, and a held module's own
+_TIED = "_autocastfx_tied"  # a held module's weights the model ties to other names -> those names
+_OWN_FIELDS = _MODULE_FIELDS | {_SETTINGS, _CLASS, _TIED}  # not settings: nn.Module's, and a held module's own
 
 
 def check_replacement(parent: nn.Module, name: str, value: Any) -> None:
@@ -670,6 +672,9 @@ def check_replacement(parent: nn.Module, name: str, value: Any) -> None:
         _refuse_tied_name(parent, name)
     if not isinstance(old, _Held) or value is old or not isinstance(value, nn.Module):
         return
+    for leaf, tied in old.__dict__.get(_TIED, {}).items():
+        if value._parameters.get(leaf) is not old._parameters.get(leaf):
+            _refuse_retie(*tied)
     cls = old.__dict__.get(_CLASS)
     if cls is None:
         return
@@ -716,16 +721,41 @@ def _no_flat_buffer(self) -> None:
     so there is no flat buffer to lay out (on a CPU the layer's own is a no-op too)."""
 
 
-def _held_class(cls: type, settings: frozenset = frozenset(), recurrent: bool = False) -> type:
+def _tied_setattr(self, name, value):
+    """A held module's ``__setattr__`` where it holds a weight the model ties to another name (an embedding whose
+    matrix is the head's too): the graph reads both uses through this one parameter, so a new one here is refused.
+    FSDP2's own swap of the parameter (sharded, unsharded) passes, as does ``load_state_dict(..., assign=True)``,
+    whose untying loads :func:`weights._refuse_untied` refuses first."""
+    tied = self.__dict__.get(_TIED, {}).get(name)
+    if tied and value is not self._parameters.get(name):
+        caller = sys._getframe(1)
+        if not (caller.f_globals.get("__name__", "").startswith("torch.distributed.")
+                or caller.f_code is nn.Module._load_from_state_dict.__code__):
+            _refuse_retie(*tied)
+    super(_Held, self).__setattr__(name, value)
+
+
+def _refuse_retie(name: str, others: tuple[str, ...]) -> None:
+    raise ValueError(
+        f"{name!r} is a weight the model ties to {', '.join(map(repr, others))}, and the converted graph reads every "
+        "use of it through this one parameter: a new one here would replace it in all of them, where the same write "
+        "on the model unties them (the others keep the old tensor). To give the tied weight new values, copy into it "
+        f"(with torch.no_grad(): gm.{name}.copy_(new)); to untie it, make the change on the model and convert "
+        "again")
+
+
+def _held_class(cls: type, settings: frozenset = frozenset(), recurrent: bool = False, tied: bool = False) -> type:
     """``cls`` with :class:`_Held` in front (:class:`_HeldContainer` for a plain container) and a :class:`_Setting`
     for each of ``settings``: the same name, ``isinstance`` of ``cls``; a plain container standing for a
-    ``recurrent`` layer keeps its ``flatten_parameters()``, which training scripts call after loading."""
+    ``recurrent`` layer keeps its ``flatten_parameters()``, which training scripts call after loading; one holding a
+    ``tied`` weight refuses a new one (:func:`_tied_setattr`)."""
     if issubclass(cls, _Held):
         return cls
-    key = (cls, settings, recurrent)
+    key = (cls, settings, recurrent, tied)
     if key not in _HELD:
         mixin = _HeldContainer if cls is nn.Module else _Held
         extra = {"flatten_parameters": _no_flat_buffer} if recurrent else {}
+        extra.update({"__setattr__": _tied_setattr} if tied else {})
         _HELD[key] = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
                                                         "forward": _Forward(), **extra,
                                                         **{k: _Setting(k) for k in settings}})
@@ -736,15 +766,16 @@ def _tensor_names(m: nn.Module, table: str) -> set[str]:
     return {k for k, v in getattr(m, table).items() if v is not None}
 
 
-def _hold(sub: nn.Module, cls: type, settings: dict, recurrent: bool = False) -> bool:
-    """Make ``sub`` a held ``cls`` with ``settings`` (read-only where public); False, ``sub`` as it was, where the
+def _hold(sub: nn.Module, cls: type, settings: dict, recurrent: bool = False, tied: dict | None = None) -> bool:
+    """Make ``sub`` a held ``cls`` with ``settings`` (read-only where public) and ``tied`` (its tied weights' names
+    -> their names in the converted module and their other names in the model); False, ``sub`` as it was, where the
     class does not take the container's layout (``__slots__``) or cannot describe it (its ``extra_repr``)."""
     kept = dict(sub.__dict__)
     public = frozenset(k for k in settings if not k.startswith("_"))
     sub.__dict__.update(settings)
-    sub.__dict__.update({_SETTINGS: public, _CLASS: cls})
+    sub.__dict__.update({_SETTINGS: public, _CLASS: cls, **({_TIED: tied} if tied else {})})
     try:
-        sub.__class__ = _held_class(cls, public, recurrent)
+        sub.__class__ = _held_class(cls, public, recurrent, bool(tied))
         sub.extra_repr()
         return True
     except Exception:  # noqa: BLE001 - the plain container it was
@@ -759,6 +790,12 @@ def adopt_model_classes(gm: nn.Module, model: nn.Module) -> None:
     :func:`_adoptable`, so loops that find modules by class (freezing batch norms, weight-decay groups) still find
     them; other containers stay plain, held too."""
     models = dict(model.named_modules(remove_duplicate=False))
+    ties = {i: names for i, names in names_by_id(model).items() if len(names) > 1}
+    tied: dict[str, dict[str, tuple]] = {}  # held module -> its tied weights -> (its name, their other names)
+    for n, p in gm.named_parameters(remove_duplicate=False):
+        if id(p) in ties:
+            path, _, leaf = n.rpartition(".")
+            tied.setdefault(path, {})[leaf] = (n, tuple(x for x in ties[id(p)] if x != n))
     for name, sub in gm.named_modules(remove_duplicate=False):
         if not name or type(sub) is not nn.Module:
             continue
@@ -769,15 +806,15 @@ def adopt_model_classes(gm: nn.Module, model: nn.Module) -> None:
                     if value is None:
                         getattr(sub, table).setdefault(key, None)
             settings = {k: v for k, v in vars(own).items() if k not in _OWN_FIELDS and k not in sub.__dict__}
-            if _hold(sub, own.__dict__.get(_CLASS, original_class(own)), settings):
+            if _hold(sub, own.__dict__.get(_CLASS, original_class(own)), settings, tied=tied.get(name)):
                 continue
         # a container the model's code reads settings of (``layer.self_attn.batch_first`` in TransformerEncoder):
         # its plain settings, read-only
         plain = {k: v for k, v in vars(own).items() if k[0] != "_" and k not in _OWN_FIELDS
                  and k not in sub.__dict__ and is_plain_setting(v)} if own is not None else {}
         recurrent = isinstance(own, nn.RNNBase)
-        if not (plain or recurrent) or not _hold(sub, nn.Module, plain, recurrent):
-            _hold(sub, nn.Module, {})
+        if not (plain or recurrent or name in tied) or not _hold(sub, nn.Module, plain, recurrent, tied.get(name)):
+            _hold(sub, nn.Module, {}, tied=tied.get(name))
 
 
 def stand_in_for_settings(gm: nn.Module, model: nn.Module) -> None:
