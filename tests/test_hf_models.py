@@ -163,3 +163,26 @@ def test_an_unpadded_example_leaves_later_padding_masks_read():
         got = gm(input_ids=ids, attention_mask=mask).logits.float()
     real = mask.bool()
     assert _rel(got[real], want[real]) < 3 * _rel(theirs[real], want[real]) + 1e-3
+
+
+def test_a_config_value_the_model_sets_at_its_first_call_is_the_one_the_graph_holds():
+    """A sequence classifier converted with labels: Hugging Face's forward sets ``config.problem_type`` from None
+    at its first call, which the capture's copy did. The model's own first call afterwards (a float32 reference)
+    sets the same value: the converted module goes on; another value on the model is refused."""
+    torch.manual_seed(0)
+    cfg = tf.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, num_labels=3)
+    model = tf.BertForSequenceClassification(cfg).eval()
+    inputs = {"input_ids": torch.randint(0, 64, (2, 8)), "labels": torch.tensor([0, 2])}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = autocastfx.convert(model, example_kwargs=inputs, dtype=torch.bfloat16)
+    assert model.config.problem_type is None  # the capture ran on a copy
+    with torch.no_grad():
+        first = gm(**inputs).loss
+        ref = model(**inputs).loss
+        assert model.config.problem_type == "single_label_classification"
+        assert torch.equal(gm(**inputs).loss, first) and abs(float(first) - float(ref)) < 2e-2
+    model.config.problem_type = "multi_label_classification"
+    with pytest.raises(ValueError, match=r"problem_type was set to 'multi_label_classification'"):
+        gm(**inputs)

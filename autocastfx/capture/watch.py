@@ -151,6 +151,7 @@ class StateUse:
     changed: dict = dataclasses.field(default_factory=dict)
     leaves: set = dataclasses.field(default_factory=set)  # paths of the modules the graph calls (their own forward)
     unowned: set = dataclasses.field(default_factory=set)  # public names read from a module's class, or found absent
+    lazy: dict = dataclasses.field(default_factory=dict)  # a config's attribute read, set from None: -> its value
 
 
 def _own_state(model: nn.Module, mods: list[nn.Module]) -> dict:
@@ -196,8 +197,24 @@ def watch_state(model: nn.Module):
             if path is not None:
                 use.read.add((path, name))
 
+    before = {id(v): dict(vars(v)) for _, _, v in held.values()}
     with watch_reads(mods + [v for _, _, v in held.values()], seen):
         yield use
+    _lazily_set(use, held, before)
+
+
+def _lazily_set(use: StateUse, held: dict, before: dict) -> None:
+    """Record in ``use.lazy`` each config attribute read that the code set from None (Hugging Face's
+    ``config.problem_type``, set at the first call with labels): the graph holds the value set, which the model's
+    own first call sets too."""
+    objs = {(path, name): v for path, name, v in held.values()}
+    for path, name in use.read:
+        head, dot, attr = name.rpartition(".")
+        obj = objs.get((path, head)) if dot else None
+        if obj is not None and attr in before[id(obj)] and before[id(obj)][attr] is None:
+            now = vars(obj).get(attr)
+            if now is not None and isinstance(now, _PLAIN):
+                use.lazy[(path, name)] = now
 
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep

@@ -19,11 +19,12 @@ class StateGuard:
     """The attributes read at capture: modules by weak reference (the model is not kept alive), values by identity,
     containers and plain tensors also by content. Shared by copies; dropped when pickled."""
 
-    def __init__(self, reads: frozenset = frozenset(), unowned: frozenset = frozenset()):
+    def __init__(self, reads: frozenset = frozenset(), unowned: frozenset = frozenset(), lazy: dict | None = None):
         self.reads = reads  # (module path, name) read at capture
         self.unowned = unowned  # (module path, name) read from the module's class, or absent, at capture
+        self.lazy = lazy or {}  # (module path, name) the code set from None at capture -> that value
         self.looked: list[tuple] = []  # (module ref, path, name, value then, fingerprint) of those
-        self.modules: list[list] = []  # [module ref, getter, values, path, names, fingerprints]
+        self.modules: list[list] = []  # [module ref, getter, values, path, names, fingerprints, {name: set lazily}]
         self.contents: list[tuple[Any, weakref.ref, str, str, Any]] = []
         self.held: list[tuple[Any, str, tuple]] = []  # each module's parameters, buffers and children, by id
         self.tensors: list[tuple] = []  # (module ref, path, name, fingerprint, tensor ref or None)
@@ -33,7 +34,7 @@ class StateGuard:
     def bound(self, model: nn.Module) -> StateGuard:
         """A guard of these attributes on ``model`` (the model, or the module of it the capture's copy was made of),
         as they are now; a module or attribute it lacks is not watched."""
-        out = StateGuard(self.reads, self.unowned)
+        out = StateGuard(self.reads, self.unowned, self.lazy)
         out.root = weakref.ref(model)
         for path, name in sorted(self.unowned):
             if _has(model, path):
@@ -55,6 +56,8 @@ class StateGuard:
                 ref = weakref.ref(m)
             except (AttributeError, KeyError, TypeError):
                 continue
+            lazy = {n.rpartition(".")[2]: v for (p, n), v in self.lazy.items()
+                    if p == path and n.rpartition(".")[0] == head}
             path = f"{path}.{head}" if head and path else head or path
             own = vars(m)
             for n in sorted(names):  # tensors the guard must not keep alive: watched through the module
@@ -67,7 +70,7 @@ class StateGuard:
                 continue
             prints = tuple(fingerprint(own[n]) for n in names)
             get = operator.itemgetter(*names, names[0])  # a tuple, also of one name
-            out.modules.append([ref, get, get(own), path, names, prints])
+            out.modules.append([ref, get, get(own), path, names, prints, lazy])
             for n, fp in zip(names, prints):
                 if _mutable(own[n]):
                     out.contents.append((own[n], ref, path, n, fp))  # changed in place: compared by content
@@ -133,13 +136,14 @@ class StateGuard:
     def _compare(self) -> None:
         """Refuse a changed value; one set again to an equal value is taken as the one watched from now on."""
         for entry in self.modules:
-            ref, get, values, path, names, prints = entry
+            ref, get, values, path, names, prints, lazy = entry
             m = ref()
             if m is None:
                 continue
             for n, old, fp in zip(names, values, prints):
                 new = m.__dict__.get(n, _MISSING)
-                if new is not old and (new is _MISSING or fingerprint(new) != fp):
+                if new is not old and (new is _MISSING or fingerprint(new) != fp) \
+                        and not (n in lazy and old is None and new == lazy[n]):  # set by the model's first call
                     _refuse(m, path, n, old, new)
             entry[2] = get(m.__dict__)
 
@@ -270,7 +274,7 @@ def guard_for(state: StateUse | None, model: nn.Module) -> StateGuard | None:
                   "the converted module runs the captured tensor ops only and does not set it (it keeps its value "
                   "from before conversion). Read it from the model run without autocastfx, or return it from forward")
     reads = frozenset(k for k in state.read if k not in state.changed)  # what the code sets is its own
-    return StateGuard(reads, frozenset(state.unowned)).bound(model)
+    return StateGuard(reads, frozenset(state.unowned), state.lazy).bound(model)
 
 
 def _has(model: nn.Module, path: str) -> bool:
