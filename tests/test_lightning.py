@@ -285,3 +285,37 @@ def test_lightnings_own_window_changes_are_followed(tmp_path, case):
 
     want, got = fit(False), fit(True)
     assert ((got - want).norm() / want.norm()).item() < 0.05
+
+
+class LitWeighted(Lit):
+    """A parameter of the LightningModule outside the network: a learned loss weighting (uncertainty weighting)."""
+
+    def __init__(self):
+        super().__init__(lr=5e-2)
+        self.log_var = nn.Parameter(torch.tensor(0.5))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.model(x), y) * torch.exp(-self.log_var) + self.log_var
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def test_a_parameter_of_the_module_outside_the_network_trains_as_in_float32(tmp_path):
+    """The step trains a LightningModule's own parameter that the loss reads (not the network's) in float32,
+    unscaled with the rest: its path tracks the float32 Trainer's."""
+    runs = []
+    for plugin in (True, False):
+        torch.manual_seed(0)
+        lit = LitWeighted()
+        trainer = _trainer(tmp_path / str(plugin), 2, plugin, accumulate_grad_batches=1, gradient_clip_val=None)
+        trainer.fit(lit, DataLoader(_data(56, 1), batch_size=8))
+        runs.append(lit)
+    ours, ref = runs
+    print(f"log_var: {float(ours.log_var):.5f} against float32 {float(ref.log_var):.5f}, from 0.5")
+    assert ours.log_var.dtype == torch.float32 and abs(float(ref.log_var) - 0.5) > 0.05  # it moved
+    assert abs(float(ours.log_var) - float(ref.log_var)) < 1e-3, (float(ours.log_var), float(ref.log_var))
+    assert max(abs(a - b) for a, b in zip(ours.losses, ref.losses)) < 5e-3
