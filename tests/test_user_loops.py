@@ -20,6 +20,7 @@ Two things are asserted for each loop:
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 import warnings
@@ -915,8 +916,9 @@ def test_held_modules_keep_to_what_their_classes_allow():
 
     again = autocastfx.convert(Reuse(), (x,), dtype=BF16)
     assert isinstance(again.conv, nn.Conv2d) and again(x).shape == (2, 8, 6, 6)
-    with pytest.warns(UserWarning, match="a hook on this Conv2d never runs"):
+    with pytest.raises(ValueError, match=r"new parameter 'weight_orig'.*torch.nn.utils.parametrize"):
         __import__("torch.nn.utils.prune").nn.utils.prune.l1_unstructured(gm.conv, "weight", 0.5)
+    assert list(gm.conv._parameters) == ["weight", "bias"] and gm.conv.weight is model.conv.weight
 
 
 # ------------------------------------------------------------------------ another call, a compiled call
@@ -1718,3 +1720,34 @@ def test_a_matmul_changing_a_float32_value_in_place_runs_in_float32():
     model, x = _LowOpInPlace(), torch.randn(4, 16)
     gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
     assert _rel(gm(x).float(), model(x)) < 2e-2
+
+
+@pytest.mark.parametrize("change", ["bias_none", "prune", "weight_norm", "spectral_norm", "new_parameter"])
+def test_a_change_the_graph_would_not_read_is_refused_and_undone(change):
+    """``layer.bias = None``, torch.nn.utils.prune, the legacy weight_norm and spectral_norm, or a new parameter on
+    a layer the graph computes itself: refused at the write, naming the fix, with the layer as it was (the model's
+    own parameters, in their order), and a loop over gm goes on as float32 does. (They used to fail later: a bare
+    AttributeError from the generated code, or "backward through the graph a second time" at the second step.)"""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), torch.randn(4, 8)
+    ref = copy.deepcopy(model)
+    gm = autocastfx.convert(model, (x,), dtype=BF16)
+    layer, utils = gm.get_submodule("0"), __import__("torch.nn.utils.prune").nn.utils
+    write = {"bias_none": lambda: setattr(layer, "bias", None),
+             "prune": lambda: utils.prune.l1_unstructured(layer, "weight", 0.5),
+             "weight_norm": lambda: utils.weight_norm(layer),
+             "spectral_norm": lambda: utils.spectral_norm(layer),
+             "new_parameter": lambda: setattr(layer, "scale", nn.Parameter(torch.ones(16)))}[change]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's own, for the legacy weight_norm
+        with pytest.raises(ValueError, match=r"on the model and convert again|torch\.nn\.utils\.parametrize"):
+            write()
+    assert list(layer._parameters) == ["weight", "bias"] and not layer._forward_pre_hooks
+    assert layer.weight is model[0].weight and layer.bias is model[0].bias and "weight" not in vars(layer)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (gm, ref)]
+    for _ in range(3):
+        for m, opt in zip((gm, ref), opts):
+            m(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert (model[0].weight - ref[0].weight).abs().max() < 1e-2

@@ -545,7 +545,7 @@ class _Held:
 
     def __reduce_ex__(self, protocol):
         """Pickled (``torch.save(gm.head)``) as the model's class: the held class exists in this process only."""
-        state = {k: v for k, v in self.__dict__.items() if k not in (_SETTINGS, _CLASS, _TIED)}
+        state = {k: v for k, v in self.__dict__.items() if k not in (_SETTINGS, _CLASS, _TIED, _ORDER)}
         return copyreg._reconstructor, (self.__dict__[_CLASS], object, None), state
 
     def __deepcopy__(self, memo):
@@ -554,6 +554,27 @@ class _Held:
         new.__setstate__(copy.deepcopy(self.__dict__, memo))
         return new
 
+    def register_parameter(self, name: str, param) -> None:
+        """``nn.Module``'s, refusing what the graph would not read: a parameter under a new name (the first step of
+        torch.nn.utils.prune, the legacy weight_norm and spectral_norm, all undone first), or None for a parameter
+        the graph reads (``layer.bias = None``)."""
+        params = self.__dict__.get("_parameters", {})
+        if param is None and params.get(name) is not None:
+            raise ValueError(
+                f"{type(self).__name__}.{name} is read by the converted graph, which computes this module's ops "
+                f"itself: setting it to None after convert() would break the graph, not remove the term. Set "
+                f"{name} to None on the model and convert again (gm.state_dict() loads into the model)")
+        if name not in params:
+            _undo_reparametrization(self, name, param, sys._getframe(1))
+            raise ValueError(
+                f"a new parameter {name!r} on the converted module's {type(self).__name__} would never be read: the "
+                "converted graph computes this module's ops itself from the tensors it had at conversion (the "
+                "weight a forward pre-hook of torch.nn.utils.prune, weight_norm or spectral_norm recomputes would "
+                "be computed once). Prune or reparametrize the model with torch.nn.utils.parametrize "
+                "(parametrizations.weight_norm, spectral_norm, or a mask as a parametrization) and convert it: a "
+                "parametrization converts and trains as in the model")
+        super().register_parameter(name, param)
+
     def _warn_hook(self, hook) -> None:
         fn = getattr(hook, "func", hook)
         if not getattr(fn, "__module__", "").startswith("torch.distributed."):  # FSDP2's own: it calls them itself
@@ -561,6 +582,25 @@ class _Held:
                       "this module's ops itself and reads only its tensors. Hook a module the graph "
                       "calls (a converted block, or a leaf such as a norm under symbolic_trace), or return the value "
                       "from the model's forward")
+
+
+def _undo_reparametrization(module: nn.Module, name: str, param, caller) -> None:
+    """Put back the parameter that torch's legacy weight_norm or spectral_norm has just removed from ``module`` before
+    registering ``name`` (its ``_g``/``_v`` or ``_orig``): the module as it was, the model's own parameter again."""
+    base = name.rpartition("_")[0]
+    if not base or base in module._parameters:
+        return
+    if caller.f_code.co_name == "apply" and isinstance(caller.f_locals.get("weight"), nn.Parameter):
+        module._parameters[base] = caller.f_locals["weight"]  # WeightNorm.apply: deleted just before
+    elif name == base + "_orig" and isinstance(param, nn.Parameter):
+        module._parameters[base] = param  # SpectralNorm.apply: the original is the one registered
+    else:
+        return
+    module.__dict__.pop(base, None)
+    order = module.__dict__.get(_ORDER, ())  # its place among the parameters, for optimizers built by position
+    kept = sorted(module._parameters.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
+    module._parameters.clear()
+    module._parameters.update(kept)
 
 
 def is_held(module: nn.Module) -> bool:
@@ -661,7 +701,8 @@ del _method
 _HELD: dict[tuple, type] = {}
 _CLASS = "_autocastfx_class"  # a held module's model class (nn.Module for a plain container)
 _TIED = "_autocastfx_tied"  # a held module's weights the model ties to other names -> those names
-_OWN_FIELDS = _MODULE_FIELDS | {_SETTINGS, _CLASS, _TIED}  # not settings: nn.Module's, and a held module's own
+_ORDER = "_autocastfx_order"  # a held module's parameter names, in order
+_OWN_FIELDS = _MODULE_FIELDS | {_SETTINGS, _CLASS, _TIED, _ORDER}  # not settings: nn.Module's, and a held module's own
 
 
 def check_replacement(parent: nn.Module, name: str, value: Any) -> None:
@@ -773,7 +814,8 @@ def _hold(sub: nn.Module, cls: type, settings: dict, recurrent: bool = False, ti
     kept = dict(sub.__dict__)
     public = frozenset(k for k in settings if not k.startswith("_"))
     sub.__dict__.update(settings)
-    sub.__dict__.update({_SETTINGS: public, _CLASS: cls, **({_TIED: tied} if tied else {})})
+    sub.__dict__.update({_SETTINGS: public, _CLASS: cls, _ORDER: tuple(sub._parameters),
+                         **({_TIED: tied} if tied else {})})
     try:
         sub.__class__ = _held_class(cls, public, recurrent, bool(tied))
         sub.extra_repr()
