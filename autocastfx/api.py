@@ -203,7 +203,9 @@ def _convert_low_model(model: nn.Module, low: dict, args: tuple, kwargs: dict, o
     kinds = sorted({str(d).replace("torch.", "") for d in low.values()})
     warn_user(f"autocastfx: {type(model).__name__}'s {' and '.join(kinds)} parameters and buffers ({len(low)}) "
                   "are now float32, upcast exactly in place (as model.float() does): a converted module's "
-                  "parameters are the model's float32 weights, which its programs cast per op")
+                  "parameters are the model's float32 weights, which its programs cast per op. An optimizer that "
+                  "has stepped them holds its state in the old dtype: reload it, which casts the state to the "
+                  "parameters' (optimizer.load_state_dict(optimizer.state_dict()))")
     gm = _convert_any(model, args, kwargs, options, ctx)
     for _, unit in _weights.converted_units(gm):
         unit.meta[K.CONVERTED].extra_totals["weights_from"] = (

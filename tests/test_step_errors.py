@@ -298,3 +298,29 @@ def test_a_step_leaves_torchs_clipping_functions_and_the_loops_clip_sees_float32
     assert float(norm) == pytest.approx(float(expected)) and float(norm) > 0
     clipped = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in gm.parameters()]))
     assert float(clipped) == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_optimizer_state_from_before_a_low_precision_model_was_upcast_names_the_reload():
+    """A bfloat16 model that an Adam has stepped, then converted (upcast in place to float32): the optimizer's
+    moments are still bfloat16, which torch's own step rejects with a bare dtype error. The step names the reload,
+    and after it trains as float32 Adam from the same state does."""
+    import warnings
+    torch.manual_seed(0)
+    model, x = BNNet().bfloat16(), torch.randn(8, 12)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(x.bfloat16()).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    with pytest.warns(UserWarning, match=r"optimizer\.load_state_dict\(optimizer\.state_dict\(\)\)"):
+        gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(autocastfx.StepError, match=r"exp_avg, exp_avg_sq of a float32 parameter.*is bfloat16.*"
+                                                       r"optimizer\.load_state_dict\(optimizer\.state_dict\(\)\)"):
+            autocastfx.train_step(gm, lambda out: out.float().square().mean(), opt)
+        opt.load_state_dict(opt.state_dict())
+        step = autocastfx.train_step(gm, lambda out: out.float().square().mean(), opt)
+        opt.param_groups[0]["lr"] = 3e-2
+        losses = [float(step(x)) for _ in range(8)]
+    assert all(v.dtype == torch.float32 for s in opt.state.values() for k, v in s.items() if k != "step")
+    assert losses[-1] < losses[0]
