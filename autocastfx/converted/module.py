@@ -834,10 +834,14 @@ def adopt_model_classes(gm: nn.Module, model: nn.Module) -> None:
     models = dict(model.named_modules(remove_duplicate=False))
     ties = {i: names for i, names in names_by_id(model).items() if len(names) > 1}
     tied: dict[str, dict[str, tuple]] = {}  # held module -> its tied weights -> (its name, their other names)
+    mine: dict[int, list[str]] = {}
     for n, p in gm.named_parameters(remove_duplicate=False):
-        if id(p) in ties:
-            path, _, leaf = n.rpartition(".")
-            tied.setdefault(path, {})[leaf] = (n, tuple(x for x in ties[id(p)] if x != n))
+        mine.setdefault(id(p), []).append(n)
+    for i, names in mine.items():
+        if i in ties and len(names) < len(ties[i]):  # read under fewer names than the model has
+            for n in names:
+                path, _, leaf = n.rpartition(".")
+                tied.setdefault(path, {})[leaf] = (n, tuple(x for x in ties[i] if x not in names))
     for name, sub in gm.named_modules(remove_duplicate=False):
         if not name or type(sub) is not nn.Module:
             continue
