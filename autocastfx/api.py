@@ -26,7 +26,7 @@ from .capture.programs import Captured, capture as capture_programs, derive_from
 from .capture.trace import tensors_kept, unregistered_tensors
 from .converted import calls as _calls
 from .converted import module as _module
-from .converted.state import guard_for
+from .converted.state import guard_for, warn_model_hooks
 from .core import devices as _devices
 from .core import layout as _layout
 from .core import modes as _modes
@@ -384,6 +384,10 @@ def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: Con
         # (torch.fx.wrap'd functions) traced by torch.export and inlined; propagated on the inputs
         captured = capture_programs(model, args, kwargs, options.policy, ctx, share_tensors=True)
         guard = guard_for(captured.state, model)  # a forward that moves its own plain state is refused here
+        if not entry_casts:  # a block's own hooks: the tree's conversion watches it as the model's module
+            warn_model_hooks(model)
+        elif guard is not None:
+            guard.watched = [e if e[1] else [*e[:4], None] for e in guard.watched]
         for _, unit in _weights.converted_units(model):  # converted blocks, shared: switched by the captures
             if unit is not model:
                 _module.follow_module_modes(unit)

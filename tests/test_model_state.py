@@ -1084,3 +1084,46 @@ def test_a_tied_weight_replaced_on_the_converted_module_is_refused_and_copying_i
     assert (gm(x).float() - model(x)).abs().max() < 0.1
     gm.fc.weight = nn.Parameter(torch.randn(16, 16))  # an untied weight: the graph reads the new one
     assert torch.equal(gm.state_dict()["fc.weight"], gm.fc.weight)
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + F.relu(self.fc(x))
+
+
+class _Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.layers, self.head = nn.Linear(8, 16), nn.ModuleList([_Block(), _Block()]), nn.Linear(16, 4)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_hooks_on_the_models_modules_that_the_converted_module_never_runs_are_warned_about():
+    """The converted module never calls the model's modules: a forward hook there at conversion ran once (its
+    Python never again), and one registered after never runs (a feature extractor that silently collects
+    nothing). Each is warned about once; a hook on a converted block runs."""
+    torch.manual_seed(0)
+    x, seen = torch.randn(4, 8), []
+    model = _Stack()
+    model.inp.register_forward_hook(lambda m, a, out: seen.append("inp"))
+    with pytest.warns(UserWarning, match=r"forward hooks on the model's 'inp' ran once, at conversion"):
+        gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16, blocks=True)
+    seen.clear()
+    gm.layers[0].register_forward_hook(lambda m, a, out: seen.append("gm.layers.0"))
+    model.layers[1].register_forward_hook(lambda m, a, out: seen.append("model.layers.1"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gm(x)
+        gm(x)
+    hooked = [str(w.message) for w in caught if "never runs" in str(w.message)]
+    assert len(hooked) == 1 and "the model's _Block at 'layers.1' after convert() never runs" in hooked[0], hooked
+    assert seen == ["gm.layers.0", "gm.layers.0"]

@@ -26,9 +26,10 @@ class StateGuard:
         self.looked: list[tuple] = []  # (module ref, path, name, value then, fingerprint) of those
         self.modules: list[list] = []  # [module ref, getter, values, path, names, fingerprints, {name: set lazily}]
         self.contents: list[tuple[Any, weakref.ref, str, str, Any]] = []
-        self.held: list[tuple[Any, str, tuple]] = []  # each module's parameters, buffers and children, by id
         self.tensors: list[tuple] = []  # (module ref, path, name, fingerprint, tensor ref or None)
-        self.modes: list[list] = []  # [module ref, path, its training flag as last seen]
+        # each module: [ref, path, its parameters, buffers and children by id (None: it holds none), its training
+        # flag and its number of hooks as last seen]
+        self.watched: list[list] = []
         self.root = None  # the module bound
 
     def bound(self, model: nn.Module) -> StateGuard:
@@ -42,9 +43,8 @@ class StateGuard:
                 v = getattr(m, name, _MISSING)
                 out.looked.append((weakref.ref(m), path, name, v, fingerprint(v)))
         inside = {id(s) for n, u in model.named_modules() if n and is_converted(u) for s in u.modules() if s is not u}
-        out.held = [(weakref.ref(m), path, _held(m)) for path, m in model.named_modules()
-                    if id(m) not in inside and (m._parameters or m._buffers or m._modules)]
-        out.modes = [[weakref.ref(m), path, m.training] for path, m in model.named_modules() if id(m) not in inside]
+        out.watched = [[weakref.ref(m), path, _held(m) if m._parameters or m._buffers or m._modules else None,
+                        m.training, _hooks(m)] for path, m in model.named_modules() if id(m) not in inside]
         by_owner: dict[tuple[str, str], list[str]] = {}  # (module path, attribute holding a config or "") -> names
         for path, name in self.reads:
             head, _, rest = name.rpartition(".")
@@ -80,8 +80,7 @@ class StateGuard:
         """ValueError naming the first attribute whose value changed since capture; a mode set on the model since
         (``model.eval()``, ``model.bn.eval()``) is set on ``gm``'s module of that name, as on a module compiled
         from the model."""
-        if gm is not None:
-            self._follow_modes(gm)
+        self._check_modules(gm)
         try:
             for ref, get, values, *_ in self.modules:  # by identity first, the cheap check
                 m = ref()
@@ -97,32 +96,43 @@ class StateGuard:
             now = m.__dict__.get(name, _MISSING) if m is not None else None
             if m is not None and ((tensor is not None and tensor() is not now) or fingerprint(now) != fp):
                 _refuse(m, path, name, _AT_CONVERT, now, in_place=tensor is not None and tensor() is now)
-        for ref, path, held in self.held:
-            m = ref()
-            if m is not None and held != (now := _held(m)):
-                _replaced(m, path, held[:-1] == now[:-1])
         for ref, path, name, old, fp in self.looked:
             m = ref()
             if m is not None and fingerprint(now := getattr(m, name, _MISSING)) != fp:
                 _refuse(m, path, name, old, now)
 
+    def _check_modules(self, gm: nn.Module | None) -> None:
+        """One pass over the model's modules: a tensor or child replaced is refused, a mode set since is followed
+        on ``gm``, a hook registered since is warned about (it never runs)."""
+        changed, replaced = [], None
+        for entry in self.watched:
+            m = entry[0]()
+            if m is None:
+                continue
+            if entry[2] is not None and replaced is None and entry[2] != (now := _held(m)):
+                replaced = (m, entry[1], entry[2][:-1] == now[:-1])
+            if m.training is not entry[3]:
+                entry[3] = m.training
+                changed.append((entry[1], entry[3]))
+            if entry[4] is not None and (hooks := _hooks(m)) != entry[4]:
+                if hooks > entry[4]:
+                    _warn_hook(m, entry[1])
+                entry[4] = hooks
+        if changed and gm is not None:
+            self._follow_modes(gm, changed)
+        if replaced is not None:
+            _replaced(*replaced)
+
     def modes_seen(self) -> None:
         """Take the model's modes as they are now as seen: ``gm.train()``/``gm.eval()`` after a mode set on the
         model wins over it (the later call decides, as for one module)."""
-        for entry in self.modes:
+        for entry in self.watched:
             m = entry[0]()
             if m is not None:
-                entry[2] = m.training
+                entry[3] = m.training
 
-    def _follow_modes(self, gm: nn.Module) -> None:
-        changed = []
-        for entry in self.modes:
-            m = entry[0]()
-            if m is not None and m.training is not entry[2]:
-                entry[2] = m.training
-                changed.append((entry[1], entry[2]))
-        if not changed:
-            return
+    @staticmethod
+    def _follow_modes(gm: nn.Module, changed: list) -> None:
         mods = dict(gm.named_modules(remove_duplicate=False))
         for path, mode in changed:  # the root first (it sets every module), then the modules set on their own
             target = mods.get(path)
@@ -197,6 +207,31 @@ def _holds_tensor(v: Any, depth: int = 0) -> bool:
     if depth < 4 and type(v) in (tuple, list, set, frozenset):
         return any(_holds_tensor(x, depth + 1) for x in v)
     return depth < 4 and type(v) is dict and any(_holds_tensor(x, depth + 1) for x in v.values())
+
+
+def _hooks(m: nn.Module) -> int:
+    return len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) + len(m._backward_pre_hooks)
+
+
+def _warn_hook(m: nn.Module, path: str) -> None:
+    warn_user(f"autocastfx: a hook registered on the model's {type(m).__name__}{f' at {path!r}' if path else ''} "
+              "after convert() never runs: the converted module computes the model's ops in its own graph and "
+              "never calls the model's modules. Return the value from forward, or hook a converted block (convert "
+              "with blocks=...), which the converted module calls")
+
+
+def warn_model_hooks(model: nn.Module) -> None:
+    """Warn where the model's modules have forward hooks at conversion: the capture ran them once, so the graph
+    holds what they compute on tensors, and none of their Python runs at later calls."""
+    inside = {id(s) for n, u in model.named_modules() if n and is_converted(u) for s in u.modules()}
+    hooked = [path or type(model).__name__ for path, m in model.named_modules()
+              if id(m) not in inside and (m._forward_hooks or m._forward_pre_hooks)]
+    if hooked:
+        warn_user(f"autocastfx: forward hooks on the model's {', '.join(map(repr, hooked[:4]))}"
+                  f"{f' and {len(hooked) - 4} more' if len(hooked) > 4 else ''} ran once, at conversion: the "
+                  "converted graph holds what they compute on tensors, and none of their Python (recording a "
+                  "feature, logging a statistic) runs at later calls. Return such values from forward, or hook a "
+                  "converted block (convert with blocks=...), which the converted module calls")
 
 
 def _held(m: nn.Module) -> tuple:
