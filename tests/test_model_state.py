@@ -1086,7 +1086,7 @@ def test_a_tied_weight_replaced_on_the_converted_module_is_refused_and_copying_i
     assert torch.equal(gm.state_dict()["fc.weight"], gm.fc.weight)
 
 
-class _Block(nn.Module):
+class _HookedBlock(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(16, 16)
@@ -1095,10 +1095,10 @@ class _Block(nn.Module):
         return x + F.relu(self.fc(x))
 
 
-class _Stack(nn.Module):
+class _HookedStack(nn.Module):
     def __init__(self):
         super().__init__()
-        self.inp, self.layers, self.head = nn.Linear(8, 16), nn.ModuleList([_Block(), _Block()]), nn.Linear(16, 4)
+        self.inp, self.layers, self.head = nn.Linear(8, 16), nn.ModuleList([_HookedBlock(), _HookedBlock()]), nn.Linear(16, 4)
 
     def forward(self, x):
         x = self.inp(x)
@@ -1113,7 +1113,7 @@ def test_hooks_on_the_models_modules_that_the_converted_module_never_runs_are_wa
     nothing). Each is warned about once; a hook on a converted block runs."""
     torch.manual_seed(0)
     x, seen = torch.randn(4, 8), []
-    model = _Stack()
+    model = _HookedStack()
     model.inp.register_forward_hook(lambda m, a, out: seen.append("inp"))
     with pytest.warns(UserWarning, match=r"forward hooks on the model's 'inp' ran once, at conversion"):
         gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16, blocks=True)
@@ -1125,5 +1125,5 @@ def test_hooks_on_the_models_modules_that_the_converted_module_never_runs_are_wa
         gm(x)
         gm(x)
     hooked = [str(w.message) for w in caught if "never runs" in str(w.message)]
-    assert len(hooked) == 1 and "the model's _Block at 'layers.1' after convert() never runs" in hooked[0], hooked
+    assert len(hooked) == 1 and "the model's _HookedBlock at 'layers.1' after convert() never runs" in hooked[0], hooked
     assert seen == ["gm.layers.0", "gm.layers.0"]
