@@ -44,7 +44,8 @@ class StateGuard:
                 out.looked.append((weakref.ref(m), path, name, v, fingerprint(v)))
         inside = {id(s) for n, u in model.named_modules() if n and is_converted(u) for s in u.modules() if s is not u}
         out.watched = [[weakref.ref(m), path, _held(m) if m._parameters or m._buffers or m._modules else None,
-                        m.training, _hooks(m)] for path, m in model.named_modules() if id(m) not in inside]
+                        m.training, None if path and is_converted(m) else _hooks(m)]  # a converted block runs its own
+                       for path, m in model.named_modules() if id(m) not in inside]
         by_owner: dict[tuple[str, str], list[str]] = {}  # (module path, attribute holding a config or "") -> names
         for path, name in self.reads:
             head, _, rest = name.rpartition(".")
