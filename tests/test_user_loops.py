@@ -1751,3 +1751,50 @@ def test_a_change_the_graph_would_not_read_is_refused_and_undone(change):
             opt.step()
             opt.zero_grad()
     assert (model[0].weight - ref[0].weight).abs().max() < 1e-2
+
+
+class _ShiftedLM(nn.Module):
+    """A language model that torch.export captures (its assert on the length stops symbolic tracing), called on
+    slices of a token batch as loops do (``tokens[:, :-1]``, ``tokens[:, 1:]``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(50, 16), nn.Linear(16, 50)
+
+    def forward(self, idx, targets=None):
+        assert idx.shape[1] <= 64, "too long"
+        logits = self.fc(self.emb(idx))
+        if targets is None:
+            return logits[:, -1]
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_an_example_that_is_a_view_leaves_later_calls_of_fresh_tensors_running():
+    """torch.export guards on a view input's base (``x._base.size()``): converted from ``tokens[:, :-1]``, every
+    later call with a tensor that is no view failed in the program's guard with "'NoneType' object has no attribute
+    'size'"; so did the call of another structure a ``generate`` loop makes from a slice of its prompt."""
+    torch.manual_seed(0)
+    model, tokens = _ShiftedLM(), torch.randint(0, 50, (4, 17))
+    gm = autocastfx.convert(model, (tokens[:, :-1], tokens[:, 1:]), dtype=BF16)
+    assert gm.meta["autocastfx"].capture == "torch.export"
+    fresh = torch.randint(0, 50, (4, 17))
+    inputs, targets = fresh[:, :-1].clone(), fresh[:, 1:].clone()  # no views
+    assert abs(float(gm(inputs, targets)) - float(model(inputs, targets))) < 2e-2
+    gm.eval()
+    with torch.no_grad():
+        first = gm(tokens[:, :5])  # another structure, converted from a view
+        nxt = torch.cat([tokens[:, :5], first.argmax(-1, keepdim=True)], dim=1)  # no view
+        assert (gm(nxt).float() - model(nxt)).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_call_of_another_structure_the_model_refuses_raises_the_models_own_error(mode):
+    """A call of another structure (no targets) with a sequence the model's own assert refuses: its conversion
+    fails, and the caller gets the model's AssertionError and message, as the model gives it, not a TypeError about
+    converting."""
+    torch.manual_seed(0)
+    model, tokens = _ShiftedLM(), torch.randint(0, 50, (2, 17))
+    gm = autocastfx.convert(model, (tokens[:, :-1], tokens[:, 1:]), dtype=BF16)
+    gm.train(mode == "train")
+    with pytest.raises(AssertionError, match="too long"):
+        gm(torch.randint(0, 50, (2, 65)))

@@ -21,9 +21,16 @@ from ..base.quiet import quiet_torch_logs, torch_internal_warnings_off
 # may then run with or without the cache, which changes its speed, never its result.
 
 
+def _not_a_view(t: torch.Tensor) -> torch.Tensor:
+    return t if t._base is None else t.detach().clone().requires_grad_(t.requires_grad)
+
+
 def run_export(model: nn.Module, args: tuple, kwargs: dict | None = None,
                **options) -> torch.export.ExportedProgram:
-    """``torch.export.export``; with ``dynamic_shapes``, without the fake-tensor cache (see above)."""
+    """``torch.export.export``; with ``dynamic_shapes``, without the fake-tensor cache (see above). An input that is
+    a view (``idx[:, :5]``) is given as a copy: torch.export guards on a view's base (``x._base.size()``), and the
+    program's guard then fails on a later input that is no view (``'NoneType' object has no attribute 'size'``)."""
+    args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, _not_a_view, (tuple(args), kwargs))
     if options.get("dynamic_shapes") is None:
         return torch.export.export(model, args, kwargs, **options)
     with torch._dynamo.config.patch(fake_tensor_cache_enabled=False):

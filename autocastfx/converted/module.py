@@ -292,7 +292,11 @@ class _Switchable(_GuardsChildren):
         if info is not None and info.call_signature and \
                 _calls.raw_key(args, kwargs) != _calls.example_key(info):
             # a call of another structure: its own conversion (or the captured call, spelled another way)
-            other, args, kwargs = _calls.other_call(self, info, args, kwargs)
+            try:
+                other, args, kwargs = _calls.other_call(self, info, args, kwargs)
+            except Exception as e:  # noqa: BLE001 - it does not convert: the model's own check on it, if any
+                _calls.model_check(info.checks, args, kwargs, e, self.training)
+                raise
             if other is not None:
                 _check_state_eagerly(other) if torch.compiler.is_compiling() else _check_state(other)
                 try:
