@@ -192,11 +192,13 @@ def _convert_low_model(model: nn.Module, low: dict, args: tuple, kwargs: dict, o
     if any(is_converted(m) for name, m in model.named_modules() if name):
         raise ValueError("convert() takes a low-precision model without converted blocks inside; convert its "
                          "blocks after, or convert model.float()")
+    upcast = set()
     with torch.no_grad():
         for m in model.modules():
             for table in (m._parameters, m._buffers):
                 for t in table.values():
                     if t is not None and t.dtype in LOW_DTYPES:
+                        upcast.add(id(t))
                         t.data = t.data.float()  # in place: the same object, for whatever holds it already
                         if t.grad is not None:
                             t.grad = t.grad.float()
@@ -208,6 +210,7 @@ def _convert_low_model(model: nn.Module, low: dict, args: tuple, kwargs: dict, o
                   "parameters' (optimizer.load_state_dict(optimizer.state_dict()))")
     gm = _convert_any(model, args, kwargs, options, ctx)
     for _, unit in _weights.converted_units(gm):
+        unit.meta[K.CONVERTED].upcast = frozenset(upcast)
         unit.meta[K.CONVERTED].extra_totals["weights_from"] = (
             f"the model's {' and '.join(kinds)} values ({len(low)} tensors), upcast exactly in place into float32")
     return gm

@@ -1127,3 +1127,94 @@ def test_hooks_on_the_models_modules_that_the_converted_module_never_runs_are_wa
     hooked = [str(w.message) for w in caught if "never runs" in str(w.message)]
     assert len(hooked) == 1 and "the model's _HookedBlock at 'layers.1' after convert() never runs" in hooked[0], hooked
     assert seen == ["gm.layers.0", "gm.layers.0"]
+
+
+class _EmbWithChild(nn.Module):
+    """An embedding with a child: its holder in the converted module is a plain container."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight, self.proj = nn.Parameter(torch.randn(10, 16)), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.proj(F.embedding(x, self.weight))
+
+
+class _TiedEverywhere(nn.Module):
+    """A weight tied three ways: held by a container (``emb.weight``), and read at the root (``out_w``) and by the
+    head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc, self.head = _EmbWithChild(), nn.Linear(16, 16), nn.Linear(16, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(F.gelu(self.fc(self.emb(x))))
+
+
+class _RootTied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(10, 16), nn.Linear(16, 16)
+        self.out_w = self.emb.weight
+
+    def forward(self, x):
+        return F.linear(F.gelu(self.fc(self.emb(x))), self.out_w)
+
+
+def test_a_tied_weight_keeps_its_checks_wherever_it_is_held():
+    """A tied weight in a held container still has the container's own refusals (a child of another class, a setting
+    read at capture); one the converted root holds is refused too, but FSDP2-style assign loads of the whole module
+    and a no-op write pass; a load into the held module alone with assign=True, and a parametrization there, are
+    refused (each changes the weight in every use, where on the model it unties)."""
+    torch.manual_seed(0)
+    x = torch.randint(0, 10, (4, 6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = autocastfx.convert(_TiedEverywhere(), (x,), dtype=torch.bfloat16)
+        root = autocastfx.convert(_RootTied(), (x,), dtype=torch.bfloat16)
+    before = gm(x)
+
+    class Doubled(nn.Linear):
+        def forward(self, h):
+            return 2 * super().forward(h)
+
+    with pytest.raises(ValueError, match=r"'proj' is a Linear whose ops the converted graph computes itself"):
+        gm.emb.proj = Doubled(16, 16)
+    with pytest.raises(RuntimeError, match=r"'emb\.weight' is a weight the model ties to 'head\.weight'"):
+        gm.emb.load_state_dict({"weight": torch.randn(10, 16), **gm.emb.proj.state_dict(prefix="proj.")},
+                               assign=True)
+
+    class Double(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    with pytest.raises(ValueError, match=r"ties to 'head\.weight'.*parametrization"):
+        torch.nn.utils.parametrize.register_parametrization(gm.emb, "weight", Double())
+    assert "weight" in gm.emb._parameters and torch.equal(gm(x), before)
+    gm.load_state_dict(gm.state_dict(), assign=True)  # the whole module's: tied values agree
+    held = [n for n, _ in root.named_parameters()]
+    assert "out_w" in held and "emb.weight" not in held, held
+    with pytest.raises(ValueError, match=r"'out_w' is a weight the model ties to 'emb\.weight'"):
+        root.out_w = nn.Parameter(torch.randn(10, 16))
+    root.out_w = root.out_w
+    root.load_state_dict(root.state_dict(), assign=True)
+    assert root(x).shape == (4, 6, 10)
+
+
+def test_torchs_own_reparametrization_hooks_at_conversion_are_not_warned_about():
+    """The legacy weight_norm's pre-hook recomputes the weight from ``weight_g`` and ``weight_v``, which the graph
+    does too: it is no hook whose Python is lost, and convert() says nothing of it."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        torch.nn.utils.weight_norm(model[0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    assert not [w for w in caught if "forward hooks" in str(w.message)]
+    with torch.no_grad():
+        model[0].weight_g.mul_(2)
+    assert (gm(x).float() - model(x)).abs().max() < 0.05  # the graph recomputes it from weight_g

@@ -324,3 +324,34 @@ def test_optimizer_state_from_before_a_low_precision_model_was_upcast_names_the_
         losses = [float(step(x)) for _ in range(8)]
     assert all(v.dtype == torch.float32 for s in opt.state.values() for k, v in s.items() if k != "step")
     assert losses[-1] < losses[0]
+
+
+class _LowMomentumSGD(torch.optim.Optimizer):
+    """SGD with momentum kept in bfloat16 by design (as AnyPrecisionAdamW keeps its moments)."""
+
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("momentum", torch.zeros_like(p, dtype=torch.bfloat16))
+                buf.mul_(0.9).add_(p.grad.to(torch.bfloat16))
+                p.add_(buf.float(), alpha=-group["lr"])
+
+
+def test_an_optimizer_that_keeps_low_precision_state_by_design_is_not_refused():
+    """Only state from before convert() upcast the model is stale: an optimizer built over the converted module that
+    keeps bfloat16 state by design trains through one step and then a second one built on it."""
+    torch.manual_seed(0)
+    model, x = BNNet(), torch.randn(8, 12)
+    gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    opt = _LowMomentumSGD(gm.parameters())
+    loss = lambda out: out.float().square().mean()  # noqa: E731
+    first = [float(autocastfx.train_step(gm, loss, opt)(x)) for _ in range(2)]
+    again = autocastfx.train_step(gm, loss, opt, accum_steps=2)
+    assert all(v.dtype == torch.bfloat16 for s in opt.state.values() for v in s.values())
+    assert float(again(x)) < first[0]

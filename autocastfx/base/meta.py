@@ -158,6 +158,9 @@ class ConvertInfo:
     # guards the plain attributes the model's code read while captured: a change is refused at the next call
     # (converted.state.StateGuard)
     state: Any = dataclasses.field(default=None, repr=False)
+    # id() of the model's tensors convert() upcast in place from float16/bfloat16 (an optimizer that stepped them
+    # before holds state in the old dtype: training.step's check)
+    upcast: frozenset = dataclasses.field(default=frozenset(), repr=False)
     # {mode: {module name: flag}}: what the model's own train()/eval() sets (frozen batch norms), where it has one
     mode_flags: dict | None = dataclasses.field(default=None, repr=False)
 

@@ -172,7 +172,7 @@ class _GuardsChildren:
     def __setattr__(self, name, value):
         if name in self.__dict__.get(_READ, ()):
             _refuse_write(self, name)
-        check_replacement(self, name, value)
+        check_replacement(self, name, value, sys._getframe(1))
         super().__setattr__(name, value)
 
     def __delattr__(self, name):
@@ -594,10 +594,11 @@ def _undo_reparametrization(module: nn.Module, name: str, param, caller) -> None
     base = name.rpartition("_")[0]
     if not base or base in module._parameters:
         return
-    if caller.f_code.co_name == "apply" and isinstance(caller.f_locals.get("weight"), nn.Parameter):
-        module._parameters[base] = caller.f_locals["weight"]  # WeightNorm.apply: deleted just before
-    elif name == base + "_orig" and isinstance(param, nn.Parameter):
-        module._parameters[base] = param  # SpectralNorm.apply: the original is the one registered
+    fn = type(caller.f_locals.get("fn")).__name__ if caller.f_code.co_name == "apply" else None
+    if fn == "WeightNorm" and isinstance(caller.f_locals.get("weight"), nn.Parameter):
+        module._parameters[base] = caller.f_locals["weight"]  # deleted just before
+    elif fn == "SpectralNorm" and name == base + "_orig" and isinstance(param, nn.Parameter):
+        module._parameters[base] = param  # the original is the one registered
     else:
         return
     module.__dict__.pop(base, None)
@@ -709,12 +710,18 @@ _ORDER = "_autocastfx_order"  # a held module's parameter names, in order
 _OWN_FIELDS = _MODULE_FIELDS | {_SETTINGS, _CLASS, _TIED, _ORDER}  # not settings: nn.Module's, and a held module's own
 
 
-def check_replacement(parent: nn.Module, name: str, value: Any) -> None:
+def check_replacement(parent: nn.Module, name: str, value: Any, caller=None) -> None:
     """ValueError where ``value`` would replace ``parent``'s held child ``name`` (see :class:`_Held`) with a module
     of another class: the graph would read the new module's tensors and go on computing the old one's ops."""
     old = parent.__dict__.get("_modules", {}).get(name)
     if old is None and isinstance(value, (nn.Module, nn.Parameter)):
-        _refuse_tied_name(parent, name)
+        held = parent.__dict__.get("_parameters", {})
+        if name not in held:
+            _refuse_tied_name(parent, name)
+        elif value is not held[name] and not _trusted_write(caller or sys._getframe(2), root=True):
+            tied = _root_tie(parent, name)
+            if tied is not None:
+                _refuse_retie(*tied)
     if not isinstance(old, _Held) or value is old or not isinstance(value, nn.Module):
         return
     for leaf, tied in old.__dict__.get(_TIED, {}).items():
@@ -748,15 +755,28 @@ def check_replacement(parent: nn.Module, name: str, value: Any) -> None:
         "into the model)")
 
 
+def _root_tie(parent: nn.Module, name: str) -> tuple | None:
+    """(name, the model's other names) where ``parent``'s own parameter ``name`` is a weight the model ties to names
+    the converted module does not hold (see :func:`_tied_setattr`); else None."""
+    info = parent.__dict__.get("meta", {}).get(K.CONVERTED) if isinstance(parent, fx.GraphModule) else None
+    for names in getattr(info, "source_params", {}).values():
+        if name in names and len(names) > 1:
+            own = {n for n, _ in parent.named_parameters(remove_duplicate=False)}
+            others = tuple(n for n in names if n not in own)
+            return (name, others) if others else None
+    return None
+
+
 def _refuse_tied_name(parent: nn.Module, name: str) -> None:
     """ValueError where ``name`` is where the model had a module or weight that the converted module reads through
     another name (a head tied to the embedding): a new one there would be in its parameters and state dict, unread."""
     info = parent.__dict__.get("meta", {}).get(K.CONVERTED) if isinstance(parent, fx.GraphModule) else None
     for names in getattr(info, "source_params", {}).values():
         if len(names) > 1 and any(n == name or n.startswith(name + ".") for n in names):
+            here = next(n for n in names if n == name or n.startswith(name + "."))
             raise ValueError(
-                f"{name!r} is where the model had {sorted(names)[0]!r}, a weight tied to {sorted(names)[-1]!r}, "
-                "which the converted graph reads under one name: a module or parameter set there would be in "
+                f"{name!r} is where the model had {here!r}, a weight tied to "
+                f"{', '.join(repr(n) for n in names if n != here)}, which the converted graph reads under one name: a module or parameter set there would be in "
                 "gm.parameters() and gm.state_dict() and never read (and a checkpoint would carry it over the tied "
                 "weight). Make the change on the model (untie or replace its head) and convert again")
 
@@ -772,19 +792,41 @@ def _tied_setattr(self, name, value):
     FSDP2's own swap of the parameter (sharded, unsharded) passes, as does ``load_state_dict(..., assign=True)``,
     whose untying loads :func:`weights._refuse_untied` refuses first."""
     tied = self.__dict__.get(_TIED, {}).get(name)
-    if tied and value is not self._parameters.get(name):
-        caller = sys._getframe(1)
-        if not (caller.f_globals.get("__name__", "").startswith("torch.distributed.")
-                or caller.f_code is nn.Module._load_from_state_dict.__code__):
-            _refuse_retie(*tied)
-    super(_Held, self).__setattr__(name, value)
+    if tied and value is not self._parameters.get(name) and not _trusted_write(sys._getframe(1)):
+        _refuse_retie(*tied)
+    _next_after(self, "__setattr__", _tied_setattr)(name, value)
+
+
+def _tied_delattr(self, name):
+    """:func:`_tied_setattr` for deleting the weight (the first step of ``register_parametrization``)."""
+    tied = self.__dict__.get(_TIED, {}).get(name)
+    if tied and not _trusted_write(sys._getframe(1)):
+        _refuse_retie(*tied)
+    _next_after(self, "__delattr__", _tied_delattr)(name)
+
+
+def _next_after(obj, method: str, fn):
+    """``obj``'s ``method`` as the class after the one that defines it as ``fn`` has it (``super()`` for a function
+    put in a class made at run time, whose class may be subclassed again: FSDP2's)."""
+    mro = type(obj).__mro__
+    at = next(i for i, c in enumerate(mro) if c.__dict__.get(method) is fn)
+    return getattr(super(mro[at], obj), method)
+
+
+def _trusted_write(caller, root: bool = False) -> bool:
+    """FSDP2's own swap of a parameter (sharded, unsharded), or a ``load_state_dict(..., assign=True)`` of a module
+    above the held one, whose untying loads :func:`weights._refuse_untied` refuses first (a load of the held module
+    alone, ``prefix`` empty, is not; the converted ``root``'s own is)."""
+    return caller.f_globals.get("__name__", "").startswith("torch.distributed.") or (
+        caller.f_code is nn.Module._load_from_state_dict.__code__ and (root or bool(caller.f_locals.get("prefix"))))
 
 
 def _refuse_retie(name: str, others: tuple[str, ...]) -> None:
     raise ValueError(
         f"{name!r} is a weight the model ties to {', '.join(map(repr, others))}, and the converted graph reads every "
-        "use of it through this one parameter: a new one here would replace it in all of them, where the same write "
-        "on the model unties them (the others keep the old tensor). To give the tied weight new values, copy into it "
+        "use of it through this one parameter: a new one here (or a parametrization, or a load into this module "
+        "alone with assign=True) would change it in all of them, where the same change on the model unties them "
+        "(the others keep the old tensor). To give the tied weight new values, copy into it "
         f"(with torch.no_grad(): gm.{name}.copy_(new)); to untie it, make the change on the model and convert "
         "again")
 
@@ -800,7 +842,7 @@ def _held_class(cls: type, settings: frozenset = frozenset(), recurrent: bool = 
     if key not in _HELD:
         mixin = _HeldContainer if cls is nn.Module else _Held
         extra = {"flatten_parameters": _no_flat_buffer} if recurrent else {}
-        extra.update({"__setattr__": _tied_setattr} if tied else {})
+        extra.update({"__setattr__": _tied_setattr, "__delattr__": _tied_delattr} if tied else {})
         _HELD[key] = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
                                                         "forward": _Forward(), **extra,
                                                         **{k: _Setting(k) for k in settings}})

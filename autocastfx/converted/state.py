@@ -4,6 +4,7 @@ the next call."""
 from __future__ import annotations
 
 import operator
+import types
 import weakref
 from typing import Any
 
@@ -221,12 +222,19 @@ def _warn_hook(m: nn.Module, path: str) -> None:
               "with blocks=...), which the converted module calls")
 
 
+def _torchs(hook) -> bool:
+    """A hook of torch's own (the legacy weight_norm's, prune's): what it computes on tensors is in the graph."""
+    fn = getattr(hook, "func", hook)  # a functools.partial's function
+    plain = isinstance(fn, (types.FunctionType, types.MethodType, types.BuiltinFunctionType))
+    return str(getattr(fn, "__module__", "") if plain else type(fn).__module__).startswith("torch.")
+
+
 def warn_model_hooks(model: nn.Module) -> None:
     """Warn where the model's modules have forward hooks at conversion: the capture ran them once, so the graph
     holds what they compute on tensors, and none of their Python runs at later calls."""
     inside = {id(s) for n, u in model.named_modules() if n and is_converted(u) for s in u.modules()}
-    hooked = [path or type(model).__name__ for path, m in model.named_modules()
-              if id(m) not in inside and (m._forward_hooks or m._forward_pre_hooks)]
+    hooked = [path or type(model).__name__ for path, m in model.named_modules() if id(m) not in inside
+              and any(not _torchs(h) for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()))]
     if hooked:
         warn_user(f"autocastfx: forward hooks on the model's {', '.join(map(repr, hooked[:4]))}"
                   f"{f' and {len(hooked) - 4} more' if len(hooked) > 4 else ''} ran once, at conversion: the "

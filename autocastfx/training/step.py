@@ -393,15 +393,19 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, gm: nn.Module, info) -> N
                 f"the optimizer holds a tensor of shape {tuple(p.shape)} (param group {g}, entry {i}) that is "
                 f"{whose}: build the optimizer over gm.parameters() (after fully_shard() or autocastfx.shard(), "
                 "which replace the module's parameters)")
-    for p, state in optimizer.state.items():
+    upcast = getattr(info, "upcast", frozenset())
+    for p, state in optimizer.state.items() if upcast else ():
         stale = sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dtype != p.dtype
-                       and v.shape == p.shape and v.is_floating_point())
+                       and v.shape == p.shape and v.is_floating_point()) if id(p) in upcast else ()
         if stale:
             raise StepError(
                 f"the optimizer's state {', '.join(stale)} of a {str(p.dtype).replace('torch.', '')} parameter of "
                 f"shape {tuple(p.shape)} is {str(state[stale[0]].dtype).replace('torch.', '')}: it was built before "
                 "convert() upcast the low-precision model in place. Reload it, which casts the state to its "
-                "parameters' dtype: optimizer.load_state_dict(optimizer.state_dict())")
+                "parameters' dtype: optimizer.load_state_dict(optimizer.state_dict()); or, for an optimizer that "
+                "keeps low-precision state by design, build it anew over gm.parameters()")
+    if upcast:  # state made from here on is the optimizer's own choice of dtype (AnyPrecisionAdamW's bfloat16)
+        info.upcast = frozenset()
 
 
 def _use_fused_skip(opt: torch.optim.Optimizer, parallel: Local) -> bool:
