@@ -778,7 +778,8 @@ def _refuse_tied_name(parent: nn.Module, name: str) -> None:
                 f"{name!r} is where the model had {here!r}, a weight tied to "
                 f"{', '.join(repr(n) for n in names if n != here)}, which the converted graph reads under one name: a "
                 "module or parameter set there would be in gm.parameters() and gm.state_dict() and never read (and a "
-                "checkpoint would carry it over the tied weight). Make the change on the model (untie or replace its head) and convert again")
+                "checkpoint would carry it over the tied weight). Make the change on the model (untie or replace its "
+                "head) and convert again")
 
 
 def _no_flat_buffer(self) -> None:
