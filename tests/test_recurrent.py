@@ -23,7 +23,7 @@ import autocastfx
 from autocastfx.base import keys as K
 from autocastfx.core import kernels
 from autocastfx import master_parameters
-from helpers import AtenRecorder, cpu_autocast
+from helpers import AtenRecorder, cpu_autocast, onednn_refusal
 
 BF16 = torch.bfloat16
 RNN_OPS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
@@ -574,13 +574,18 @@ def test_a_size_the_capture_fixed_is_converted_for_on_first_use():
     for shape in ((3, 5, 8), (2, 7, 8), (4, 3, 8), (2, 7, 8)):
         xi = torch.randn(*shape)
         ref = model(xi)
-        with torch.autocast("cpu", torch.bfloat16):
-            ac = model(xi)
+        try:
+            with torch.autocast("cpu", torch.bfloat16):
+                ac_err = ((model(xi) - ref).norm() / ref.norm()).item()
+        except RuntimeError as e:  # torch's bfloat16 LSTM needs AVX-512 (helpers.onednn_refusal): the bound where
+            if onednn_refusal(e, torch.bfloat16) is None:  # it runs, 1.3e-3 to 3.6e-3 at these sizes (AMX Xeon)
+                raise
+            ac_err = 4e-3
         with AtenRecorder() as rec:
             out = gm(xi)
         assert out.shape == ref.shape
         assert any(torch.bfloat16 in c.in_dtypes for c in rec.ops("addmm", "mm", "linear"))
-        assert (out - ref).norm() / ref.norm() <= 3 * (ac - ref).norm() / ref.norm() + 1e-3
+        assert (out - ref).norm() / ref.norm() <= 3 * ac_err + 1e-3
     sizes = gm.meta[K.OTHER_CALLS].sized
     assert (2, 7, 8) in {s[0] for s in sizes} and len(sizes) <= 3  # each new size converted once
     gm.zero_grad()
