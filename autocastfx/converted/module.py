@@ -789,9 +789,8 @@ def _no_flat_buffer(self) -> None:
 
 def _tied_setattr(self, name, value):
     """A held module's ``__setattr__`` where it holds a weight the model ties to another name (an embedding whose
-    matrix is the head's too): the graph reads both uses through this one parameter, so a new one here is refused.
-    FSDP2's own swap of the parameter (sharded, unsharded) passes, as does ``load_state_dict(..., assign=True)``,
-    whose untying loads :func:`weights._refuse_untied` refuses first."""
+    matrix is the head's too): the graph reads both uses through this one parameter, so a new one here is refused,
+    but for the writes :func:`_trusted_write` names."""
     tied = self.__dict__.get(_TIED, {}).get(name)
     if tied and value is not self._parameters.get(name) and not _trusted_write(sys._getframe(1)):
         _refuse_retie(*tied)
