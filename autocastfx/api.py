@@ -249,6 +249,7 @@ def _keep_checks(out: nn.Module, model: nn.Module, args: tuple, kwargs: dict) ->
     info.convert_call = _convert_for_call
 
 
+@torch.compiler.disable  # under torch.compile(gm), converted eagerly: traced, the conversion took seconds more
 def _convert_for_call(gm: nn.Module, args: tuple, kwargs: dict, state: tuple = (), widen: bool = True
                       ) -> nn.Module:
     """The model kept on meta, converted for a call of another structure with ``gm``'s options and module ``state``
