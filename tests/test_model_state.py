@@ -1008,17 +1008,31 @@ def test_a_mode_set_on_the_model_after_convert_is_followed(what):
 
 def test_a_batch_norm_replaced_on_gm_has_its_own_mode_checked():
     """The modules whose modes a torch.export capture holds as op flags are found again where one was replaced on
-    gm after a call: freezing the new batch norm alone is refused, and gm.eval() runs the eval program."""
+    gm after a call: the new batch norm frozen alone is converted for, with its own statistics, as a float32 model
+    holding it computes (refused where the model is not kept), and gm.eval() runs the eval program."""
     torch.manual_seed(0)
     x = torch.randn(8, 16)
+    model = _ExportedNormNet()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        gm = autocastfx.convert(_ExportedNormNet(), (x,), dtype=torch.bfloat16)
+        gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
     gm(x)
     gm.bn = nn.BatchNorm1d(32)
+    with torch.no_grad():
+        gm.bn.running_mean.uniform_(-1, 1)
     gm.bn.eval()
+    ref = copy.deepcopy(model)
+    ref.bn = copy.deepcopy(gm.bn)
+    with torch.no_grad():  # the same dropout draws: the model's dropout still trains
+        torch.manual_seed(1)
+        out = gm(x)
+        torch.manual_seed(1)
+        assert _rel(out, ref(x)) < 2e-2
+    assert torch.equal(gm.bn.running_mean, ref.bn.running_mean)
+    checks, gm.meta["autocastfx"].checks = gm.meta["autocastfx"].checks, None
     with pytest.raises(ValueError, match=r"another mode than the program it runs \(train\): bn \(eval\)"):
         gm(x)
+    gm.meta["autocastfx"].checks = checks
     gm.eval()
     count = int(gm.bn.num_batches_tracked)
     with torch.no_grad():

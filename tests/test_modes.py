@@ -722,14 +722,16 @@ def test_frozen_batch_norm_blocks_stay_frozen_in_a_training_model():
     assert all(torch.equal(v, before[k]) for k, v in gm.named_buffers())
 
 
-def test_a_submodules_own_mode_is_followed_where_a_program_computes_it_and_refused_elsewhere():
+def test_a_submodules_own_mode_is_followed_where_a_program_computes_it_and_converted_for_elsewhere():
     """A converted graph holds each module's mode as its ops' flags. Frozen batch norms set again after
     ``gm.train()`` (as fine-tuning loops do after each ``model.train()``) run the program converted with them
-    frozen; a mode no program computes (a batch norm frozen after conversion) is a ValueError naming the module,
-    never a silent update of its statistics."""
+    frozen; a mode no program computes (a batch norm training under an eval model) is converted for at its first
+    call, as the float32 model computes it, never a silent run of another program. Without the model (a loaded
+    module) it is a ValueError naming the module."""
     torch.manual_seed(0)
     model = _Untraceable(BNNet()).train()
     model.inner.bn.eval()  # frozen at conversion: the given program
+    ref = copy.deepcopy(model)
     x = torch.randn(4, 3, 6, 6)
     gm = autocastfx.convert(model, (x,), blocks=None)
     assert gm.meta["autocastfx"].capture == "torch.export"
@@ -745,6 +747,17 @@ def test_a_submodules_own_mode_is_followed_where_a_program_computes_it_and_refus
     assert gm.meta["autocastfx_programs"].current == "given"
     gm.eval()
     gm.get_submodule("inner.bn").train()  # a mode no program computes
+    ref.load_state_dict(gm.state_dict())
+    ref.eval()
+    ref.inner.bn.train()
+    out, ref_out = gm(x), ref(x)
+    torch.testing.assert_close(out.float(), ref_out, rtol=2e-2, atol=2e-2)
+    for k, v in ref.state_dict().items():  # the batch norm's statistics moved as the float32 model's did
+        torch.testing.assert_close(gm.state_dict()[k], v, rtol=2e-2, atol=2e-2)
+    assert not torch.equal(gm.get_buffer("inner.bn.running_mean"), before["inner.bn.running_mean"])
+    assert gm.meta["autocastfx_programs"].current == "eval"  # gm's own programs are as they were
+    # without the model kept, nothing converts for it: refused, naming the module, statistics untouched
+    gm.meta["autocastfx"].checks = None
     before = stats()
     with pytest.raises(ValueError, match=r"inner\.bn \(train\).*gm\.train\(\) and gm\.eval\(\)"):
         gm(x)
@@ -786,6 +799,18 @@ def test_export_and_save_write_the_program_of_the_modules_modes(tmp_path):
     for loaded in (torch.export.load(tmp_path / "m.pt2").module(), autocastfx.load(tmp_path / "m.acfx")):
         with torch.no_grad():
             assert _rel(loaded(x), want) < 2e-2
+    # converted in training mode, the batch norm frozen after: no program of gm's computes it, and export writes
+    # the conversion a call in those modes runs
+    model.train()
+    gm = autocastfx.convert(copy.deepcopy(model), (x,), dtype=torch.bfloat16)
+    gm.train()
+    gm.bn.eval()
+    model.bn.eval()
+    with torch.no_grad():
+        want = model(x)
+    autocastfx.export(gm, tmp_path / "m2.pt2", (x,))
+    with torch.no_grad():
+        assert _rel(torch.export.load(tmp_path / "m2.pt2").module()(x), want) < 2e-2
 
 
 class _SetsItsScale(nn.Module):
@@ -833,8 +858,10 @@ def test_the_given_program_keeps_what_a_modules_own_train_set(path):
 
 
 def test_a_call_refused_for_its_modules_modes_changes_no_statistics():
-    """A block's modes no program computes are refused with a ValueError: the blocks before it had already run and
-    updated their batch-norm statistics. Every converted block's modes are now checked before any runs."""
+    """A block's modes no program computes were refused with a ValueError after the blocks before it had run and
+    updated their batch-norm statistics. Every converted block's modes are now checked before any runs: the call is
+    converted for the mixture where the model is kept (as the float32 model computes it), else refused with no
+    statistic changed."""
     class Scale(nn.Module):
         def __init__(self):
             super().__init__()
@@ -863,10 +890,18 @@ def test_a_call_refused_for_its_modules_modes_changes_no_statistics():
 
     torch.manual_seed(0)
     x = torch.randn(8, 16)
-    gm = autocastfx.convert(Net(), (x,), dtype=torch.bfloat16)
+    model = Net()
+    ref = copy.deepcopy(model)
+    gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
     assert [n for n, m in gm.named_modules() if "autocastfx_programs" in getattr(m, "meta", {})]
-    gm.train()
-    gm.blocks[2].s.eval()  # a mixture the last block's programs do not compute
+    for m in (gm, ref):
+        m.train()
+        m.blocks[2].s.eval()  # a mixture the last block's programs do not compute
+    out, ref_out = gm(x), ref(x)
+    torch.testing.assert_close(out.float(), ref_out, rtol=2e-2, atol=5e-2)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(gm.state_dict()[k], v, rtol=2e-2, atol=2e-2)
+    gm.meta["autocastfx"].checks = None  # without the model kept: refused before any block runs
     before = {k: v.clone() for k, v in gm.state_dict().items() if "bn." in k}
     with pytest.raises(ValueError, match="another mode than the program it runs"):
         gm(x)

@@ -298,14 +298,21 @@ def sized_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict) -> tuple[nn.
     return other_call(gm, info, args, kwargs, sizes=True)
 
 
-def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict, sizes: bool = False
+def convertible(info: Any) -> bool:
+    """Whether a converted module with this ``info`` keeps its model (on meta) to convert for other calls."""
+    checks = getattr(info, "checks", None)
+    return checks is not None and checks.model is not None and info.convert_call is not None
+
+
+def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict, sizes: bool = False, modes: bool = False
                ) -> tuple[nn.Module | None, tuple, dict]:
-    """``(module, args, kwargs)`` for a call of another structure, or with ``sizes`` of other input sizes than a
-    capture that fixed them (torch.export's guard refused the call): the model converted for it (on first use) in
-    the state of ``gm``'s modules, sharing ``gm``'s tensors, the call spelled as that conversion's was; the module
-    is None (``gm`` runs it) for the captured call spelled another way, or where no model is kept."""
+    """``(module, args, kwargs)`` for a call of another structure, with ``sizes`` of other input sizes than a
+    capture that fixed them (torch.export's guard refused the call), or with ``modes`` in modules' modes none of
+    ``gm``'s programs computes: the model converted for it (on first use) in the state of ``gm``'s modules, sharing
+    ``gm``'s tensors, the call spelled as that conversion's was; the module is None (``gm`` runs it) for the
+    captured call spelled another way, or where no model is kept."""
     checks = info.checks
-    if checks is None or checks.model is None or info.convert_call is None:
+    if not convertible(info):
         return None, args, kwargs
     key = bound_key(checks.model, args, kwargs)
     if key is None:
@@ -318,7 +325,7 @@ def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict, sizes: bool 
         holder.example_key = bound_key(checks.model, *checks.example)
     if sizes:
         key = (key, _sizes(args, kwargs))
-    elif key == holder.example_key:
+    elif key == holder.example_key and not modes:
         return (None, *(respelled(checks.model, info.call_signature, args, kwargs) or (args, kwargs)))
     mods = dict(gm.named_modules(remove_duplicate=False))
     state = module_state(mods)

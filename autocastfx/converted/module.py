@@ -278,6 +278,8 @@ class _Switchable(_GuardsChildren):
         if self.training:
             pass
         programs = self.__dict__.get("meta", {}).get(K.PROGRAMS)
+        info = self.__dict__.get("meta", {}).get("autocastfx")
+        computed = True  # whether the programs compute the modes the modules are in (else converted for them)
         if programs is not None and programs.owners:
             if torch.compiler.is_compiling():  # run at every call, outside the compiled code: it may switch programs
                 _check_owner_modes_eagerly(self, programs)
@@ -285,18 +287,20 @@ class _Switchable(_GuardsChildren):
                     if m.training:                                # it guards on them, as on the root's mode
                         pass
             else:
-                _check_owner_modes(self, programs)
+                computed = _check_owner_modes(self, programs, _calls.convertible(info))
         if not torch.compiler.is_compiling():  # each converted block's modes, before any runs and updates statistics
-            _check_nested_modes(self)
-        info = self.__dict__.get("meta", {}).get("autocastfx")
-        if info is not None and info.call_signature and \
-                _calls.raw_key(args, kwargs) != _calls.example_key(info):
-            # a call of another structure: its own conversion (or the captured call, spelled another way)
+            computed = _check_nested_modes(self, _calls.convertible(info)) and computed
+        if info is not None and (not computed or info.call_signature and
+                                 _calls.raw_key(args, kwargs) != _calls.example_key(info)):
+            # a call of another structure, or in modes no program computes: its own conversion (or the captured
+            # call, spelled another way)
             try:
-                other, args, kwargs = _calls.other_call(self, info, args, kwargs)
+                other, args, kwargs = _calls.other_call(self, info, args, kwargs, modes=not computed)
             except Exception as e:  # noqa: BLE001 - it does not convert: the model's own check on it, if any
                 _calls.model_check(info.checks, args, kwargs, e, self.training)
                 raise
+            if other is None and not computed:  # not converted for these modes: refused, as without a model
+                _refuse_modes(self, programs)
             if other is not None:
                 _check_state_eagerly(other) if torch.compiler.is_compiling() else _check_state(other)
                 try:
@@ -398,9 +402,10 @@ def _refuse_low_parameters(gm: nn.Module, fn) -> None:
             "inference, autocastfx.for_inference(gm)")
 
 
-def _check_owner_modes(gm: fx.GraphModule, programs: Programs) -> None:
+def _check_owner_modes(gm: fx.GraphModule, programs: Programs, convertible: bool = False) -> bool:
     """Before a call, check that the modules whose modes the programs hold as op flags match the running program;
-    their conversion-time mixture (frozen batch norms) runs that program, any other is a ValueError."""
+    their conversion-time mixture (frozen batch norms) runs that program. Any other mixture returns False where
+    ``convertible`` (the call is converted for it), else is a ValueError."""
     kept = gm.__dict__.get("_autocastfx_owners")  # the modules, found once per Programs (a copy has its own)
     if kept is None or kept[0] is not programs or not all(map(_still_at, itertools.repeat(gm), programs.owners,
                                                                kept[1])):  # one replaced since (gm.bn = ...)
@@ -409,22 +414,25 @@ def _check_owner_modes(gm: fx.GraphModule, programs: Programs) -> None:
     want = {TRAIN: True, EVAL: False}.get(programs.current)
     if want is None:
         if all(m.training == f for m, f in zip(kept[1], kept[2])):
-            return
+            return True
     elif all(m.training == want for m in kept[1]):
-        return
+        return True
     flags = {name: m.training for name, m in zip(programs.owners, kept[1])}
     if flags == programs.owners and GIVEN in programs.graphs:
         _run_program(gm, programs, GIVEN)
-        return
+        return True
+    if convertible:
+        return False
     odd = [f"{n} ({'train' if f else 'eval'})" for n, f in flags.items()
            if f != (programs.owners[n] if want is None else want)]
     raise ValueError(
         f"modules of this converted module are in another mode than the program it runs ({programs.current}): "
         f"{', '.join(odd[:4])}{' and more' if len(odd) > 4 else ''}. The converted graph holds each module's mode "
         "as its ops' flags, one program per mode of the whole module: gm.train() and gm.eval() switch them. A "
-        "submodule's mode set on its own after convert() (frozen batch norms) is followed only where it is the "
-        "mode it had at conversion: set the model's modules' modes before convert(), then after each gm.train() "
-        "set those modules' modes again as they were")
+        "submodule's mode set on its own after convert() (frozen batch norms) is converted for at its first call "
+        "only where the converted module keeps its model and runs eagerly (not under torch.compile, not loaded "
+        "from a file); here it is followed only where it is the mode it had at conversion: set the model's "
+        "modules' modes before convert(), then after each gm.train() set those modules' modes again as they were")
 
 
 def _still_at(gm: nn.Module, path: str, module: nn.Module) -> bool:
@@ -437,25 +445,35 @@ def _still_at(gm: nn.Module, path: str, module: nn.Module) -> bool:
     return m is module
 
 
-def settle_programs(gm: nn.Module) -> None:
+def settle_programs(gm: nn.Module, convertible: bool = False) -> bool:
     """Make each converted module in ``gm`` run its current modes' program, as its next call would, for what reads
-    the running graph uncalled (export, save)."""
+    the running graph uncalled (export, save); False where no program computes the modes and ``convertible`` (a
+    call converts for them), else that mixture is a ValueError."""
+    computed = True
     for m in gm.modules():
         programs = m.__dict__.get("meta", {}).get(K.PROGRAMS) if isinstance(m, _Switchable) else None
         if programs is not None and programs.owners:
-            _check_owner_modes(m, programs)
+            computed = _check_owner_modes(m, programs, convertible) and computed
+    return computed
 
 
-def _check_nested_modes(gm: nn.Module) -> None:
+def _check_nested_modes(gm: nn.Module, convertible: bool = False) -> bool:
     """:func:`_check_owner_modes` for every converted block inside ``gm``, so a refused call is refused before any
-    block has run."""
+    block has run; False where a block's modes are computed by none of its programs and ``gm`` is ``convertible``
+    (the call is converted for them)."""
     nested = gm.__dict__.get("_autocastfx_nested")
     if nested is None or not all(_still_at(gm, n, m) for n, m in nested):  # a block replaced since
         nested = gm.__dict__["_autocastfx_nested"] = [
             (n, m) for n, m in gm.named_modules() if m is not gm and isinstance(m, _Switchable)
             and getattr(m.__dict__.get("meta", {}).get(K.PROGRAMS), "owners", None)]
-    for _, m in nested:
-        _check_owner_modes(m, m.meta[K.PROGRAMS])
+    return all([_check_owner_modes(m, m.meta[K.PROGRAMS], convertible) for _, m in nested])
+
+
+def _refuse_modes(gm: nn.Module, programs: Programs | None) -> None:
+    """The ValueError of :func:`_check_owner_modes` for modes no program computes."""
+    if programs is not None and programs.owners:
+        _check_owner_modes(gm, programs)
+    _check_nested_modes(gm)
 
 
 @torch.compiler.disable

@@ -42,7 +42,7 @@ def _info(gm) -> ConvertInfo:
 def export_program(gm: fx.GraphModule, example_inputs: tuple | None = None, example_kwargs: dict | None = None,
                    dynamic_shapes: Any = None) -> torch.export.ExportedProgram:
     info = _info(gm)
-    _module.settle_programs(gm)  # the program of the modules' modes now, as a call would run
+    computed = _module.settle_programs(gm, _calls.convertible(info))  # the program of the modes now, as a call's
     piecewise = info.capture == "piecewise"
     if example_inputs is None and example_kwargs is None:
         if piecewise:
@@ -52,10 +52,13 @@ def export_program(gm: fx.GraphModule, example_inputs: tuple | None = None, exam
     if isinstance(example_inputs, torch.Tensor):
         raise TypeError("example_inputs must be a tuple of inputs: write (x,) instead of x")
     args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})
-    if info.call_signature and _calls.raw_key(args, kwargs) != _calls.example_key(info):
-        other, args, kwargs = _calls.other_call(gm, info, args, kwargs)  # the conversion a call of this kind runs
+    if not computed or info.call_signature and _calls.raw_key(args, kwargs) != _calls.example_key(info):
+        # the conversion a call of this kind, or in these modes, runs
+        other, args, kwargs = _calls.other_call(gm, info, args, kwargs, modes=not computed)
         if other is not None:
             return export_program(other, args, kwargs, dynamic_shapes)
+        if not computed:
+            _module.settle_programs(gm)  # refused, naming the modules
     try:
         return run_export(gm, tuple(example_inputs or ()), in_signature_order(gm, dict(example_kwargs or {})),
                           dynamic_shapes=dynamic_shapes, strict=False)
