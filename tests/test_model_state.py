@@ -1180,8 +1180,9 @@ class _RootTied(nn.Module):
 def test_a_tied_weight_keeps_its_checks_wherever_it_is_held():
     """A tied weight in a held container still has the container's own refusals (a child of another class, a setting
     read at capture); one the converted root holds is refused too, but FSDP2-style assign loads of the whole module
-    and a no-op write pass; a load into the held module alone with assign=True, and a parametrization there, are
-    refused (each changes the weight in every use, where on the model it unties)."""
+    and a no-op write pass; a load into the held module alone with assign=True (before any of its tensors is
+    assigned), and a parametrization there, are refused (each changes the weight in every use, where on the model
+    it unties)."""
     torch.manual_seed(0)
     x = torch.randint(0, 10, (4, 6))
     with warnings.catch_warnings():
@@ -1196,9 +1197,12 @@ def test_a_tied_weight_keeps_its_checks_wherever_it_is_held():
 
     with pytest.raises(ValueError, match=r"'proj' is a Linear whose ops the converted graph computes itself"):
         gm.emb.proj = Doubled(16, 16)
-    with pytest.raises(RuntimeError, match=r"'emb\.weight' is a weight the model ties to 'head\.weight'"):
-        gm.emb.load_state_dict({"weight": torch.randn(10, 16), **gm.emb.proj.state_dict(prefix="proj.")},
+    kept = [id(p) for p in gm.emb.parameters()]
+    with pytest.raises(ValueError, match=r"'emb\.weight' is a weight the model ties to 'head\.weight'"):
+        gm.emb.load_state_dict({"weight": torch.randn(10, 16), **{k: v.clone() for k, v in
+                                                                  gm.emb.proj.state_dict(prefix="proj.").items()}},
                                assign=True)
+    assert [id(p) for p in gm.emb.parameters()] == kept  # refused before any tensor of it was assigned
 
     class Double(nn.Module):
         def forward(self, w):

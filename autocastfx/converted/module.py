@@ -823,6 +823,18 @@ def _tied_delattr(self, name):
     _next_after(self, "__delattr__", _tied_delattr)(name)
 
 
+def _tied_load(self, state_dict, prefix, local_metadata, *args):
+    """A held tied module's ``_load_from_state_dict``: a load into it alone with ``assign=True`` (``prefix`` empty)
+    that gives the tied weight a new tensor is refused before any of its tensors is assigned (torch's own loop
+    would assign the others, then raise)."""
+    if not prefix and local_metadata.get("assign_to_params_buffers", False):
+        for name, tied in self.__dict__.get(_TIED, {}).items():
+            value = state_dict.get(name)
+            if value is not None and value is not self._parameters.get(name):
+                _refuse_retie(*tied)
+    _next_after(self, "_load_from_state_dict", _tied_load)(state_dict, prefix, local_metadata, *args)
+
+
 def _next_after(obj, method: str, fn):
     """``obj``'s ``method`` as the class after the one that defines it as ``fn`` has it (``super()`` for a function
     put in a class made at run time, whose class may be subclassed again: FSDP2's)."""
@@ -860,7 +872,8 @@ def _held_class(cls: type, settings: frozenset = frozenset(), recurrent: bool = 
     if key not in _HELD:
         mixin = _HeldContainer if cls is nn.Module else _Held
         extra = {"flatten_parameters": _no_flat_buffer} if recurrent else {}
-        extra.update({"__setattr__": _tied_setattr, "__delattr__": _tied_delattr} if tied else {})
+        extra.update({"__setattr__": _tied_setattr, "__delattr__": _tied_delattr,
+                      "_load_from_state_dict": _tied_load} if tied else {})
         _HELD[key] = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
                                                         "forward": _Forward(), **extra,
                                                         **{k: _Setting(k) for k in settings}})
