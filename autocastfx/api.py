@@ -86,6 +86,8 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
     if root is not None:
         root.state_keys = tuple(model.state_dict(keep_vars=True))
     _keep_checks(out, model, args, kwargs)
+    if isinstance(out, fx.GraphModule):  # its converted blocks, found once: a compiled call checks their modes
+        _module.index_blocks(out)
     if note:
         for _, unit in _weights.converted_units(out):
             unit.meta[K.CONVERTED].extra_totals["dtype_choice"] = note

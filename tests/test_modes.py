@@ -857,6 +857,72 @@ def test_the_given_program_keeps_what_a_modules_own_train_set(path):
         assert _rel(gm(x), model(x)) < 2e-2
 
 
+class _HalvesInTraining(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(16))
+
+    def forward(self, x):
+        return x * self.w * 0.5 if self.training else x * self.w
+
+
+class _ModeBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l, self.bn, self.s = nn.Linear(16, 16), nn.BatchNorm1d(16), _HalvesInTraining()
+
+    def forward(self, x):
+        return x + self.s(self.bn(self.l(x)))
+
+
+class _ModeBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_ModeBlock() for _ in range(3)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_a_compiled_module_follows_its_blocks_modes():
+    """Under ``torch.compile(gm)`` the compiled code runs each converted block's forward, not its ``__call__``: a
+    block's module set to eval after ``gm.train()`` ran the block's training program (1.2 off the float32 model in
+    the same modes), silently. Each block's modes are now checked at every compiled call and read where the compiler
+    traces: the mixture is converted for, and each later switch runs its own program."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    model = _ModeBlocks()
+    ref = copy.deepcopy(model)
+    gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    assert [n for n, m in gm.named_modules() if "autocastfx_programs" in getattr(m, "meta", {})] == \
+        ["blocks.0", "blocks.1", "blocks.2"]
+    net = torch.compile(gm, backend="eager")
+
+    def same(mix):
+        for m in (gm, ref):
+            m.train()
+            if mix:
+                m.blocks[2].s.eval()
+        out, want = net(x), ref(x)
+        torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=5e-2)
+        for k, v in ref.state_dict().items():  # the batch norms' statistics moved as the float32 model's did
+            torch.testing.assert_close(gm.state_dict()[k], v, rtol=2e-2, atol=2e-2)
+
+    for mix in (False, True, False, True):
+        same(mix)
+    for m in (gm, ref):
+        m.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(net(x).float(), ref(x), rtol=2e-2, atol=5e-2)
+    gm.meta["autocastfx"].checks = None  # without the model kept: refused under compile too
+    gm.train()
+    gm.blocks[1].s.eval()
+    with pytest.raises(ValueError, match="another mode than the program it runs"):
+        net(x)
+
+
 def test_a_call_refused_for_its_modules_modes_changes_no_statistics():
     """A block's modes no program computes were refused with a ValueError after the blocks before it had run and
     updated their batch-norm statistics. Every converted block's modes are now checked before any runs: the call is

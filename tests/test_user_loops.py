@@ -997,8 +997,8 @@ class _ExportOnlyNet(nn.Module):
 def test_torch_compile_of_the_converted_module_follows_a_frozen_batch_norm():
     """``torch.compile(gm)`` runs the program of its modules' modes, as ``gm`` does: a batch norm frozen before
     convert() and again after each ``gm.train()`` (the documented recipe) keeps its statistics, and the losses follow
-    the float32 model's; a module frozen after convert() on a torch.export capture is the same ValueError as
-    eager."""
+    the float32 model's; a module frozen after convert() on a torch.export capture is converted for, as eager, and
+    without the model kept is the same ValueError as eager."""
     torch.manual_seed(0)
     model = _ExportOnlyNet()
     ref = _ExportOnlyNet()
@@ -1028,7 +1028,20 @@ def test_torch_compile_of_the_converted_module_follows_a_frozen_batch_norm():
     gm2 = autocastfx.convert(_ExportOnlyNet(), (x,), dtype=torch.float16)
     net2 = torch.compile(gm2, backend="eager")
     net2(x)
-    gm2.bn.eval()  # after convert(): no program computes it
+    ref2 = copy.deepcopy(gm2)  # a plain copy: the float32 model's values and modes
+    gm2.bn.eval()  # after convert(): no program computes it, and the compiled call converts for it
+    ref2_model = _ExportOnlyNet()
+    ref2_model.load_state_dict(ref2.state_dict())
+    ref2_model.train()
+    ref2_model.bn.eval()
+    stats = gm2.bn.running_mean.clone()
+    for _ in range(2):  # converted once, then the compiled code runs it
+        torch.testing.assert_close(net2(x).float(), ref2_model(x), rtol=0, atol=2e-2)
+    assert torch.equal(gm2.bn.running_mean, stats)
+    assert len(gm2.meta["autocastfx_other_calls"].by_key) == 1
+    gm2.meta["autocastfx"].checks = None  # without the model kept: the same ValueError as eager
+    gm2.train()
+    gm2.bn.eval()
     with pytest.raises(ValueError, match="another mode than the program it runs"):
         net2(x)
 

@@ -279,17 +279,27 @@ class _Switchable(_GuardsChildren):
             pass
         programs = self.__dict__.get("meta", {}).get(K.PROGRAMS)
         info = self.__dict__.get("meta", {}).get("autocastfx")
-        computed = True  # whether the programs compute the modes the modules are in (else converted for them)
-        if programs is not None and programs.owners:
-            if torch.compiler.is_compiling():  # run at every call, outside the compiled code: it may switch programs
-                _check_owner_modes_eagerly(self, programs)
-                for m in self.__dict__["_autocastfx_owners"][1]:  # each one's mode read where the compiler traces:
-                    if m.training:                                # it guards on them, as on the root's mode
+        convertible = _calls.convertible(info)
+        nested = self.__dict__.get("_autocastfx_nested")  # None: not looked for yet
+        if torch.compiler.is_compiling() and (programs is not None and programs.owners or nested is None or nested):
+            # run at every call, outside the compiled code (it may switch programs), then the mode of each module
+            # whose mode the programs hold read where the compiler traces, after the graph break: it guards on them
+            computed = _check_modes_eagerly(self, programs, convertible)
+            if self.training:
+                pass
+            for m in self.__dict__.get("_autocastfx_owners", (None, ()))[1] if programs and programs.owners else ():
+                if m.training:
+                    pass
+            for _, block in self.__dict__.get("_autocastfx_nested", ()):
+                for m in block.__dict__["_autocastfx_owners"][1]:
+                    if m.training:
                         pass
-            else:
-                computed = _check_owner_modes(self, programs, _calls.convertible(info))
-        if not torch.compiler.is_compiling():  # each converted block's modes, before any runs and updates statistics
-            computed = _check_nested_modes(self, _calls.convertible(info)) and computed
+        elif torch.compiler.is_compiling():
+            computed = True
+        else:  # computed: whether the programs compute the modules' modes (else the call is converted for them)
+            computed = _check_owner_modes(self, programs, convertible) if programs and programs.owners else True
+            # each converted block's modes, before any runs and updates statistics
+            computed = _check_nested_modes(self, convertible) and computed
         if info is not None and (not computed or info.call_signature and
                                  _calls.raw_key(args, kwargs) != _calls.example_key(info)):
             # a call of another structure, or in modes no program computes: its own conversion (or the captured
@@ -430,8 +440,8 @@ def _check_owner_modes(gm: fx.GraphModule, programs: Programs, convertible: bool
         f"{', '.join(odd[:4])}{' and more' if len(odd) > 4 else ''}. The converted graph holds each module's mode "
         "as its ops' flags, one program per mode of the whole module: gm.train() and gm.eval() switch them. A "
         "submodule's mode set on its own after convert() (frozen batch norms) is converted for at its first call "
-        "only where the converted module keeps its model and runs eagerly (not under torch.compile, not loaded "
-        "from a file); here it is followed only where it is the mode it had at conversion: set the model's "
+        "only where the converted module keeps its model (not one loaded from a file, nor converted from a graph); "
+        "here it is followed only where it is the mode it had at conversion: set the model's "
         "modules' modes before convert(), then after each gm.train() set those modules' modes again as they were")
 
 
@@ -463,10 +473,17 @@ def _check_nested_modes(gm: nn.Module, convertible: bool = False) -> bool:
     (the call is converted for them)."""
     nested = gm.__dict__.get("_autocastfx_nested")
     if nested is None or not all(_still_at(gm, n, m) for n, m in nested):  # a block replaced since
-        nested = gm.__dict__["_autocastfx_nested"] = [
-            (n, m) for n, m in gm.named_modules() if m is not gm and isinstance(m, _Switchable)
-            and getattr(m.__dict__.get("meta", {}).get(K.PROGRAMS), "owners", None)]
+        nested = index_blocks(gm)
     return all([_check_owner_modes(m, m.meta[K.PROGRAMS], convertible) for _, m in nested])
+
+
+def index_blocks(gm: nn.Module) -> list:
+    """``(name, block)`` of each converted block inside ``gm`` whose programs hold modules' modes, kept on ``gm``
+    (found again where one is replaced): a compiled call checks their modes only where there are any."""
+    nested = gm.__dict__["_autocastfx_nested"] = [
+        (n, m) for n, m in gm.named_modules() if m is not gm and isinstance(m, _Switchable)
+        and getattr(m.__dict__.get("meta", {}).get(K.PROGRAMS), "owners", None)]
+    return nested
 
 
 def _refuse_modes(gm: nn.Module, programs: Programs | None) -> None:
@@ -477,10 +494,12 @@ def _refuse_modes(gm: nn.Module, programs: Programs | None) -> None:
 
 
 @torch.compiler.disable
-def _check_owner_modes_eagerly(gm: fx.GraphModule, programs: Programs) -> None:
-    """:func:`_check_owner_modes` under ``torch.compile(gm)``, run at every call through a graph break: the compiled
-    code holds each mode's flags as constants and guards on the root's mode alone."""
-    _check_owner_modes(gm, programs)
+def _check_modes_eagerly(gm: fx.GraphModule, programs: Programs | None, convertible: bool = False) -> bool:
+    """:func:`_check_owner_modes` and :func:`_check_nested_modes` under ``torch.compile(gm)``, run at every call
+    through one graph break: the compiled code holds each mode's flags as constants, and runs the blocks' forward,
+    not their ``__call__``."""
+    computed = _check_owner_modes(gm, programs, convertible) if programs is not None and programs.owners else True
+    return _check_nested_modes(gm, convertible) and computed
 
 
 def _check_fsdp_param_dtype(unit: nn.Module) -> None:
