@@ -402,6 +402,7 @@ def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: Con
         for name, sub in gm.named_modules():
             if name in modes_now:
                 sub.training = modes_now[name].training
+        _module.hold_unread(gm, model)  # the model's tensors no program of this mode reads, at its names
         _module.adopt_model_classes(gm, model)  # the model's layer classes where the graph reads their tensors
         _unsaved_constants(gm, model)
         if captured.how == "torch.export":  # symbolic tracing takes such a tensor only as what the model made of it

@@ -1825,3 +1825,60 @@ def test_a_call_of_another_structure_the_model_refuses_raises_the_models_own_err
     gm.train(mode == "train")
     with pytest.raises(AssertionError, match="too long"):
         gm(torch.randint(0, 50, (2, 65)))
+
+
+class _BranchesAndSpares(nn.Module):
+    """A layer only training reads, one only eval reads (an auxiliary head, a distillation head), a layer and
+    buffers nothing reads."""
+
+    def __init__(self, export_only=False):
+        super().__init__()
+        self.body, self.tr, self.ev, self.spare = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(3, 3)
+        self.head, self.export_only = nn.Linear(16, 4), export_only
+        self.register_buffer("seen", torch.zeros(()))
+        self.register_buffer("scratch", torch.ones(3), persistent=False)
+
+    def forward(self, x):
+        if self.export_only:
+            b, *_ = x.shape  # noqa: F841 - symbolic_trace cannot unpack a traced size; torch.export captures it
+        h = F.relu(self.body(x))
+        return self.head(self.tr(h) if self.training else self.ev(h))
+
+
+@pytest.mark.parametrize("export_only", [False, True], ids=["symbolic_trace", "torch.export"])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_the_converted_module_holds_the_whole_model_at_its_names(export_only, mode):
+    """Before: ``gm`` held only what its programs read. A layer only the other mode reads was held under a name of
+    the converted module's own (``ev_weight_mode``), and a layer nothing reads was not held: ``gm.state_dict()``
+    did not load into the model (strict), and with ``strict=False`` the eval head came back at its initial values
+    (0.87 off). ``gm`` now holds every parameter and buffer of the model at the model's name, in its order."""
+    torch.manual_seed(0)
+    init, make = same_model(lambda: _BranchesAndSpares(export_only))
+    model = make().train(mode == "train")
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    gm = autocastfx.convert(model, (x,), dtype=BF16)
+    assert gm.meta["autocastfx"].capture == ("torch.export" if export_only else "symbolic_trace")
+    names = [n for n, _ in model.named_parameters()]
+    assert [n for n, _ in gm.named_parameters()] == names
+    assert all(p is q for p, q in zip(gm.parameters(), model.parameters()))
+    assert list(gm.state_dict()) == list(model.state_dict())  # the non-persistent buffer in neither
+    assert isinstance(gm.spare, nn.Linear) and gm.spare.in_features == 3
+    ref = make()
+    opt, ref_opt = torch.optim.SGD(gm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for m, o in ((gm, opt), (ref, ref_opt)):  # trained in both modes: the eval head by a loss on eval outputs
+        for training in (True, False, True):
+            m.train(training)
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+    fresh = _BranchesAndSpares(export_only)
+    fresh.load_state_dict(gm.state_dict())  # strict: the checkpoint is the whole model
+    for training in (True, False):
+        for m in (gm, ref, fresh):
+            m.train(training)
+        with torch.no_grad():
+            want = ref(x)
+            assert _rel(gm(x), want) < 2e-2 and _rel(fresh(x), want) < 2e-2
+    assert torch.equal(fresh.spare.weight, init["spare.weight"])
+    gm.load_state_dict(init)  # the model's own checkpoint loads into gm, strict
+    assert torch.equal(gm.ev.weight, init["ev.weight"]) and torch.equal(model.ev.weight, init["ev.weight"])

@@ -923,6 +923,46 @@ def _hold(sub: nn.Module, cls: type, settings: dict, recurrent: bool = False, ti
         return False
 
 
+def hold_unread(gm: nn.Module, model: nn.Module) -> None:
+    """Give ``gm`` each parameter and buffer of ``model`` that it does not hold (a layer no program reads, or one
+    only another mode's program reads), at the model's name, in plain containers as the graph's own: ``gm``'s
+    parameters and state dict are then the model's whole (an unused layer's weights too), not only what this
+    program reads. Converted blocks inside ``gm`` hold their own."""
+    held = {id(t) for _, t in itertools.chain(gm.named_parameters(remove_duplicate=False),
+                                              gm.named_buffers(remove_duplicate=False))}
+    for path, mod in model.named_modules(remove_duplicate=False):
+        for table in ("_parameters", "_buffers"):
+            for name, t in mod.__dict__[table].items():
+                if t is None or id(t) in held:
+                    continue
+                held.add(id(t))
+                holder = _plain_container(gm, path, model)
+                if holder is None or name in holder.__dict__[table] or name in holder.__dict__ \
+                        or name in holder.__dict__["_modules"]:
+                    continue
+                holder.__dict__[table][name] = t
+                if table == "_buffers" and name in mod._non_persistent_buffers_set:
+                    holder._non_persistent_buffers_set.add(name)
+
+
+def _plain_container(gm: nn.Module, path: str, model: nn.Module) -> nn.Module | None:
+    """``gm``'s module at ``path``, plain containers made where there is none (in the model's modes); None where a
+    converted block or another non-plain module is on the way."""
+    m = gm
+    walked = []
+    for part in path.split(".") if path else ():
+        walked.append(part)
+        child = m._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            child.training = model.get_submodule(".".join(walked)).training
+            m._modules[part] = child
+        elif type(child) is not nn.Module:
+            return None
+        m = child
+    return m
+
+
 def adopt_model_classes(gm: nn.Module, model: nn.Module) -> None:
     """Give each plain container of ``gm`` the class and read-only settings of the model's module of that name where
     :func:`_adoptable`, so loops that find modules by class (freezing batch norms, weight-decay groups) still find
