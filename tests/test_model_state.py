@@ -1006,6 +1006,32 @@ def test_a_mode_set_on_the_model_after_convert_is_followed(what):
     assert not gm.training and not gm.bn.training
 
 
+def test_a_copy_of_the_converted_module_does_not_follow_the_model():
+    """``copy.deepcopy(gm)`` (an EMA, ``AveragedModel``) shared gm's watch over the model: ``model.eval()`` was
+    followed by whichever of the two was called first (the EMA went to eval, gm kept its dropout on, silently), and a
+    setting changed on the model refused the copy, whose graph holds its own. The copy holds its own tensors and
+    modes: it watches nothing, and gm alone follows the model."""
+    torch.manual_seed(0)
+    model, x = _NormNet(), torch.randn(8, 16)
+    gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    ema = copy.deepcopy(gm)
+    swa = torch.optim.swa_utils.AveragedModel(gm)
+    model.eval()
+    with torch.no_grad():
+        ema(x)  # the copies called first
+        swa(x)
+        assert torch.equal(gm(x), gm(x))  # gm followed the model: dropout off
+    assert not gm.training and ema.training and swa.module.training
+    pooled = _Pooled()
+    gm2 = autocastfx.convert(pooled, (x,), dtype=torch.bfloat16)
+    copy2 = copy.deepcopy(gm2)
+    pooled.pool = _Act.TANH
+    with torch.no_grad():
+        assert _rel(copy2(x), torch.relu(pooled.fc(x))) < 2e-2  # the copy computes what it was copied as
+    with pytest.raises(ValueError, match=r"\.pool was set to"):
+        gm2(x)
+
+
 def test_a_batch_norm_replaced_on_gm_has_its_own_mode_checked():
     """The modules whose modes a torch.export capture holds as op flags are found again where one was replaced on
     gm after a call: the new batch norm frozen alone is converted for, with its own statistics, as a float32 model

@@ -18,7 +18,8 @@ from ..capture.watch import StateUse, fingerprint
 
 class StateGuard:
     """The attributes read at capture: modules by weak reference (the model is not kept alive), values by identity,
-    containers and plain tensors also by content. Shared by copies; dropped when pickled."""
+    containers and plain tensors also by content. A copy (``copy.deepcopy(gm)``, an EMA) watches nothing until
+    bound again: it holds its own tensors and modes, which the model's changes do not reach; dropped when pickled."""
 
     def __init__(self, reads: frozenset = frozenset(), unowned: frozenset = frozenset(), lazy: dict | None = None):
         self.reads = reads  # (module path, name) read at capture
@@ -160,7 +161,7 @@ class StateGuard:
             entry[2] = get(m.__dict__)
 
     def __deepcopy__(self, memo):
-        return self
+        return StateGuard(self.reads, self.unowned, self.lazy)  # unbound: a conversion's own copies rebind it
 
     def __reduce__(self):
         return (StateGuard, ())
