@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import io
+import math
 import warnings
 
 import pytest
@@ -1882,3 +1883,74 @@ def test_the_converted_module_holds_the_whole_model_at_its_names(export_only, mo
     assert torch.equal(fresh.spare.weight, init["spare.weight"])
     gm.load_state_dict(init)  # the model's own checkpoint loads into gm, strict
     assert torch.equal(gm.ev.weight, init["ev.weight"]) and torch.equal(model.ev.weight, init["ev.weight"])
+
+
+class _CausalBlock(nn.Module):
+    def __init__(self, d, heads, block_size):
+        super().__init__()
+        self.ln, self.qkv, self.proj, self.heads = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d), heads
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
+
+    def forward(self, x):
+        b, t, c = x.size()
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.qkv(self.ln(x)).split(c, 2))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = F.softmax(att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf")), dim=-1)
+        x = x + self.proj((att @ v).transpose(1, 2).contiguous().view(b, t, c))
+        return x + self.mlp(x)
+
+
+class _TinyGPT(nn.Module):
+    """nanoGPT's shape: a causal mask buffer sliced to the length, tied head, last position only without targets,
+    and a generate loop that crops the context to the block size."""
+
+    def __init__(self, vocab=64, block_size=16, d=32, heads=4, layers=2):
+        super().__init__()
+        self.block_size = block_size
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(block_size, d)
+        self.h = nn.ModuleList([_CausalBlock(d, heads, block_size) for _ in range(layers)])
+        self.ln_f, self.lm_head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight
+
+    def forward(self, idx, targets=None):
+        b, t = idx.size()
+        assert t <= self.block_size, "longer than the block size"
+        x = self.wte(idx) + self.wpe(torch.arange(0, t, dtype=torch.long, device=idx.device))
+        for block in self.h:
+            x = block(x)
+        x = self.ln_f(x)
+        if targets is None:
+            return self.lm_head(x[:, [-1], :]), None
+        logits = self.lm_head(x)
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+    @torch.no_grad()
+    def generate(self, idx, new_tokens):
+        for _ in range(new_tokens):
+            logits, _ = self(idx if idx.size(1) <= self.block_size else idx[:, -self.block_size:])
+            idx = torch.cat((idx, logits[:, -1].argmax(-1, keepdim=True)), dim=1)
+        return idx
+
+
+@pytest.mark.parametrize("blocks", [None, "auto"])
+def test_generate_runs_at_every_length_up_to_the_block_size_and_past_it(blocks):
+    """A call of another structure (no targets) was converted at the first length it met, and torch.export fixed
+    that length: generate from a short prompt failed with a bare "Guard failed: idx.size()[1] != 16" when the
+    context reached the block size (the float32 model generates). Another length of the captured call also failed
+    where a converted block fixed it. Each is now converted for its sizes where the capture fixed them."""
+    torch.manual_seed(0)
+    init, make = same_model(_TinyGPT)
+    idx, tgt = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))
+    gm = autocastfx.convert(make(), (idx, tgt), dtype=BF16, blocks=blocks)
+    ref = make()
+    for m in (gm, ref):
+        m.eval()
+    with torch.no_grad():
+        for t in (4, 5, 9, 16):  # every length a generate from a prompt of 4 meets, the block size included
+            got, want = gm(idx[:1, :t].clone())[0], ref(idx[:1, :t])[0]
+            assert got.shape == want.shape == (1, 1, 64) and _rel(got, want) < 2e-2, t
+        assert gm.generate(idx[:1, :4].clone(), 16).shape == (1, 20)  # past the block size: the context is cropped
+        short, short_tgt = idx[:, :9].clone(), tgt[:, :9].clone()
+        loss, ref_loss = gm(short, short_tgt)[1], ref(short, short_tgt)[1]
+        assert abs(float(loss) - float(ref_loss)) < 2e-2 * float(ref_loss)

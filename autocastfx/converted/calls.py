@@ -62,24 +62,32 @@ def check(captured: tuple, args: tuple, kwargs: dict, error: BaseException) -> N
     ) from error
 
 
+class FixedSizeError(ValueError):
+    """A call's input size that a capture fixed at the example's, which that module cannot convert for."""
+
+
 def size_guard(error: BaseException) -> bool:
-    """Whether ``error`` is torch.export's guard on an input size (``Guard failed: x.size()[1] == 5``)."""
-    return isinstance(error, AssertionError) and str(error).startswith("Guard failed:")
+    """Whether ``error`` is torch.export's guard on an input size (``Guard failed: x.size()[1] == 5``), or a
+    converted block's refusal of one (:class:`FixedSizeError`), which the module holding it may convert for."""
+    return isinstance(error, FixedSizeError) or (isinstance(error, AssertionError)
+                                                 and str(error).startswith("Guard failed:"))
 
 
 def fixed_size(args: tuple, kwargs: dict, error: BaseException, tried: BaseException | None = None) -> None:
     """Raise a ValueError saying which size the capture fixed, where ``error`` is torch.export's guard on an input
     size (``Guard failed: x.size()[1] == 5``), and why converting for this call's sizes failed (``tried``) where
     that was tried; return for any other error."""
-    message = str(error)
     if not size_guard(error):
         return
+    if isinstance(error, FixedSizeError):  # a block's: said once, with its own guard
+        error = error.__cause__ or error
+    message = str(error)
     shapes = [tuple(t.shape) for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     why = (f" Converting the model for these sizes failed too ({one_line(tried.__cause__ or tried)}): the model "
            "itself may not take them." if tried is not None else
            " The model is not kept with this module (loaded, or converted from a graph), so it cannot be converted "
            "for these sizes here.")
-    raise ValueError(
+    raise FixedSizeError(
         f"this call's input sizes {shapes} differ from the example's in a size the capture fixed "
         f"({message.splitlines()[0]}): torch.export leaves free only the sizes it proves free in the model's code "
         f"and fixes the rest at the example's.{why} Convert with example inputs of this size (one converted module "

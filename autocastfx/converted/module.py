@@ -313,11 +313,14 @@ class _Switchable(_GuardsChildren):
                 _refuse_modes(self, programs)
             if other is not None:
                 _check_state_eagerly(other) if torch.compiler.is_compiling() else _check_state(other)
+                sized, a, k = _calls.sized_call(self, info, args, kwargs)  # its sizes converted for earlier
+                if sized is not None:
+                    return _run_as(self, sized, a, k)
                 try:
                     return _run_as(self, other, args, kwargs)
                 except Exception as e:  # noqa: BLE001 - the model's own checks on this call, else as it came
                     _calls.model_check(info.checks, args, kwargs, e, self.training)
-                    raise
+                    return _for_sizes(self, info, args, kwargs, e)
         if info is not None and self.__dict__.get("_compiled_call_impl") is not None:
             _calls.mark_free_dims(info.free_dims, args, kwargs)  # gm.compile(): sizes free to vary left free
         if info is not None:  # sizes the capture fixed at the example's, converted for on an earlier call
@@ -332,15 +335,7 @@ class _Switchable(_GuardsChildren):
                 _calls.check(info.call_signature, args, kwargs, e)
             if info is not None:
                 _calls.model_check(info.checks, args, kwargs, e, self.training)
-                tried = None
-                if _calls.size_guard(e):  # a size torch.export fixed at the example's: converted for this one
-                    try:
-                        other, a, k = _calls.other_call(self, info, args, kwargs, sizes=True)
-                    except Exception as failed:  # noqa: BLE001 - it does not convert for these sizes: said below
-                        other, tried = None, failed
-                    if other is not None:
-                        return _run_as(self, other, a, k)
-                _calls.fixed_size(args, kwargs, e, tried)  # else said so
+                return _for_sizes(self, info, args, kwargs, e)
             raise
 
     # the model's own names for its tied weights in the state dict (core/weights.py)
@@ -395,6 +390,22 @@ class _Switchable(_GuardsChildren):
         out = super()._apply(fn, recurse)
         _weights.retie(self, tied)  # to_empty from meta makes a new Parameter per module: tied weights stay tied
         return out
+
+
+def _for_sizes(gm: nn.Module, info: Any, args: tuple, kwargs: dict, error: BaseException) -> Any:
+    """Where ``error`` is a size a capture fixed at the example's (torch.export's guard, or a converted block's
+    refusal), the call run by the model converted for its sizes; a :class:`calls.FixedSizeError` saying why where
+    it does not convert; ``error`` itself for any other error."""
+    tried = None
+    if _calls.size_guard(error):
+        try:
+            other, a, k = _calls.other_call(gm, info, args, kwargs, sizes=True)
+        except Exception as failed:  # noqa: BLE001 - it does not convert for these sizes: said below
+            other, tried = None, failed
+        if other is not None:
+            return _run_as(gm, other, a, k)
+        _calls.fixed_size(args, kwargs, error, tried)
+    raise error
 
 
 def _refuse_low_parameters(gm: nn.Module, fn) -> None:
