@@ -234,3 +234,30 @@ def test_hugging_face_trainer_refuses_a_loss_it_would_not_train_on(tmp_path):
                           **extra)
         with pytest.raises(ValueError, match="trains on the model's own loss.*transformers.Trainer"):
             trainer.train()
+
+
+def test_hugging_face_trainer_does_not_advance_the_schedule_over_a_skipped_update(tmp_path):
+    """The Trainer steps its learning-rate schedule unless accelerate says the update was skipped, which it read
+    from its own GradScaler: an update autocastfx's step skipped for an overflow advanced the schedule anyway, so
+    every later step ran at a learning rate one step ahead of the float16 Trainer's. The Trainer is now told."""
+    tf = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from autocastfx.integrations.hf import Trainer
+
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=32, use_cache=False,
+                        bos_token_id=0, eos_token_id=0)
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": torch.randint(0, 64, (16,), generator=g)} for _ in range(24)]
+    for d in data:
+        d["labels"] = d["input_ids"].clone()
+    args = tf.TrainingArguments(str(tmp_path), per_device_train_batch_size=4, max_steps=6, learning_rate=1e-3,
+                                lr_scheduler_type="linear", logging_steps=1, save_strategy="no", report_to=[],
+                                use_cpu=True, seed=0, disable_tqdm=True)
+    trainer = Trainer(model=tf.GPT2LMHeadModel(cfg), args=args, train_dataset=data, dtype=torch.float16,
+                      step_kwargs={"init_scale": 2.0 ** 20})  # far too large: the first updates overflow
+    trainer.train()
+    skipped = int(trainer.step.state.skipped)
+    assert 0 < skipped < 6, skipped
+    assert trainer.state.global_step == 6
+    assert trainer.lr_scheduler.last_epoch == 6 - skipped  # one schedule step per update applied

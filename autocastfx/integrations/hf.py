@@ -80,6 +80,7 @@ class Trainer(transformers.Trainer):
         self.clip = None
         self.tokens_per_window = False  # each micro-batch's loss weighted by its share of the window's label tokens
         self.shifts_labels = False  # a causal LM's loss averages over labels[..., 1:]
+        self._skipped_seen = 0  # the step's count of updates skipped for an overflow, as last read
 
     # ------------------------------------------------------------------------------------ conversion
     def train(self, *args, **kwargs):
@@ -150,7 +151,17 @@ class Trainer(transformers.Trainer):
         if weight is None and window != step.accum_steps:  # a shorter last window: its mean, as the Trainer's
             weight = torch.tensor(step.accum_steps / window, device=self.args.device)
         loss = step(inputs) if weight is None else step(inputs, weight)
+        if step.options.scaled and step.micro % step.accum_steps == 0:
+            self._say_skipped(step)
         return loss.detach() / step.accum_steps
+
+    def _say_skipped(self, step) -> None:
+        """Tell the Trainer whether this update was skipped for an overflow, as accelerate's GradScaler does, so
+        the learning-rate schedule does not advance over it (one host read per update, where the loss is scaled)."""
+        skipped = int(step.state.skipped)
+        if hasattr(self.optimizer, "_is_overflow"):  # the AcceleratedOptimizer the Trainer asks
+            self.optimizer._is_overflow = skipped > self._skipped_seen
+        self._skipped_seen = skipped
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
         """The window's label tokens, counted as the model's loss averages them (shifted for a causal LM)."""
@@ -195,6 +206,7 @@ class Trainer(transformers.Trainer):
                                         "autocastfx.integrations.hf.Trainer, so its loss scale state is "
                                         "missing")
             self.step.load_state_dict(torch.load(path, weights_only=False))
+            self._skipped_seen = int(self.step.state.skipped)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         if state_dict is None and "autocastfx" in getattr(self.model, "meta", {}):
