@@ -320,7 +320,10 @@ class _Switchable(_GuardsChildren):
                     return _run_as(self, other, args, kwargs)
                 except Exception as e:  # noqa: BLE001 - the model's own checks on this call, else as it came
                     _calls.model_check(info.checks, args, kwargs, e, self.training)
-                    return _for_sizes(self, info, args, kwargs, e)
+                    done, out = _for_sizes(self, info, args, kwargs, e)
+                    if done:
+                        return out
+                    raise
         if info is not None and self.__dict__.get("_compiled_call_impl") is not None:
             _calls.mark_free_dims(info.free_dims, args, kwargs)  # gm.compile(): sizes free to vary left free
         if info is not None:  # sizes the capture fixed at the example's, converted for on an earlier call
@@ -335,7 +338,9 @@ class _Switchable(_GuardsChildren):
                 _calls.check(info.call_signature, args, kwargs, e)
             if info is not None:
                 _calls.model_check(info.checks, args, kwargs, e, self.training)
-                return _for_sizes(self, info, args, kwargs, e)
+                done, out = _for_sizes(self, info, args, kwargs, e)
+                if done:
+                    return out
             raise
 
     # the model's own names for its tied weights in the state dict (core/weights.py)
@@ -392,20 +397,23 @@ class _Switchable(_GuardsChildren):
         return out
 
 
-def _for_sizes(gm: nn.Module, info: Any, args: tuple, kwargs: dict, error: BaseException) -> Any:
+def _for_sizes(gm: nn.Module, info: Any, args: tuple, kwargs: dict, error: BaseException) -> tuple[bool, Any]:
     """Where ``error`` is a size a capture fixed at the example's (torch.export's guard, or a converted block's
-    refusal), the call run by the model converted for its sizes; a :class:`calls.FixedSizeError` saying why where
-    it does not convert; ``error`` itself for any other error."""
+    refusal), ``(True, the call's result)`` run by the model converted for its sizes, or a
+    :class:`calls.FixedSizeError` saying why it does not convert; ``(False, None)`` for any other error, which the
+    caller re-raises as it is (raised here, the error and this frame would hold each other, and the call's
+    activations with them, until the collector runs)."""
+    if not _calls.size_guard(error):
+        return False, None
     tried = None
-    if _calls.size_guard(error):
-        try:
-            other, a, k = _calls.other_call(gm, info, args, kwargs, sizes=True)
-        except Exception as failed:  # noqa: BLE001 - it does not convert for these sizes: said below
-            other, tried = None, failed
-        if other is not None:
-            return _run_as(gm, other, a, k)
-        _calls.fixed_size(args, kwargs, error, tried)
-    raise error
+    try:
+        other, a, k = _calls.other_call(gm, info, args, kwargs, sizes=True)
+    except Exception as failed:  # noqa: BLE001 - it does not convert for these sizes: said below
+        other, tried = None, failed
+    if other is not None:
+        return True, _run_as(gm, other, a, k)
+    _calls.fixed_size(args, kwargs, error, tried)
+    return False, None
 
 
 def _refuse_low_parameters(gm: nn.Module, fn) -> None:
