@@ -928,35 +928,9 @@ def test_a_call_refused_for_its_modules_modes_changes_no_statistics():
     updated their batch-norm statistics. Every converted block's modes are now checked before any runs: the call is
     converted for the mixture where the model is kept (as the float32 model computes it), else refused with no
     statistic changed."""
-    class Scale(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = nn.Parameter(torch.ones(16))
-
-        def forward(self, x):
-            return x * self.w * 0.5 if self.training else x * self.w
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.l, self.bn, self.s = nn.Linear(16, 16), nn.BatchNorm1d(16), Scale()
-
-        def forward(self, x):
-            return x + self.s(self.bn(self.l(x)))
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList([Block() for _ in range(3)])
-
-        def forward(self, x):
-            for b in self.blocks:
-                x = b(x)
-            return x
-
     torch.manual_seed(0)
     x = torch.randn(8, 16)
-    model = Net()
+    model = _ModeBlocks()
     ref = copy.deepcopy(model)
     gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
     assert [n for n, m in gm.named_modules() if "autocastfx_programs" in getattr(m, "meta", {})]
