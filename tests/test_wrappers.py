@@ -108,6 +108,13 @@ def _worker(rank, init_file, out_dir):
             fully_shard(block, mesh=mesh, mp_policy=fp32)
         fully_shard(gm, mesh=mesh, mp_policy=fp32)
         out["fsdp_fp32_policy"] = (_train(gm, list(gm.parameters()), batches), _full(gm.state_dict()))
+
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        try:  # FSDP1 with its views as new parameters on each module the graph reads: refused, naming FSDP2
+            FullyShardedDataParallel(_converted(), use_orig_params=True, device_id=torch.device("cpu"))
+            out["fsdp1"] = None
+        except ValueError as e:
+            out["fsdp1"] = str(e)
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
@@ -161,3 +168,11 @@ def test_a_low_param_dtype_over_a_float32_read_weight_is_refused_naming_the_fix(
         msg = r["refused"]
         assert msg is not None
         assert "norm.weight" in msg and "param_dtype=None" in msg and "autocastfx.shard" in msg
+
+
+def test_fsdp1_with_its_original_parameters_is_refused_naming_fsdp2(ranks):
+    """FSDP1 with ``use_orig_params=True`` sets views of its flat parameter as new parameters on each module: it was
+    refused with the message for torch's pruning and weight_norm, which named neither FSDP1 nor the fix."""
+    for out in ranks:
+        assert out["fsdp1"] is not None and "FullyShardedDataParallel (FSDP1)" in out["fsdp1"]
+        assert "fully_shard" in out["fsdp1"]

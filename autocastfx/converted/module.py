@@ -625,6 +625,7 @@ class _Held:
                 f"itself: setting it to None after convert() would break the graph, not remove the term. Set "
                 f"{name} to None on the model and convert again (gm.state_dict() loads into the model)")
         if name not in params:
+            _refuse_flat_parameters(sys._getframe(1))
             _undo_reparametrization(self, name, param, sys._getframe(1))
             raise ValueError(
                 f"a new parameter {name!r} on the converted module's {type(self).__name__} would never be read: the "
@@ -642,6 +643,20 @@ class _Held:
                       "this module's ops itself and reads only its tensors. Hook a module the graph "
                       "calls (a converted block, or a leaf such as a norm under symbolic_trace), or return the value "
                       "from the model's forward")
+
+
+def _refuse_flat_parameters(caller) -> None:
+    """ValueError where FSDP1 (``FullyShardedDataParallel``) sets its views of a flat parameter on a held module."""
+    for _ in range(4):
+        if caller is None:
+            return
+        if caller.f_globals.get("__name__", "") == "torch.distributed.fsdp._flat_param":
+            raise ValueError(
+                "torch.distributed.fsdp.FullyShardedDataParallel (FSDP1) with use_orig_params=True sets its views of "
+                "one flat parameter as new parameters on each module the converted graph reads by name, which a "
+                "converted module refuses: shard it with FSDP2 (torch.distributed.fsdp.fully_shard, per block and "
+                "then the root) or autocastfx.shard(gm), as docs/distributed.md describes")
+        caller = caller.f_back
 
 
 def _undo_reparametrization(module: nn.Module, name: str, param, caller) -> None:
