@@ -1665,13 +1665,14 @@ def test_the_state_dict_holds_the_models_keys_only_where_it_keeps_plain_tensors(
     assert _rel(gm(x), fresh(x)) < 2e-2
 
 
-def test_indexing_a_container_the_graph_computes_says_to_reach_the_child_by_name():
-    """Before: gm.backbone[0] raised "'Module' object is not subscriptable", which names no cause and no fix."""
+def test_indexing_a_container_the_graph_computes_gives_the_child_at_that_position():
+    """Before: gm.backbone[0] raised "'Module' object is not subscriptable", which names no cause and no fix. A
+    container holding every child of the model's (the GELU a stand-in with its settings) is indexed as the model's;
+    one with a child absent says to reach the child by name (test_a_held_container_of_every_child_...)."""
     model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)), nn.Linear(8, 2))
     gm = autocastfx.convert(model, (torch.randn(4, 8),), dtype=torch.bfloat16, blocks=None)
-    with pytest.raises(TypeError, match=r"reach a child by its name, module.get_submodule\('2'\)"):
-        gm.get_submodule("0")[2]
-    assert isinstance(getattr(gm.get_submodule("0"), "2"), nn.Linear)
+    assert gm.get_submodule("0")[2] is getattr(gm.get_submodule("0"), "2")
+    assert isinstance(gm.get_submodule("0")[2], nn.Linear)
 
 
 class _LossOfTokens(nn.Module):
@@ -1954,3 +1955,36 @@ def test_generate_runs_at_every_length_up_to_the_block_size_and_past_it(blocks):
         short, short_tgt = idx[:, :9].clone(), tgt[:, :9].clone()
         loss, ref_loss = gm(short, short_tgt)[1], ref(short, short_tgt)[1]
         assert abs(float(loss) - float(ref_loss)) < 2e-2 * float(ref_loss)
+
+
+def test_a_held_container_of_every_child_is_indexed_as_the_models():
+    """A loop that freezes the first blocks by position (``for b in gm.h[:1]``) or counts them (``len(gm.h)``) got a
+    TypeError from a held container, as positions could miss a child that holds nothing. Where the container holds
+    every child of the model's, it is indexed, sliced, iterated and measured as the model's; where one is absent,
+    still refused."""
+    torch.manual_seed(0)
+    model, idx = _TinyGPT(), torch.randint(0, 64, (2, 16))
+    gm = autocastfx.convert(model, (idx, idx), dtype=BF16, blocks=None)
+    assert len(gm.h) == len(model.h) == 2 and gm.h[-1] is gm.get_submodule("h.1")
+    assert [type(b).__name__ for b in gm.h] == ["Module", "Module"] and len(gm.h[:1]) == 1
+    for block in gm.h[:1]:
+        block.requires_grad_(False)
+    assert {n for n, p in gm.named_parameters() if not p.requires_grad} == \
+        {f"h.0.{n}" for n, _ in model.h[0].named_parameters()}
+    assert isinstance(gm.h[0].mlp[1], nn.GELU) and len(gm.h[0].mlp) == 3
+
+    class Gapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.seq = nn.ModuleList([nn.Linear(4, 4), nn.Identity(), nn.Linear(4, 4)])
+
+        def forward(self, x):
+            return self.seq[2](self.seq[0](x))
+
+    gapped = autocastfx.convert(Gapped(), (torch.randn(2, 4),), dtype=BF16, blocks=None)
+    assert list(gapped.seq._modules) == ["0", "2"]  # the Identity holds nothing: positions would not match
+    with pytest.raises(TypeError, match=r"reach a child by its name.*module.get_submodule\('2'\)"):
+        gapped.seq[2]
+    with pytest.raises(TypeError, match="reach a child by its name"):
+        len(gapped.seq)
+    assert gapped.seq  # a module is true, as nn.Module's

@@ -684,15 +684,46 @@ def is_held(module: nn.Module) -> bool:
     return isinstance(module, _Held)
 
 
+_POSITIONS = "_autocastfx_positions"  # a held container: the model's container's children names, in order
+
+
 class _HeldContainer(_GuardsChildren, _Held):
-    """A held plain container: the parent of held modules."""
+    """A held plain container: the parent of held modules. Where it holds every child of the model's container
+    (an nn.ModuleList of blocks, each holding tensors), it is indexed, sliced, iterated and measured as that
+    container is."""
+
+    def _positional(self) -> list | None:
+        names = self.__dict__.get(_POSITIONS)
+        return list(self._modules.values()) if names is not None and tuple(self._modules) == names else None
+
+    def __bool__(self):  # a module is true, as nn.Module's; a list of every child, as the model's list
+        children = self._positional()
+        return True if children is None else bool(children)
+
+    def __len__(self):
+        children = self._positional()
+        if children is None:
+            raise TypeError(f"this module stands for the model's container without all of its children: {_NO_LIST}")
+        return len(children)
+
+    def __iter__(self):
+        children = self._positional()
+        if children is None:
+            raise TypeError(f"this module stands for the model's container without all of its children: {_NO_LIST}")
+        return iter(children)
 
     def __getitem__(self, index):
+        children = self._positional()
+        if children is not None and isinstance(index, (int, slice)):
+            return children[index]
         raise TypeError(
             "this module stands for the model's container (an nn.Sequential, an nn.ModuleList) as a plain one, of the "
             "modules whose tensors the converted graph reads (the graph computes the container's work itself, and "
-            f"modules that hold nothing may be absent, so positions would not match): reach a child by its name, "
+            f"modules that hold nothing may be absent, so positions would not match): {_NO_LIST}, "
             f"module.get_submodule({str(index)!r}) or getattr(module, {str(index)!r})")
+
+
+_NO_LIST = "reach a child by its name (module.named_children() lists them)"
 
 
 class _Setting:
@@ -1028,6 +1059,8 @@ def adopt_model_classes(gm: nn.Module, model: nn.Module) -> None:
         # its plain settings, read-only
         plain = {k: v for k, v in vars(own).items() if k[0] != "_" and k not in _OWN_FIELDS
                  and k not in sub.__dict__ and is_plain_setting(v)} if own is not None else {}
+        if isinstance(own, (nn.ModuleList, nn.Sequential)):  # positions hold where every child is held
+            sub.__dict__[_POSITIONS] = tuple(own._modules)
         recurrent = isinstance(own, nn.RNNBase)
         if not (plain or recurrent or name in tied) or not _hold(sub, nn.Module, plain, recurrent, tied.get(name)):
             _hold(sub, nn.Module, {}, tied=tied.get(name))
