@@ -923,6 +923,53 @@ def test_a_compiled_module_follows_its_blocks_modes():
         net(x)
 
 
+class _ExportedNormBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn = nn.Linear(8, 8), nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        b, t, _ = x.shape  # symbolic tracing refuses the unpacking: each block is captured by torch.export
+        h = self.fc(x) * (2 if t > 3 else 1)
+        return x + self.bn(h.transpose(1, 2)).transpose(1, 2).relu()
+
+
+class _ExportedNormBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.blocks, self.out = nn.Linear(8, 8), nn.ModuleList([_ExportedNormBlock() for _ in range(2)]), \
+            nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("order", [("mix", "train", "eval", "eval"), ("mix", "eval", "train", "eval")])
+def test_a_compiled_mixture_call_leaves_later_compiled_calls_in_their_own_modes(order):
+    """Under torch.compile(gm) with converted blocks, the first call in a mixture of modes converted inside the
+    compiler's trace, within a try block: the compiler gave up on the converted module's call and compiled its
+    forward alone, without the guards on the blocks' modes, so every later eval call ran the blocks' training
+    program (0.47 off, statistics updated). The conversion is now chosen through a graph break of its own."""
+    torch.manual_seed(0)
+    model = _ExportedNormBlocks()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 5, 8)
+    gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16, blocks="auto")
+    net = torch.compile(gm, backend="eager")
+    for mode in order:
+        for m in (gm, ref):
+            m.train(mode != "eval")
+            if mode == "mix":
+                m.blocks[1].bn.eval()
+        out, want = net(x), ref(x)
+        torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(gm.state_dict()[k], v, rtol=2e-2, atol=2e-2)
+
+
 def test_a_call_refused_for_its_modules_modes_changes_no_statistics():
     """A block's modes no program computes were refused with a ValueError after the blocks before it had run and
     updated their batch-norm statistics. Every converted block's modes are now checked before any runs: the call is

@@ -303,19 +303,13 @@ class _Switchable(_GuardsChildren):
         if info is not None and (not computed or info.call_signature and
                                  _calls.raw_key(args, kwargs) != _calls.example_key(info)):
             # a call of another structure, or in modes no program computes: its own conversion (or the captured
-            # call, spelled another way)
-            try:
-                other, args, kwargs = _calls.other_call(self, info, args, kwargs, modes=not computed)
-            except Exception as e:  # noqa: BLE001 - it does not convert: the model's own check on it, if any
-                _calls.model_check(info.checks, args, kwargs, e, self.training)
-                raise
-            if other is None and not computed:  # not converted for these modes: refused, as without a model
-                _refuse_modes(self, programs)
+            # call, spelled another way); under torch.compile chosen (and converted) through one graph break here,
+            # outside any try block, where the compiler resumes after it
+            if torch.compiler.is_compiling():
+                other, args, kwargs = _other_eagerly(self, info, args, kwargs, not computed, programs)
+            else:
+                other, args, kwargs = _other(self, info, args, kwargs, not computed, programs)
             if other is not None:
-                _check_state_eagerly(other) if torch.compiler.is_compiling() else _check_state(other)
-                sized, a, k = _calls.sized_call(self, info, args, kwargs)  # its sizes converted for earlier
-                if sized is not None:
-                    return _run_as(self, sized, a, k)
                 try:
                     return _run_as(self, other, args, kwargs)
                 except Exception as e:  # noqa: BLE001 - the model's own checks on this call, else as it came
@@ -395,6 +389,32 @@ class _Switchable(_GuardsChildren):
         out = super()._apply(fn, recurse)
         _weights.retie(self, tied)  # to_empty from meta makes a new Parameter per module: tied weights stay tied
         return out
+
+
+def _other(gm: nn.Module, info: Any, args: tuple, kwargs: dict, modes: bool, programs, compiled: bool = False
+           ) -> tuple:
+    """``(module, args, kwargs)`` for a call of another structure, or in ``modes`` no program computes: its
+    conversion (:func:`calls.other_call`), or the one for its sizes where a capture fixed them and it was made;
+    the module None where ``gm`` runs the call. The model's own error where its code refuses the call; the modes'
+    ValueError where none converts for them."""
+    try:
+        other, args, kwargs = _calls.other_call(gm, info, args, kwargs, modes=modes)
+    except Exception as e:  # noqa: BLE001 - it does not convert: the model's own check on it, if any
+        _calls.model_check(info.checks, args, kwargs, e, gm.training)
+        raise
+    if other is None:
+        if modes:  # not converted for these modes: refused, as without a model
+            _refuse_modes(gm, programs)
+        return None, args, kwargs
+    _check_state_eagerly(other) if compiled else _check_state(other)  # compiled: its blocks' forward runs too
+    sized, a, k = _calls.sized_call(gm, info, args, kwargs)  # its sizes converted for earlier
+    return (sized, a, k) if sized is not None else (other, args, kwargs)
+
+
+@torch.compiler.disable
+def _other_eagerly(gm: nn.Module, info: Any, args: tuple, kwargs: dict, modes: bool, programs) -> tuple:
+    """:func:`_other` under ``torch.compile(gm)``, through one graph break."""
+    return _other(gm, info, args, kwargs, modes, programs, compiled=True)
 
 
 def _for_sizes(gm: nn.Module, info: Any, args: tuple, kwargs: dict, error: BaseException) -> tuple[bool, Any]:
