@@ -306,9 +306,9 @@ class _Switchable(_GuardsChildren):
             # call, spelled another way); under torch.compile chosen (and converted) through one graph break here,
             # outside any try block, where the compiler resumes after it
             if torch.compiler.is_compiling():
-                other, args, kwargs = _other_eagerly(self, info, args, kwargs, not computed, programs)
+                other, args, kwargs = _other_eagerly(self, info, args, kwargs, not computed)
             else:
-                other, args, kwargs = _other(self, info, args, kwargs, not computed, programs)
+                other, args, kwargs = _other(self, info, args, kwargs, not computed)
             if other is not None:
                 try:
                     return _run_as(self, other, args, kwargs)
@@ -391,8 +391,7 @@ class _Switchable(_GuardsChildren):
         return out
 
 
-def _other(gm: nn.Module, info: Any, args: tuple, kwargs: dict, modes: bool, programs, compiled: bool = False
-           ) -> tuple:
+def _other(gm: nn.Module, info: Any, args: tuple, kwargs: dict, modes: bool, compiled: bool = False) -> tuple:
     """``(module, args, kwargs)`` for a call of another structure, or in ``modes`` no program computes: its
     conversion (:func:`calls.other_call`), or the one for its sizes where a capture fixed them and it was made;
     the module None where ``gm`` runs the call. The model's own error where its code refuses the call; the modes'
@@ -404,7 +403,7 @@ def _other(gm: nn.Module, info: Any, args: tuple, kwargs: dict, modes: bool, pro
         raise
     if other is None:
         if modes:  # not converted for these modes: refused, as without a model
-            _refuse_modes(gm, programs)
+            settle_programs(gm)  # raises the modes' ValueError, naming the modules
         return None, args, kwargs
     _check_state_eagerly(other) if compiled else _check_state(other)  # compiled: its blocks' forward runs too
     sized, a, k = _calls.sized_call(gm, info, args, kwargs)  # its sizes converted for earlier
@@ -412,9 +411,9 @@ def _other(gm: nn.Module, info: Any, args: tuple, kwargs: dict, modes: bool, pro
 
 
 @torch.compiler.disable
-def _other_eagerly(gm: nn.Module, info: Any, args: tuple, kwargs: dict, modes: bool, programs) -> tuple:
+def _other_eagerly(gm: nn.Module, info: Any, args: tuple, kwargs: dict, modes: bool) -> tuple:
     """:func:`_other` under ``torch.compile(gm)``, through one graph break."""
-    return _other(gm, info, args, kwargs, modes, programs, compiled=True)
+    return _other(gm, info, args, kwargs, modes, compiled=True)
 
 
 def _for_sizes(gm: nn.Module, info: Any, args: tuple, kwargs: dict, error: BaseException) -> tuple[bool, Any]:
@@ -523,13 +522,6 @@ def index_blocks(gm: nn.Module) -> list:
         (n, m) for n, m in gm.named_modules() if m is not gm and isinstance(m, _Switchable)
         and getattr(m.__dict__.get("meta", {}).get(K.PROGRAMS), "owners", None)]
     return nested
-
-
-def _refuse_modes(gm: nn.Module, programs: Programs | None) -> None:
-    """The ValueError of :func:`_check_owner_modes` for modes no program computes."""
-    if programs is not None and programs.owners:
-        _check_owner_modes(gm, programs)
-    _check_nested_modes(gm)
 
 
 @torch.compiler.disable
