@@ -170,3 +170,16 @@ def capture(model, args: tuple, kwargs: dict, policy):
     from autocastfx.capture.context import CaptureContext
     return trace.capture_graph(trace.copy_model(model, share_tensors=False).train(), args, kwargs, policy,
                                CaptureContext())
+
+
+def _one_thread(rank, fn, *args):
+    torch.set_num_threads(1)  # the ranks share the cores; no OpenMP team is carried over a fork
+    fn(rank, *args)
+
+
+def run_ranks(fn, args: tuple, nprocs: int) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` processes forked from this one, as ``torch.multiprocessing.spawn`` runs it,
+    raising what a rank raised. Forked, the ranks start with this process's imports (torch, autocastfx, the test
+    module) instead of importing them again: seconds per rank. Each rank runs one thread."""
+    import torch.multiprocessing as mp
+    mp.start_processes(_one_thread, args=(fn, *args), nprocs=nprocs, join=True, start_method="fork")

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autocastfx
-from helpers import AtenRecorder
+from helpers import AtenRecorder, run_ranks
 
 VOCAB, D = 64, 32
 
@@ -323,45 +323,43 @@ def test_a_model_without_blocks_that_does_not_capture_is_converted_piecewise_too
         autocastfx.convert(model, (x,), example_kwargs={"y": y}, blocks=None)  # None: one graph or nothing
 
 
-_SWITCH_UNDER_FSDP = r'''
-import sys, tempfile, warnings
-warnings.simplefilter("ignore")
-import torch, torch.nn as nn, torch.nn.functional as F, torch.distributed as dist
-from test_blocks import Stack, Layer, ids
-import autocastfx
-from autocastfx.core.modes import mode_nodes
-
-class FLayer(Layer):  # functional dropout: each block's graph differs between the modes
+class _FLayer(Layer):  # functional dropout: each block's graph differs between the modes
     def forward(self, x):
         x = x + F.dropout(self.proj(self.ln1(x)), 0.1, self.training)
         return x + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))), 0.1, self.training)
 
-class FStack(Stack):
+
+class _FStack(Stack):
     def __init__(self):
         super().__init__(layers=2)
-        self.layers = nn.ModuleList(FLayer() for _ in range(2))
-
-dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
-gm = autocastfx.convert(FStack(), (ids(),))
-assert mode_nodes(gm.layers[0])
-autocastfx.shard(gm)
-gm.train(); gm(ids())
-gm.eval(); assert torch.equal(gm(ids()), gm(ids()))
-gm.train(); assert not torch.equal(gm(ids()), gm(ids()))
-dist.destroy_process_group()
-print("ok")
-'''
+        self.layers = nn.ModuleList(_FLayer() for _ in range(2))
 
 
-def test_blocks_switch_modes_after_fsdp2_made_their_class():
+def _switch_under_fsdp(rank, init_file):
+    import torch.distributed as dist
+    from autocastfx.core.modes import mode_nodes
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=1)
+    try:
+        gm = autocastfx.convert(_FStack(), (ids(),))
+        assert mode_nodes(gm.layers[0])
+        autocastfx.shard(gm)
+        gm.train()
+        gm(ids())
+        gm.eval()
+        assert torch.equal(gm(ids()), gm(ids()))
+        gm.train()
+        assert not torch.equal(gm(ids()), gm(ids()))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+def test_blocks_switch_modes_after_fsdp2_made_their_class(tmp_path):
     """fully_shard() gives each block a class of its own; a block whose graph changes with the mode is recompiled
-    on that class, which once sent every later call into endless recursion."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(here)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, root, os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-c", _SWITCH_UNDER_FSDP], capture_output=True, text=True, env=env,
-                       timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+    on that class, which once sent every later call into endless recursion. One gloo rank in a process of its
+    own."""
+    run_ranks(_switch_under_fsdp, (str(tmp_path / "init"),), 1)
 
 
 class OddStack(nn.Module):

@@ -5,10 +5,10 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import autocastfx
+from helpers import run_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
 
@@ -70,7 +70,7 @@ def _run(rank, out_dir, accum):
 def ranks():
     """What each rank saved, by accumulation count: {accum: [rank 0's, rank 1's]}."""
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(os.path.join(d, "init"), d), nprocs=WORLD, join=True)
+        run_ranks(_worker, (os.path.join(d, "init"), d), WORLD)
         return {a: [torch.load(os.path.join(d, f"rank{i}-{a}.pt")) for i in range(WORLD)] for a in ACCUMS}
 
 

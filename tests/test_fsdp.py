@@ -14,12 +14,12 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autocastfx
+from helpers import run_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 from fsdp import Collectives as CollectiveBytes  # noqa: E402  bytes through the collectives this torch's FSDP2 calls
@@ -588,7 +588,7 @@ def ranks():
     d = tempfile.mkdtemp()
     torch.manual_seed(0)
     torch.save(TableLlama().state_dict(), os.path.join(d, "table_llama.pt"))  # the float32 model's checkpoint
-    mp.spawn(_worker, args=(os.path.join(d, "init"), d), nprocs=WORLD, join=True)
+    run_ranks(_worker, (os.path.join(d, "init"), d), WORLD)
     r = [torch.load(os.path.join(d, f"rank{i}.pt"), weights_only=False) for i in range(WORLD)]
     return r
 

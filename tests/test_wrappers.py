@@ -8,11 +8,11 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
 import autocastfx
+from helpers import run_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
 
@@ -124,7 +124,7 @@ def _worker(rank, init_file, out_dir):
 @pytest.fixture(scope="module")
 def ranks():
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(os.path.join(d, "init"), d), nprocs=WORLD, join=True)
+        run_ranks(_worker, (os.path.join(d, "init"), d), WORLD)
         yield [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
 
 
