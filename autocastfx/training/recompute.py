@@ -27,7 +27,9 @@ class _Recomputed:
             return call(*args, **kwargs)
         if kwargs:
             call = functools.partial(call, **kwargs)
-        saved = [(b, b._version, b.detach().clone()) for b in self.buffers()] if self.training else []
+        # whatever the block's own mode: a block in eval mode may still move buffers (a batch norm set back to
+        # train() inside it, a counter), and the recompute must not move them twice
+        saved = [(b, b._version, b.detach().clone()) for b in self.buffers()]
         before: list = []  # the buffers as the forward read them, of those it changed: kept until backward
         out = _checkpoint.checkpoint(call, *args, use_reentrant=False, preserve_rng_state=True,
                                      context_fn=functools.partial(_contexts, before))
