@@ -19,7 +19,7 @@ from .base.errors import CaptureError, one_line
 from .base.quiet import deepcopy_quietly, own_warnings_off, torch_internal_warnings_off, warn_user
 from .base.meta import ConvertInfo, is_converted, names_by_id
 from .base.options import LOW_DTYPES, ConvertOptions
-from .base.runtime import no_recompile
+from .base.runtime import CONVERTING, no_recompile
 from .capture import inline as _inline
 from .capture.context import CaptureContext
 from .capture.programs import Captured, capture as capture_programs, derive_from_graph
@@ -139,7 +139,11 @@ def _convert_any(model: nn.Module, args: tuple, kwargs: dict, options: ConvertOp
                  ctx: CaptureContext) -> nn.Module:
     """A float32 model (or one on meta), or a low-precision checkpoint (converted as its float32 twin)."""
     with _CONVERTING:
-        return _convert_any_alone(model, args, kwargs, options, ctx)
+        token = CONVERTING.set(True)
+        try:
+            return _convert_any_alone(model, args, kwargs, options, ctx)
+        finally:
+            CONVERTING.reset(token)
 
 
 def _convert_any_alone(model: nn.Module, args: tuple, kwargs: dict, options: ConvertOptions,
@@ -393,7 +397,7 @@ def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: Con
         if not entry_casts:  # a block's own hooks: the tree's conversion watches it as the model's module
             warn_model_hooks(model)
         elif guard is not None:
-            guard.watched = [e if e[1] else [*e[:4], None] for e in guard.watched]
+            guard.watched = [e if e[1] else [*e[:4], None, None] for e in guard.watched]
         for _, unit in _weights.converted_units(model):  # converted blocks, shared: switched by the captures
             if unit is not model:
                 _module.follow_module_modes(unit)
@@ -437,6 +441,8 @@ def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: Con
         _module.stand_in_for_settings(gm, model)
     if guard is not None and (guard.reads or guard.unowned):
         _module.refuse_writes(gm, guard.reads | guard.unowned)
+    if guard is not None:
+        guard.point_at(gm)  # one mode for the model and gm from here on
     return gm
 
 

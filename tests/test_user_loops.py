@@ -1988,3 +1988,61 @@ def test_a_held_container_of_every_child_is_indexed_as_the_models():
     with pytest.raises(TypeError, match="reach a child by its name"):
         len(gapped.seq)
     assert gapped.seq  # a module is true, as nn.Module's
+
+
+class _ConvBnDrop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.drop, self.fc = nn.Dropout(0.5), nn.Linear(512, 10)
+
+    def forward(self, x):
+        return self.fc(self.drop(torch.relu(self.bn(self.conv(x))).flatten(1)))
+
+
+def test_the_model_and_the_converted_module_are_in_one_mode():
+    """An evaluate() helper given ``gm`` while the epoch loop calls ``model.train()`` (or the other way round): the
+    later call decides even where it changes none of the model's flags. Before, ``gm.eval()`` left the model in
+    training mode, so the next ``model.train()`` changed nothing and was missed: a whole epoch trained in eval mode
+    (no statistics, no dropout), and after ``gm.train()``, ``model.eval()`` left validation moving the statistics."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 3, 8, 8)
+    model = _ConvBnDrop()
+    gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    tracked = lambda: int(model.bn.num_batches_tracked)  # noqa: E731
+    gm.eval()
+    gm(x)
+    assert not model.training and not model.bn.training  # gm.eval() is the model's eval()
+    model.train()
+    before = tracked()
+    gm(x)
+    assert gm.training and tracked() == before + 1
+    model.eval()
+    gm(x)
+    gm.train()
+    gm(x)
+    model.eval()
+    before = tracked()
+    with torch.no_grad():
+        a, b = gm(x), gm(x)
+    assert not gm.training and tracked() == before and torch.equal(a, b)
+    # a module set on gm alone: the model's module takes it (at gm's next call, for a module the graph calls, as
+    # this batch norm); the model's train() after it decides again
+    gm.train()
+    gm.bn.eval()
+    before = tracked()
+    gm(x)
+    assert tracked() == before and not model.bn.training and model.training
+    gm.fc.eval()  # a module whose tensors the graph reads: at once
+    assert not model.fc.training
+    gm.fc.train()
+    model.train()
+    gm(x)
+    assert gm.bn.training and tracked() == before + 1
+    # a copy (an EMA) keeps modes of its own
+    ema = copy.deepcopy(gm)
+    ema.eval()
+    assert model.training and gm.training and not ema.training
+    ema(x)
+    gm(x)
+    assert gm.training and model.bn.training

@@ -23,3 +23,7 @@ PROGRAMS = "autocastfx_programs"                   # one graph per mode (core.mo
 SHARD = "autocastfx_shard"                         # what shard() did to a unit (sharding)
 OTHER_CALLS = "autocastfx_other_calls"             # conversions for calls of another structure (converted.calls)
 PACKED = "autocastfx_packed"                       # a layer converted for packed sequences: its sizes (tree.packed)
+
+# a held module's __dict__
+MIRROR = "_autocastfx_mirror"                      # the model's module of its name, weakly: takes its modes
+                                                   # (converted.state.StateGuard; converted.module._Held.train)

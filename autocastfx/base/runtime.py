@@ -1,6 +1,7 @@
 """What the generated code of a converted module calls at run time (its result type rebuilt), and the no-op
 ``recompile`` a conversion's passes run under."""
 from __future__ import annotations
+import contextvars
 from typing import Any
 
 
@@ -28,3 +29,8 @@ def rebuild_output(values: dict, cls: str) -> Any:
 
 def type_name(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
+
+
+# True inside convert() (and a conversion made at call time): the captures switch modules' modes to capture each
+# mode, which the converted modules must not hand on to the model's modules (converted.state, converted.module)
+CONVERTING: contextvars.ContextVar = contextvars.ContextVar("autocastfx_converting", default=False)

@@ -18,6 +18,8 @@ import torch.nn as nn
 
 from . import calls as _calls
 from ..base import keys as K
+from ..base.keys import MIRROR
+from ..base.runtime import CONVERTING
 from ..base.meta import is_converted, is_plain_setting, names_by_id, original_class
 from ..base.quiet import torch_internal_warnings_off, warn_user
 from ..core import weights as _weights
@@ -37,12 +39,12 @@ def set_mode(gm: fx.GraphModule, mode: bool) -> fx.GraphModule:
     nn.Module.train(gm, mode)
     info = gm.meta.get("autocastfx")
     guard = getattr(info, "state", None)
-    if guard is not None:  # a mode set on the model before this call is overridden by it
-        guard.modes_seen()
     for name, flag in (getattr(info, "mode_flags", None) or {}).get(mode, {}).items():
         sub = fetch(gm, name, None)  # as the model's own train() sets them (frozen batch norms)
         if isinstance(sub, nn.Module):
             sub.training = flag
+    if guard is not None:  # the model takes these modes: one mode for both, the later call deciding
+        guard.share_modes(gm)
     return gm
 
 
@@ -617,14 +619,24 @@ class _Held:
 
     def __reduce_ex__(self, protocol):
         """Pickled (``torch.save(gm.head)``) as the model's class: the held class exists in this process only."""
-        state = {k: v for k, v in self.__dict__.items() if k not in (_SETTINGS, _CLASS, _TIED, _ORDER)}
+        state = {k: v for k, v in self.__dict__.items() if k not in (_SETTINGS, _CLASS, _TIED, _ORDER, MIRROR)}
         return copyreg._reconstructor, (self.__dict__[_CLASS], object, None), state
 
     def __deepcopy__(self, memo):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
-        new.__setstate__(copy.deepcopy(self.__dict__, memo))
-        return new
+        new.__setstate__(copy.deepcopy({k: v for k, v in self.__dict__.items() if k != MIRROR}, memo))
+        return new  # a copy (an EMA) keeps its own modes
+
+    def train(self, mode: bool = True):
+        """``nn.Module.train`` (the model's class's), and the model's module of this name takes the mode: the model
+        and the converted module are in one mode, the later call deciding (see ``StateGuard.share_modes``)."""
+        out = super().train(mode)
+        ref = self.__dict__.get(MIRROR)
+        own = ref() if ref is not None else None
+        if own is not None and not CONVERTING.get():
+            own.training = self.training  # its children take theirs in their own train()
+        return out
 
     def register_parameter(self, name: str, param) -> None:
         """``nn.Module``'s, refusing what the graph would not read: a parameter under a new name (the first step of
@@ -821,7 +833,7 @@ _HELD: dict[tuple, type] = {}
 _CLASS = "_autocastfx_class"  # a held module's model class (nn.Module for a plain container)
 _TIED = "_autocastfx_tied"  # a held module's weights the model ties to other names -> those names
 _ORDER = "_autocastfx_order"  # a held module's parameter names, in order
-_OWN_FIELDS = _MODULE_FIELDS | {_SETTINGS, _CLASS, _TIED, _ORDER}  # not settings: nn.Module's, and a held module's own
+_OWN_FIELDS = _MODULE_FIELDS | {_SETTINGS, _CLASS, _TIED, _ORDER, MIRROR}  # not settings: nn.Module's, and a held module's own
 
 
 def check_replacement(parent: nn.Module, name: str, value: Any, caller=None) -> None:

@@ -11,7 +11,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..base.keys import MIRROR
 from ..base.meta import is_converted
+from ..base.runtime import CONVERTING
 from ..base.quiet import warn_user
 from ..capture.watch import StateUse, fingerprint
 
@@ -30,9 +32,11 @@ class StateGuard:
         self.contents: list[tuple[Any, weakref.ref, str, str, Any]] = []
         self.tensors: list[tuple] = []  # (module ref, path, name, fingerprint, tensor ref or None)
         # each module: [ref, path, its parameters, buffers and children by id (None: it holds none), its training
-        # flag and its number of hooks as last seen]
+        # flag and its number of hooks as last seen, the converted module's module of its path (a weak reference)]
         self.watched: list[list] = []
         self.root = None  # the module bound
+        self.target = None  # the converted module the entries' last fields point into (a weak reference)
+        self.following = False  # setting on gm a mode set on the model: the model keeps its own modes
 
     def bound(self, model: nn.Module) -> StateGuard:
         """A guard of these attributes on ``model`` (the model, or the module of it the capture's copy was made of),
@@ -46,7 +50,7 @@ class StateGuard:
                 out.looked.append((weakref.ref(m), path, name, v, fingerprint(v)))
         inside = {id(s) for n, u in model.named_modules() if n and is_converted(u) for s in u.modules() if s is not u}
         out.watched = [[weakref.ref(m), path, _held(m) if m._parameters or m._buffers or m._modules else None,
-                        m.training, None if path and is_converted(m) else _hooks(m)]  # a converted block runs its own
+                        m.training, None if path and is_converted(m) else _hooks(m), None]  # a block runs its own
                        for path, m in model.named_modules() if id(m) not in inside]
         by_owner: dict[tuple[str, str], list[str]] = {}  # (module path, attribute holding a config or "") -> names
         for path, name in self.reads:
@@ -117,34 +121,61 @@ class StateGuard:
             if m.training is not entry[3]:
                 entry[3] = m.training
                 changed.append((entry[1], entry[3]))
+            elif entry[5] is not None and (t := entry[5]()) is not None and t.training is not entry[3] \
+                    and not CONVERTING.get():
+                m.training = entry[3] = t.training  # set on gm's module since: the model's follows (one mode)
             if entry[4] is not None and (hooks := _hooks(m)) != entry[4]:
                 if hooks > entry[4]:
                     _warn_hook(m, entry[1])
                 entry[4] = hooks
+        if gm is not None and (self.target is None or self.target() is not gm):
+            self.point_at(gm)
         if changed and gm is not None:
             self._follow_modes(gm, changed)
         if replaced is not None:
             _replaced(*replaced)
 
-    def modes_seen(self) -> None:
-        """Take the model's modes as they are now as seen: ``gm.train()``/``gm.eval()`` after a mode set on the
-        model wins over it (the later call decides, as for one module)."""
+    def point_at(self, gm: nn.Module) -> None:
+        """Pair each watched module with ``gm``'s module of its name; a held module (which the graph never calls)
+        sets the model's module's mode in its ``train()``."""
+        mods = dict(gm.named_modules(remove_duplicate=False))
         for entry in self.watched:
-            m = entry[0]()
+            t = mods.get(entry[1])
+            entry[5] = weakref.ref(t) if t is not None else None
+            if t is not None and entry[1] and getattr(type(t), "_autocastfx_fixed_settings", False):
+                t.__dict__[MIRROR] = entry[0]
+        self.target = weakref.ref(gm)
+
+    def share_modes(self, gm: nn.Module) -> None:
+        """Set the model's modules to the modes of ``gm``'s modules of their names: after ``gm.train()`` or
+        ``gm.eval()`` the model and ``gm`` are in one mode, so a later ``model.train()``/``model.eval()`` is followed
+        even where it changes none of the model's flags (the later call decides, as for one module)."""
+        if self.following or CONVERTING.get():
+            return
+        self.point_at(gm)
+        for entry in self.watched:
+            m, t = entry[0](), entry[5]() if entry[5] is not None else None
             if m is not None:
+                if t is not None:
+                    m.training = t.training
                 entry[3] = m.training
 
-    @staticmethod
-    def _follow_modes(gm: nn.Module, changed: list) -> None:
-        mods = dict(gm.named_modules(remove_duplicate=False))
-        for path, mode in changed:  # the root first (it sets every module), then the modules set on their own
-            target = mods.get(path)
-            if target is None:
-                continue
-            if path:
-                target.training = mode
-            else:
-                gm.train(mode)
+    def _follow_modes(self, gm: nn.Module, changed: list) -> None:
+        """Set on ``gm`` the modes set on the model since the last call: the model's root set ``gm``'s (and runs its
+        program), then every module takes the model's module's mode, as one module would be left."""
+        if any(not path for path, _ in changed):
+            self.following = True
+            try:
+                gm.train(next(mode for path, mode in changed if not path))
+            finally:
+                self.following = False
+            paths = None  # every module
+        else:
+            paths = {path for path, _ in changed}
+        for entry in self.watched:
+            m, t = entry[0](), entry[5]() if entry[5] is not None else None
+            if m is not None and t is not None and (paths is None or entry[1] in paths):
+                t.training = entry[3] = m.training
 
     def _compare(self) -> None:
         """Refuse a changed value; one set again to an equal value is taken as the one watched from now on."""
