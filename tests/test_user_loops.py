@@ -2046,3 +2046,53 @@ def test_the_model_and_the_converted_module_are_in_one_mode():
     ema(x)
     gm(x)
     assert gm.training and model.bn.training
+
+
+class _SizedBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        if x.shape[1] == 16:  # a branch on the length: torch.export fixes the block's length at the example's
+            x = x * 1.0
+        return x + torch.tanh(self.fc(x))
+
+
+class _MovesBeforeBlocks(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.inp, self.bn, self.drop = nn.Linear(4, d), nn.BatchNorm1d(d), nn.Dropout(0.2)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.blocks = nn.ModuleList([_SizedBlock(d) for _ in range(2)])
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, x):
+        self.calls.add_(1)
+        h = self.drop(self.bn(self.inp(x).transpose(1, 2)).transpose(1, 2))
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+def test_a_call_a_block_refuses_for_its_length_moves_the_statistics_once():
+    """A block whose capture fixed the length refuses a call at another length after the code before it ran (a
+    batch norm, a counter, a dropout draw); the call is then run converted for its length. Before, that second run
+    moved the statistics and the counter again (6 calls counted for 4) and drew other dropout masks."""
+    torch.manual_seed(0)
+    model = _MovesBeforeBlocks()
+    ref = copy.deepcopy(model)
+    gm = autocastfx.convert(model, (torch.randn(4, 16, 4),), dtype=torch.bfloat16)
+    assert any(isinstance(getattr(m, "meta", {}).get("autocastfx"), autocastfx.ConvertInfo)
+               for m in gm.blocks)  # the blocks are converted modules of their own
+    for i, length in enumerate((16, 8, 8, 12, 16)):
+        x = torch.randn(4, length, 4)
+        torch.manual_seed(i)
+        out = gm(x)
+        torch.manual_seed(i)
+        want = ref(x)
+        assert int(model.calls) == int(ref.calls) == i + 1
+        assert int(model.bn.num_batches_tracked) == int(ref.bn.num_batches_tracked)
+        assert torch.allclose(model.bn.running_mean, ref.bn.running_mean, atol=1e-3)
+        assert torch.allclose(model.bn.running_var, ref.bn.running_var, atol=1e-2)
+        assert torch.allclose(out.float(), want, atol=0.05), length  # the same dropout draws

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 
 from . import calls as _calls
 from ..base import keys as K
@@ -312,32 +313,44 @@ class _Switchable(_GuardsChildren):
             else:
                 other, args, kwargs = _other(self, info, args, kwargs, not computed)
             if other is not None:
+                first = _first_at_sizes(self, other, args, kwargs)
                 try:
-                    return _run_as(self, other, args, kwargs)
+                    out = _run_as(self, other, args, kwargs)
                 except Exception as e:  # noqa: BLE001 - the model's own checks on this call, else as it came
                     _calls.model_check(info.checks, args, kwargs, e, self.training)
+                    if first is not None and _calls.size_guard(e):
+                        first.undo()
                     done, out = _for_sizes(self, info, args, kwargs, e)
                     if done:
                         return out
                     raise
+                if first is not None:
+                    first.ran()
+                return out
         if info is not None and self.__dict__.get("_compiled_call_impl") is not None:
             _calls.mark_free_dims(info.free_dims, args, kwargs)  # gm.compile(): sizes free to vary left free
         if info is not None:  # sizes the capture fixed at the example's, converted for on an earlier call
             other, a, k = _calls.sized_call(self, info, args, kwargs)
             if other is not None:
                 return _run_as(self, other, a, k)
+        first = _first_at_sizes(self, self, args, kwargs) if info is not None else None
         try:
             with _without_autocast():  # the program gm.code shows, whatever autocast the caller has on
-                return super().__call__(*args, **kwargs)
+                out = super().__call__(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - re-raised below unless a clearer error says what went wrong
             if info is not None and isinstance(e, (TypeError, RuntimeError, ValueError, AttributeError)):
                 _calls.check(info.call_signature, args, kwargs, e)
             if info is not None:
                 _calls.model_check(info.checks, args, kwargs, e, self.training)
+                if first is not None and _calls.size_guard(e):
+                    first.undo()
                 done, out = _for_sizes(self, info, args, kwargs, e)
                 if done:
                     return out
             raise
+        if first is not None:
+            first.ran()
+        return out
 
     # the model's own names for its tied weights in the state dict (core/weights.py)
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
@@ -416,6 +429,53 @@ def _other(gm: nn.Module, info: Any, args: tuple, kwargs: dict, modes: bool, com
 def _other_eagerly(gm: nn.Module, info: Any, args: tuple, kwargs: dict, modes: bool) -> tuple:
     """:func:`_other` under ``torch.compile(gm)``, through one graph break."""
     return _other(gm, info, args, kwargs, modes, compiled=True)
+
+
+class _FirstAtSizes:
+    """The buffers and the CPU generator before the first call at new input sizes of a module holding converted
+    blocks: a block that refuses the sizes (its capture fixed them) stops the call after the code before it ran,
+    and the call is run again converted for its sizes, which must find the statistics, counters and random state
+    as the call found them, not moved twice."""
+
+    def __init__(self, module: nn.Module, key: tuple):
+        self.module, self.key = module, key
+        seen, buffers = set(), []
+        for b in module.buffers():
+            if id(b) not in seen:
+                seen.add(id(b))
+                buffers.append((b, b.detach().clone()))
+        self.buffers, self.rng = buffers, torch.get_rng_state()
+
+    def undo(self) -> None:
+        with torch.no_grad():
+            for b, value in self.buffers:
+                b.copy_(value)
+        torch.set_rng_state(self.rng)
+        self.buffers = []
+
+    def ran(self) -> None:
+        sizes = self.module.__dict__.setdefault("_autocastfx_sizes_run", set())
+        if len(sizes) < 256:
+            sizes.add(self.key)
+        self.buffers = []
+
+
+def _first_at_sizes(module: nn.Module, runs: nn.Module, args: tuple, kwargs: dict) -> _FirstAtSizes | None:
+    """A :class:`_FirstAtSizes` where ``runs`` (the program called) holds converted blocks and ``module`` has not run
+    a call of these input sizes; None otherwise (and under torch.compile, which guards on sizes itself)."""
+    if torch.compiler.is_compiling():
+        return None
+    blocks = runs.__dict__.get("_autocastfx_has_blocks")
+    if blocks is None:
+        blocks = runs.__dict__["_autocastfx_has_blocks"] = any(
+            m is not runs and isinstance(m, _Switchable) for m in runs.modules())
+    if not blocks:
+        return None
+    key = (id(runs), *(tuple(t.shape) for t in tree_leaves((args, kwargs))
+                       if isinstance(t, torch.Tensor)))
+    if key in module.__dict__.get("_autocastfx_sizes_run", ()):
+        return None
+    return _FirstAtSizes(module, key)
 
 
 def _for_sizes(gm: nn.Module, info: Any, args: tuple, kwargs: dict, error: BaseException) -> tuple[bool, Any]:
