@@ -2096,3 +2096,37 @@ def test_a_call_a_block_refuses_for_its_length_moves_the_statistics_once():
         assert torch.allclose(model.bn.running_mean, ref.bn.running_mean, atol=1e-3)
         assert torch.allclose(model.bn.running_var, ref.bn.running_var, atol=1e-2)
         assert torch.allclose(out.float(), want, atol=0.05), length  # the same dropout draws
+
+
+class _BranchesOnOne(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(50, 16), nn.Linear(16, 50)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        if ids.shape[1] == 1:  # a single-token path
+            return self.fc(h) * 0.5
+        if ids.shape[0] == 1:  # a single-sequence path
+            return self.fc(h) * 0.25
+        return self.fc(h)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_size_of_one_where_the_capture_left_the_size_free_runs_the_models_branch(compiled):
+    """torch.export takes a size it leaves free to be 2 or more and records no check of it: a call of one token
+    or one sequence ran the program of the example's branch, 100% off the model with nothing raised. Such a call
+    is now converted for its sizes of 1 (once per pattern of them), eagerly and under torch.compile."""
+    torch.manual_seed(0)
+    model = _BranchesOnOne()
+    gm = autocastfx.convert(model, (torch.randint(0, 50, (2, 8)),), dtype=torch.bfloat16)
+    assert gm.meta["autocastfx"].capture == "torch.export"
+    run = torch.compile(gm, backend="eager") if compiled else gm
+    if compiled:
+        torch._dynamo.reset()
+    for shape in [(2, 8), (2, 5), (2, 1), (3, 1), (1, 1), (1, 7), (1, 9), (4, 6)]:
+        ids = torch.randint(0, 50, shape)
+        want, got = model(ids), run(ids).float()
+        assert float((got - want).norm() / want.norm()) < 0.02, shape
+    if not compiled:  # one conversion per pattern of sizes of 1: (., 1), (1, 1), (1, .)
+        assert len(gm.meta["autocastfx_other_calls"].by_key) == 3

@@ -18,7 +18,7 @@ from ..base import keys as K
 from ..base.errors import one_line
 from ..base.meta import is_plain_setting
 from ..base.quiet import warn_user
-from ..capture.context import free_axes
+from ..capture.context import free_axes, free_sizes
 from ..core import weights as _weights
 from .state import follow_model
 
@@ -297,6 +297,44 @@ def _sizes(args: tuple, kwargs: dict) -> tuple:
     return tuple(tuple(t.shape) for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
 
 
+def _auto_dims(info: Any) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """(flat input index, dims) the torch.export capture left free to vary (``Dim.AUTO``, as
+    ``capture.torch_export`` marks them) where the example's size was above 1."""
+    example = torch.utils._pytree.tree_leaves(info.checks.example)
+    free = free_sizes(*info.checks.example)
+    out = []
+    for i, t in enumerate(example):
+        if isinstance(t, torch.Tensor) and t.dim():
+            dims = tuple(d for d in range(t.dim()) if t.shape[d] > 1 and (d in free_axes(t) or t.shape[d] in free))
+            if dims:
+                out.append((i, dims))
+    return tuple(out)
+
+
+@torch.compiler.disable
+def _auto_dims_eagerly(gm: nn.Module, info: Any) -> tuple:
+    dims = gm.__dict__["_autocastfx_auto_dims"] = _auto_dims(info)
+    return dims
+
+
+def single_sizes(gm: nn.Module, info: Any, args: tuple, kwargs: dict) -> tuple | None:
+    """Where ``gm``'s torch.export capture left a size free and this call gives it 0 or 1: ``("sizes of 0 and 1",
+    (flat index, dim, size), ...)``, the key of a conversion for such calls; else None. torch.export takes a free
+    size to be 2 or more and records no check of it, so its program may have taken another branch than the
+    model's (``if ids.shape[1] == 1``) with nothing to refuse the call."""
+    if getattr(info, "capture", None) != "torch.export" or not convertible(info):
+        return None
+    dims = gm.__dict__.get("_autocastfx_auto_dims")
+    if dims is None:
+        dims = _auto_dims_eagerly(gm, info)
+    if not dims:
+        return None
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    ones = tuple((i, d, leaves[i].shape[d]) for i, ds in dims if i < len(leaves) and isinstance(leaves[i], torch.Tensor)
+                 for d in ds if d < leaves[i].dim() and leaves[i].shape[d] <= 1)
+    return ("sizes of 0 and 1", *ones) if ones else None
+
+
 def sized_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict) -> tuple[nn.Module | None, tuple, dict]:
     """:func:`other_call` for a call whose sizes the capture fixed otherwise, where a conversion for them was made
     (``(None, args, kwargs)`` where none was: the call runs ``gm``)."""
@@ -312,10 +350,11 @@ def convertible(info: Any) -> bool:
     return checks is not None and checks.model is not None and info.convert_call is not None
 
 
-def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict, sizes: bool = False, modes: bool = False
-               ) -> tuple[nn.Module | None, tuple, dict]:
+def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict, sizes: bool | tuple = False,
+               modes: bool = False) -> tuple[nn.Module | None, tuple, dict]:
     """``(module, args, kwargs)`` for a call of another structure, with ``sizes`` of other input sizes than a
-    capture that fixed them (torch.export's guard refused the call), or with ``modes`` in modules' modes none of
+    capture that fixed them (torch.export's guard refused the call; a tuple: the key of a conversion for sizes of
+    0 and 1, :func:`single_sizes`), or with ``modes`` in modules' modes none of
     ``gm``'s programs computes: the model converted for it (on first use) in the state of ``gm``'s modules, sharing
     ``gm``'s tensors, the call spelled as that conversion's was; the module is None (``gm`` runs it) for the
     captured call spelled another way, or where no model is kept."""
@@ -332,7 +371,7 @@ def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict, sizes: bool 
     if holder.example_key is None:
         holder.example_key = bound_key(checks.model, *checks.example)
     if sizes:
-        key = (key, _sizes(args, kwargs))
+        key = (key, sizes if isinstance(sizes, tuple) else _sizes(args, kwargs))
     elif key == holder.example_key and not modes:
         return (None, *(respelled(checks.model, info.call_signature, args, kwargs) or (args, kwargs)))
     mods = dict(gm.named_modules(remove_duplicate=False))
@@ -355,7 +394,7 @@ def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict, sizes: bool 
                           "is converted on first use, which takes seconds. Pass a value that changes from call to "
                           f"call as a tensor. This call: {text(describe(args, kwargs))}")
         made = holder.by_key[(key, state)] = (other, holders)
-        if sizes:  # later calls of these sizes go to it first (converted.module)
+        if sizes is True:  # later calls of these sizes go to it first (converted.module)
             holder.sized.add(key[1])
     other, holders = made
     # every call: a move or load may have replaced gm's tensors, or a same-class module one of its modules

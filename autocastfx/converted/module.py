@@ -331,6 +331,10 @@ class _Switchable(_GuardsChildren):
             _calls.mark_free_dims(info.free_dims, args, kwargs)  # gm.compile(): sizes free to vary left free
         if info is not None:  # sizes the capture fixed at the example's, converted for on an earlier call
             other, a, k = _calls.sized_call(self, info, args, kwargs)
+            if other is None and (ones := _calls.single_sizes(self, info, args, kwargs)) is not None:
+                # a size of 0 or 1 where torch.export's program took sizes of 2 or more: its own conversion
+                other, a, k = (_single_eagerly if torch.compiler.is_compiling() else _calls.other_call)(
+                    self, info, args, kwargs, sizes=ones)
             if other is not None:
                 return _run_as(self, other, a, k)
         first = _first_at_sizes(self, self, args, kwargs) if info is not None else None
@@ -429,6 +433,12 @@ def _other(gm: nn.Module, info: Any, args: tuple, kwargs: dict, modes: bool, com
 def _other_eagerly(gm: nn.Module, info: Any, args: tuple, kwargs: dict, modes: bool) -> tuple:
     """:func:`_other` under ``torch.compile(gm)``, through one graph break."""
     return _other(gm, info, args, kwargs, modes, compiled=True)
+
+
+@torch.compiler.disable
+def _single_eagerly(gm: nn.Module, info: Any, args: tuple, kwargs: dict, sizes: tuple) -> tuple:
+    """:func:`calls.other_call` for sizes of 0 and 1 under ``torch.compile(gm)``, through one graph break."""
+    return _calls.other_call(gm, info, args, kwargs, sizes=sizes)
 
 
 class _FirstAtSizes:
