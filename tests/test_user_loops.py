@@ -2130,3 +2130,43 @@ def test_a_size_of_one_where_the_capture_left_the_size_free_runs_the_models_bran
         assert float((got - want).norm() / want.norm()) < 0.02, shape
     if not compiled:  # one conversion per pattern of sizes of 1: (., 1), (1, 1), (1, .)
         assert len(gm.meta["autocastfx_other_calls"].by_key) == 3
+
+
+class _ValueBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.head = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Linear(512, 10)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv(x))).flatten(1)
+        if h.mean() > 10:  # on a value: no graph captures it, so the model converts piecewise
+            h = h * 2
+        return self.head(h)
+
+
+@pytest.mark.parametrize("change", ["eval", "momentum", "buffer", "parameter"])
+def test_a_piecewise_conversion_follows_or_refuses_changes_to_the_model(change):
+    """Around its converted parts a piecewise conversion runs the model's own Python on modules of its own, which
+    nothing watched: after ``model.eval()`` it went on training (statistics moved), a batch norm's new momentum was
+    ignored, and a replaced buffer or parameter left ``gm`` and the model's state dict apart (0.98 off). As for a
+    single graph, a mode is now followed and a replacement or a changed setting refused."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 3, 8, 8)
+    model = _ValueBranch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    assert gm.meta["autocastfx"].capture == "piecewise"
+    if change == "eval":
+        model.eval()
+        gm(x)
+        assert not gm.training and not gm.bn.training and int(model.bn.num_batches_tracked) == 0
+        return
+    if change == "momentum":
+        model.bn.momentum = 0.9
+    elif change == "buffer":
+        model.bn.running_mean = torch.zeros(8)
+    else:
+        model.bn.weight = nn.Parameter(torch.zeros(8))
+    with pytest.raises(ValueError, match="after convert"):
+        gm(x)

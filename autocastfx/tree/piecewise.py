@@ -13,14 +13,14 @@ from .parts import put_module
 from .parts import quiet_run
 from .parts import set_modes
 from .parts import why_not_captured
-from ..base.meta import ConvertInfo, is_converted, names_by_id
+from ..base.meta import ConvertInfo, is_converted, is_plain_setting, names_by_id
 from ..base.options import ConvertOptions
 from ..capture.context import CaptureContext, free_sizes
 from ..core.plan import CastPlan
 from .parts import Conversions
 from ..base.quiet import own_warnings_off, warn_user
 from ..converted.module import as_model_class
-from ..converted.state import rebind
+from ..converted.state import StateGuard, rebind
 from .packed import convert_packed, has_recurrent, takes_packed
 
 
@@ -98,6 +98,7 @@ def piecewise_units(model, tree, units, skipped, args, kwargs, conv: Conversions
         capture="piecewise", plan=CastPlan(options.dtype, {}, {}, [], [], (0, 0), (0, 0), {}),
         absorbed=[], source_params=names_by_id(model), options=options,
         extra_totals={"blocks": describe_units(every, skipped), "eager": eager})}
+    _guard_model(tree, model, parts)
     if options.keep_io_types:
         tree.register_forward_hook(_outputs_float32)
     lines = [f"{n or type(model).__name__}: {why}" for n, why in eager.items()]
@@ -116,6 +117,25 @@ def _convert_part(m: nn.Module, a: tuple, k: dict, conv: Conversions, options: C
             return convert_packed(m, a, k, conv.whole, options, ctx)
         part = conv.whole(m, a, k, options, ctx)
     return part, f"converted ({part.meta['autocastfx'].capture}), float32 at its boundary", float_dtypes((a, k))
+
+
+def _guard_model(tree: nn.Module, model: nn.Module, parts: dict) -> None:
+    """What a single graph's guard does, for the model's own Python around the parts: at each call, a mode set on
+    the model since is set on the tree's module of that name; a tensor or module replaced on the model, or a plain
+    setting of a module that runs as the model's Python (a batch norm's momentum) changed, is refused. The parts
+    guard their own modules."""
+    def outside(name: str) -> bool:
+        return not any(name == p or name.startswith(p + ".") for p in parts)
+    reads = frozenset((n, k) for n, m in tree.named_modules() if outside(n) and not is_converted(m)
+                      for k, v in vars(m).items() if k[0] != "_" and k != "training" and is_plain_setting(v))
+    tree.meta["autocastfx"].state = StateGuard(reads).bound(model)
+    tree.register_forward_pre_hook(_check_model)
+
+
+def _check_model(module: nn.Module, args: tuple) -> None:
+    guard = getattr(module.meta.get("autocastfx"), "state", None)
+    if guard is not None and guard.root is not None:  # a copy (an EMA) watches nothing
+        guard.check(module)
 
 
 def _outputs_float32(module, args, out):
