@@ -145,3 +145,42 @@ def test_the_report_of_a_deployment_copy_counts_the_casts_that_run_and_says_wher
     report = autocastfx.report(inf)
     assert report.totals["casts"] == ran
     assert "parameters stored low: 6" in str(report)
+
+
+def test_calibrate_refuses_a_module_with_converted_blocks_and_calibrates_it_as_one_graph():
+    """calibrate() re-plans the root graph's nodes; a linear inside a converted block is a node of the block's own
+    graph, which it never reached: it returned the module unchanged, still overflowing, and said nothing moved.
+    It now refuses such a module, naming blocks=None, with which the overflow moves to float32."""
+    class Block(nn.Module):
+        def __init__(self, d=16):
+            super().__init__()
+            self.fc, self.ln = nn.Linear(d, d), nn.LayerNorm(d)
+
+        def forward(self, x):
+            return self.ln(x + self.fc(x))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.out = nn.Linear(16, 16), nn.Linear(16, 4)
+            self.layers = nn.ModuleList([Block() for _ in range(2)])
+            with torch.no_grad():
+                self.layers[1].fc.weight.mul_(80000)
+
+        def forward(self, x):
+            x = self.inp(x)
+            for layer in self.layers:
+                x = layer(x)
+            return self.out(x)
+
+    torch.manual_seed(0)
+    model, x = Net().eval(), torch.randn(8, 16)
+    gm = autocastfx.convert(model, (x,), dtype=torch.float16).eval()
+    assert any(n.startswith("layers.") for n in gm.meta["autocastfx"].extra_totals["blocks"])
+    with pytest.raises(ValueError, match=r"converted blocks.*blocks=None"):
+        calibrate(gm, [(x,)])
+    one = autocastfx.convert(model, (x,), dtype=torch.float16, blocks=None).eval()
+    cal = calibrate(one, [(x,)]).eval()
+    assert cal.meta["autocastfx"].extra_totals["calibration"]
+    with torch.no_grad():
+        assert torch.isfinite(cal(x)).all()

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..core import rewrite as _rewrite
 from ..api import convert
-from ..base.meta import info_of, refuse_piecewise
+from ..base.meta import info_of, is_converted, refuse_piecewise
 
 
 def _info(gm):
@@ -76,6 +76,13 @@ def calibrate(gm: fx.GraphModule, batches: Iterable, *, margin: float = 4.0, max
     """
     info = _info(gm)
     refuse_piecewise(info, "autocastfx.calibrate")
+    blocks = [n for n, m in gm.named_modules() if n and is_converted(m)]
+    if blocks:
+        raise ValueError(
+            f"autocastfx.calibrate re-plans the nodes of one graph, and {len(blocks)} converted blocks of this module "
+            f"({', '.join(blocks[:3])}{' ...' if len(blocks) > 3 else ''}) are graphs of their own that it does not "
+            "reach: an overflow inside them would stay. Convert with blocks=None (one graph) to calibrate: "
+            "autocastfx.calibrate(autocastfx.convert(model, example, blocks=None), batches)")
     batches = [b if isinstance(b, tuple) else (b,) for b in batches]
     if not batches:
         raise ValueError("calibrate() needs at least one batch of inputs")
