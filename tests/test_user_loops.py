@@ -2170,3 +2170,37 @@ def test_a_piecewise_conversion_follows_or_refuses_changes_to_the_model(change):
         model.bn.weight = nn.Parameter(torch.zeros(8))
     with pytest.raises(ValueError, match="after convert"):
         gm(x)
+
+
+def test_a_module_level_value_the_forward_reads_is_refused_once_changed(tmp_path, monkeypatch):
+    """A module-level number or dict the model's forward reads (``x / TEMPERATURE * CFG["scale"]``) is held by the
+    graph as the constant it was at conversion: changed later, the converted module went on with the old value,
+    30x off the model with nothing said. The change is now refused at the next call, naming the name and the fix;
+    set back to an equal value it runs."""
+    (tmp_path / "glob_model.py").write_text(
+        "import torch.nn as nn\n"
+        "TEMPERATURE = 1.0\n"
+        "CFG = {'scale': 1.0}\n"
+        "class G(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.a = nn.Linear(8, 8)\n"
+        "    def forward(self, x):\n"
+        "        return self.a(x) / TEMPERATURE * CFG['scale']\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import glob_model
+    x = torch.randn(4, 8)
+    model = glob_model.G()
+    gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    glob_model.TEMPERATURE = 1.0
+    gm(x)
+    glob_model.TEMPERATURE = 0.1
+    with pytest.raises(ValueError, match=r"glob_model\.TEMPERATURE, which G\.forward reads, was set to 0\.1"):
+        gm(x)
+    glob_model.TEMPERATURE = 1.0
+    gm(x)
+    glob_model.CFG["scale"] = 3.0
+    with pytest.raises(ValueError, match=r"glob_model\.CFG.*changed in place.*Convert again"):
+        gm(x)
+    glob_model.CFG["scale"] = 1.0
+    assert torch.allclose(gm(x).float(), model(x), atol=0.05)

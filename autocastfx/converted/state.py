@@ -3,6 +3,7 @@ read, held as constants, and the parameters, buffers and modules it runs on): a 
 the next call."""
 from __future__ import annotations
 
+import dis
 import operator
 import types
 import weakref
@@ -35,14 +36,18 @@ class StateGuard:
         # flag and its number of hooks as last seen, the converted module's module of its path (a weak reference)]
         self.watched: list[list] = []
         self.root = None  # the module bound
+        self.names: list[list] = []  # [module globals, name, value then, fingerprint, class reading it]
         self.target = None  # the converted module the entries' last fields point into (a weak reference)
         self.following = False  # setting on gm a mode set on the model: the model keeps its own modes
 
-    def bound(self, model: nn.Module) -> StateGuard:
+    def bound(self, model: nn.Module, names: bool = True) -> StateGuard:
         """A guard of these attributes on ``model`` (the model, or the module of it the capture's copy was made of),
-        as they are now; a module or attribute it lacks is not watched."""
+        as they are now; a module or attribute it lacks is not watched. With ``names``, also the module-level names
+        holding plain values that the forward code of the model's classes reads (:func:`global_reads`)."""
         out = StateGuard(self.reads, self.unowned, self.lazy)
         out.root = weakref.ref(model)
+        if names:
+            out.names = [[g, n, g[n], fingerprint(g[n]), who] for g, n, who in global_reads(model)]
         for path, name in sorted(self.unowned):
             if _has(model, path):
                 m = model.get_submodule(path)
@@ -107,6 +112,13 @@ class StateGuard:
             m = ref()
             if m is not None and fingerprint(now := getattr(m, name, _MISSING)) != fp:
                 _refuse(m, path, name, old, now)
+        for entry in self.names:
+            g, name, old, fp, who = entry
+            now = g.get(name, _MISSING)
+            if now is not old or type(old) in (dict, list):
+                if fingerprint(now) != fp:
+                    _refuse_name(g, name, old, now, who)
+                entry[2] = now  # set again to an equal value
 
     def _check_modules(self, gm: nn.Module | None) -> None:
         """One pass over the model's modules: a tensor or child replaced is refused, a mode set since is followed
@@ -226,6 +238,60 @@ def _refuse(module, path: str, name: str, old: Any, new: Any, in_place: bool = F
         f"{_CHECKPOINTING if 'checkpoint' in name else ''}"
         "(autocastfx.convert(model, ...); gm.state_dict() loads into the model first if gm was trained), or keep a "
         "value that changes during training in a buffer (register_buffer) or pass it as a tensor input")
+
+
+def global_reads(model: nn.Module) -> list[tuple[dict, str, str]]:
+    """``(module globals, name, class)`` of each module-level name that the ``forward`` of a class in ``model``
+    (outside torch) loads and never assigns, whose value is plain (a number, a string, a flag, or a dict, list or
+    tuple of them): a graph holds what it read as a constant (``x * SCALE``, ``CFG["temperature"]``)."""
+    out, seen = {}, set()
+    for m in model.modules():
+        fn = getattr(type(m).forward, "__func__", type(m).forward)
+        code, g = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+        if code is None or g is None or code in seen or g.get("__name__", "").split(".")[0] in ("torch", "autocastfx"):
+            continue
+        seen.add(code)
+        loads, stores = _global_names(code)
+        for name in loads - stores:
+            if name in g and _plain_value(g[name]):
+                out.setdefault((id(g), name), (g, name, type(m).__qualname__))
+    return list(out.values())
+
+
+def _global_names(code: types.CodeType) -> tuple[set[str], set[str]]:
+    loads, stores = set(), set()
+    for ins in dis.get_instructions(code):
+        if ins.opname == "LOAD_GLOBAL":
+            loads.add(ins.argval)
+        elif ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+            stores.add(ins.argval)
+    for const in code.co_consts:  # comprehensions, nested functions and lambdas
+        if isinstance(const, types.CodeType):
+            inner = _global_names(const)
+            loads |= inner[0]
+            stores |= inner[1]
+    return loads, stores
+
+
+def _plain_value(v: Any, depth: int = 0) -> bool:
+    if isinstance(v, bool) or v is None or type(v) in (int, float, str):
+        return True
+    if depth < 3 and type(v) in (tuple, list):
+        return all(_plain_value(x, depth + 1) for x in v)
+    if depth < 3 and type(v) is dict:
+        return all(_plain_value(x, depth + 1) for x in v.values())
+    return False
+
+
+def _refuse_name(g: dict, name: str, old: Any, new: Any, who: str) -> None:
+    what = "was deleted" if new is _MISSING else f"was set to {_short(new)} (it was {_short(old)})" \
+        if new is not old else "was changed in place"
+    raise ValueError(
+        f"the module-level name {g.get('__name__', '?')}.{name}, which {who}.forward reads, {what} after convert(): "
+        "the converted module's programs hold the value the model's code read at conversion as a constant and would "
+        "go on computing with it. Convert again after the change (autocastfx.convert(model, ...); gm.state_dict() "
+        "loads into the model first if gm was trained), or keep a value that changes during training in a buffer "
+        "(register_buffer) or pass it as a tensor input")
 
 
 def _mutable(v: Any, depth: int = 0) -> bool:

@@ -128,7 +128,7 @@ def _guard_model(tree: nn.Module, model: nn.Module, parts: dict) -> None:
         return not any(name == p or name.startswith(p + ".") for p in parts)
     reads = frozenset((n, k) for n, m in tree.named_modules() if outside(n) and not is_converted(m)
                       for k, v in vars(m).items() if k[0] != "_" and k != "training" and is_plain_setting(v))
-    tree.meta["autocastfx"].state = StateGuard(reads).bound(model)
+    tree.meta["autocastfx"].state = StateGuard(reads).bound(model, names=False)  # its Python reads them live
     tree.register_forward_pre_hook(_check_model)
 
 
