@@ -542,3 +542,22 @@ def test_a_padded_batch_norm_saved_in_training_mode_loads(tmp_path):
         want = gm(x)
         for other in (loaded, exported):
             torch.testing.assert_close(other(x), want)
+
+
+def test_a_channel_padded_batch_norm_takes_momentum_none_as_batch_norm_does():
+    """swa_utils.update_bn sets each batch norm's momentum to None (a cumulative average); the padded batch norm
+    a pad_gate="always" conversion runs passed None on to F.batch_norm, a TypeError. It now averages as
+    nn.BatchNorm2d does, its statistics those of the plain layer."""
+    from autocastfx.core.padding import _padded_bn_class
+    torch.manual_seed(0)
+    plain = nn.BatchNorm2d(6)
+    padded = _padded_bn_class(nn.BatchNorm2d)(6)
+    padded.padded_to = 8
+    plain.momentum = padded.momentum = None
+    for _ in range(3):
+        x = torch.randn(4, 6, 5, 5) * 3 + 1
+        plain(x)
+        padded(torch.nn.functional.pad(x, (0, 0, 0, 0, 0, 2)))
+    assert int(padded.num_batches_tracked) == 3
+    torch.testing.assert_close(padded.running_mean, plain.running_mean)
+    torch.testing.assert_close(padded.running_var, plain.running_var)

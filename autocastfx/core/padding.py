@@ -218,12 +218,15 @@ def _padded_bn_class(cls: type) -> type:
         def forward(self, x):
             c, extra = self.num_features, self.padded_to - self.num_features
             training = self.training or self.running_mean is None
+            momentum = self.momentum
             if self.training and self.num_batches_tracked is not None:
                 self.num_batches_tracked.add_(1)
+                if momentum is None:  # a cumulative average, as nn.BatchNorm's (swa_utils.update_bn sets it)
+                    momentum = 1.0 / float(self.num_batches_tracked)
             rm = F.pad(self.running_mean, (0, extra)) if self.running_mean is not None else None
             rv = F.pad(self.running_var, (0, extra), value=1.0) if self.running_var is not None else None
             y = F.batch_norm(x, rm, rv, F.pad(self.weight, (0, extra)), F.pad(self.bias, (0, extra)),
-                             training, self.momentum, self.eps)
+                             training, 0.0 if momentum is None else momentum, self.eps)
             if self.training and rm is not None:  # no torch.no_grad() region: torch.export's loader refuses one
                 self.running_mean.copy_(rm[:c].detach())  # that writes buffers ("missing val field")
                 self.running_var.copy_(rv[:c].detach())

@@ -55,7 +55,7 @@ class Report:
         if t.get("blocks"):
             lines.append("blocks: converted modules of their own (report(gm.get_submodule(name)) for each):")
             for name, b in t["blocks"].items():
-                extra = (f"; casts {b['casts']}, parameters cast low {b['low_parameters']}, inputs "
+                extra = (f"; casts {b['casts']}, parameters read only low {b['low_parameters']}, inputs "
                          f"{', '.join(b['inputs']) or '-'}") if "casts" in b else ""
                 lines.append(f"  {name}: {b['plan']}{extra}")
         if t.get("capture") == "piecewise":
@@ -131,7 +131,8 @@ def _parameters_line(t: dict[str, Any]) -> str:
     if stored:  # a deployment copy (autocastfx.for_inference)
         return (f"parameters stored low: {len(stored)} (in the low dtype in the module; cast up where the graph "
                 "reads one in float32)")
-    return f"parameters cast low: {t['low_parameters']} (float32 in the module, cast once per forward)"
+    return (f"parameters read only low: {t['low_parameters']} (float32 in the module, cast once per forward; a "
+            "weight also read in float32, as a tied embedding, is not counted)")
 
 
 def _cut(s: str, w: int) -> str:
