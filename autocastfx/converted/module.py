@@ -324,17 +324,11 @@ class _Switchable(_GuardsChildren):
                     if done:
                         return out
                     raise
-                if first is not None:
-                    first.ran()
-                return out
+                return out if first is None else first.ran(out)
         if info is not None and self.__dict__.get("_compiled_call_impl") is not None:
             _calls.mark_free_dims(info.free_dims, args, kwargs)  # gm.compile(): sizes free to vary left free
-        if info is not None:  # sizes the capture fixed at the example's, converted for on an earlier call
-            other, a, k = _calls.sized_call(self, info, args, kwargs)
-            if other is None and (ones := _calls.single_sizes(self, info, args, kwargs)) is not None:
-                # a size of 0 or 1 where torch.export's program took sizes of 2 or more: its own conversion
-                other, a, k = (_single_eagerly if torch.compiler.is_compiling() else _calls.other_call)(
-                    self, info, args, kwargs, sizes=ones)
+        if info is not None:
+            other, a, k = _sized(self, info, args, kwargs)
             if other is not None:
                 return _run_as(self, other, a, k)
         first = _first_at_sizes(self, self, args, kwargs) if info is not None else None
@@ -352,9 +346,7 @@ class _Switchable(_GuardsChildren):
                 if done:
                     return out
             raise
-        if first is not None:
-            first.ran()
-        return out
+        return out if first is None else first.ran(out)
 
     # the model's own names for its tied weights in the state dict (core/weights.py)
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
@@ -435,6 +427,17 @@ def _other_eagerly(gm: nn.Module, info: Any, args: tuple, kwargs: dict, modes: b
     return _other(gm, info, args, kwargs, modes, compiled=True)
 
 
+def _sized(gm: nn.Module, info: Any, args: tuple, kwargs: dict) -> tuple:
+    """``(conversion, args, kwargs)`` for a call of sizes the capture fixed at the example's, converted for on an
+    earlier call, or of a size of 0 or 1 where torch.export's program took sizes of 2 or more (converted for now);
+    ``(None, args, kwargs)`` where ``gm``'s own program runs it."""
+    other, a, k = _calls.sized_call(gm, info, args, kwargs)
+    if other is None and (ones := _calls.single_sizes(gm, info, args, kwargs)) is not None:
+        other, a, k = (_single_eagerly if torch.compiler.is_compiling() else _calls.other_call)(
+            gm, info, args, kwargs, sizes=ones)
+    return other, a, k
+
+
 @torch.compiler.disable
 def _single_eagerly(gm: nn.Module, info: Any, args: tuple, kwargs: dict, sizes: tuple) -> tuple:
     """:func:`calls.other_call` for sizes of 0 and 1 under ``torch.compile(gm)``, through one graph break."""
@@ -463,11 +466,13 @@ class _FirstAtSizes:
         torch.set_rng_state(self.rng)
         self.buffers = []
 
-    def ran(self) -> None:
+    def ran(self, out: Any) -> Any:
+        """``out``, the call's result, once these sizes are noted as run."""
         sizes = self.module.__dict__.setdefault("_autocastfx_sizes_run", set())
         if len(sizes) < 256:
             sizes.add(self.key)
         self.buffers = []
+        return out
 
 
 def _first_at_sizes(module: nn.Module, runs: nn.Module, args: tuple, kwargs: dict) -> _FirstAtSizes | None:
