@@ -19,7 +19,7 @@ from .base.errors import CaptureError, one_line
 from .base.quiet import deepcopy_quietly, own_warnings_off, torch_internal_warnings_off, warn_user
 from .base.meta import ConvertInfo, is_converted, names_by_id
 from .base.options import LOW_DTYPES, ConvertOptions
-from .base.runtime import CONVERTING, no_recompile
+from .base.runtime import KEEP_MODEL_MODES, no_recompile
 from .capture import inline as _inline
 from .capture.context import CaptureContext
 from .capture.programs import Captured, capture as capture_programs, derive_from_graph
@@ -132,18 +132,18 @@ def convert_graph(gm: fx.GraphModule, example_inputs: tuple | None = None, confi
 # nn.Module.__call__ and __getattr__ process-wide while tracing (torch/fx/_symbolic_trace.py, _Patcher), and
 # torch.export keeps tracing state in module globals (pytorch/pytorch#195099). Re-entrant: a conversion converts its
 # blocks and parts through here. A module another thread calls during an fx trace still enters that trace.
-_CONVERTING = threading.RLock()
+_KEEP_MODEL_MODES = threading.RLock()
 
 
 def _convert_any(model: nn.Module, args: tuple, kwargs: dict, options: ConvertOptions,
                  ctx: CaptureContext) -> nn.Module:
     """A float32 model (or one on meta), or a low-precision checkpoint (converted as its float32 twin)."""
-    with _CONVERTING:
-        token = CONVERTING.set(True)
+    with _KEEP_MODEL_MODES:
+        token = KEEP_MODEL_MODES.set(True)
         try:
             return _convert_any_alone(model, args, kwargs, options, ctx)
         finally:
-            CONVERTING.reset(token)
+            KEEP_MODEL_MODES.reset(token)
 
 
 def _convert_any_alone(model: nn.Module, args: tuple, kwargs: dict, options: ConvertOptions,
@@ -370,12 +370,10 @@ def _mode_flags(model: nn.Module) -> dict | None:
             twin = _meta_twin(model)
     except Exception:  # noqa: BLE001 - a model that does not copy: the modes nn.Module.train sets
         return None
-    units = tuple(n + "." for n, x in twin.named_modules() if n and is_converted(x))
     flags = {}
-    for mode in (True, False):
+    for mode in (True, False):  # a converted block's modules too: the model's train() may set them (frozen norms)
         twin.train(mode)
-        flags[mode] = {name: m.training for name, m in twin.named_modules()
-                       if m.training != mode and not (name + ".").startswith(units)}
+        flags[mode] = {name: m.training for name, m in twin.named_modules() if m.training != mode}
     return flags
 
 

@@ -2204,3 +2204,106 @@ def test_a_module_level_value_the_forward_reads_is_refused_once_changed(tmp_path
         gm(x)
     glob_model.CFG["scale"] = 1.0
     assert torch.allclose(gm(x).float(), model(x), atol=0.05)
+
+
+class _FrozenNormBlock(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.fc, self.bn = nn.Linear(d, d), nn.BatchNorm1d(d)
+
+    def forward(self, x):
+        return x + self.bn(self.fc(x))
+
+
+class _FrozenNorms(nn.Module):
+    """A model whose train() keeps every batch norm frozen (a fine-tuned backbone's norm_eval)."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.blocks = nn.ModuleList([_FrozenNormBlock(d) for _ in range(3)])
+        self.head = nn.Linear(d, 2)
+
+    def train(self, mode=True):
+        super().train(mode)
+        for m in self.modules():
+            if isinstance(m, nn.BatchNorm1d):
+                m.eval()
+        return self
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("blocks", ["auto", None])
+def test_following_the_models_train_keeps_the_modes_its_own_train_sets(blocks):
+    """model.eval(), then model.train() (which keeps the batch norms frozen), each followed by gm at its next call,
+    and gm.train() itself: the frozen statistics never move and the model's own flags stay as its train() set them
+    (handing gm's modes to the model while following it once set the frozen norms training, on the model too)."""
+    torch.manual_seed(0)
+    model, x = _FrozenNorms().train(), torch.randn(32, 8)
+    gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16, blocks=blocks)
+    stats = lambda: torch.cat([b.bn.running_mean for b in model.blocks]).clone()  # noqa: E731
+    frozen = lambda net: [m.training for m in net.modules() if isinstance(m, nn.BatchNorm1d)]  # noqa: E731
+    for switch in ("model", "gm"):
+        (model if switch == "model" else gm).eval()
+        gm(x)
+        (model if switch == "model" else gm).train()
+        before = stats()
+        gm(x)
+        assert torch.equal(stats(), before), switch
+        assert frozen(model) == [False] * 3 and model.training and model.head.training, switch
+        assert frozen(gm) == [False] * 3 and gm.training, switch
+
+
+def test_a_piecewise_conversion_and_its_model_are_in_one_mode():
+    """gm.eval() for validation, then model.train() for the next epoch: the later call decides for a piecewise
+    conversion too (its train() hands the modes to the model, as a single graph's does)."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 3, 8, 8)
+    model = _ValueBranch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    gm.eval()
+    gm(x)
+    assert not model.training and not model.bn.training
+    model.train()
+    before = int(model.bn.num_batches_tracked)
+    gm(x)
+    assert gm.training and gm.bn.training and int(model.bn.num_batches_tracked) == before + 1
+    model.scale = 2.0  # a plain setting of the model's own Python, added after convert(): not read by it
+    gm(x)
+
+
+def test_two_conversions_of_one_model_share_its_mode_and_a_counter_the_forward_moves_is_no_constant(tmp_path,
+                                                                                                  monkeypatch):
+    """Two converted modules of one model are in its one mode, as two torch.compile wrappers of it are (convert a
+    deepcopy for one of its own); a module-level dict the forward changes in place (a call counter) is not taken
+    for a constant the graph holds, and is not refused."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 3, 8, 8)
+    model = _ConvBnDrop()
+    a = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    b = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    b.eval()
+    a(x)
+    assert not a.training and not model.training
+    (tmp_path / "counting_model.py").write_text(
+        "import torch.nn as nn\n"
+        "CALLS = {'forward': 0}\n"
+        "class C(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.l = nn.Linear(4, 4)\n"
+        "    def forward(self, x):\n"
+        "        CALLS['forward'] += 1\n"
+        "        return self.l(x)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import counting_model
+    net = counting_model.C()
+    gm = autocastfx.convert(net, (torch.randn(2, 4),), dtype=torch.bfloat16)
+    gm(torch.randn(2, 4))
+    net(torch.randn(2, 4))
+    gm(torch.randn(2, 4))

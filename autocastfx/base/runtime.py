@@ -31,6 +31,7 @@ def type_name(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-# True inside convert() (and a conversion made at call time): the captures switch modules' modes to capture each
-# mode, which the converted modules must not hand on to the model's modules (converted.state, converted.module)
-CONVERTING: contextvars.ContextVar = contextvars.ContextVar("autocastfx_converting", default=False)
+# True inside convert() (and a conversion made at call time), whose captures switch modules' modes to capture each
+# mode, and while a converted module takes a mode set on the model: no converted module hands a mode on to the
+# model's modules meanwhile (converted.state, converted.module)
+KEEP_MODEL_MODES: contextvars.ContextVar = contextvars.ContextVar("autocastfx_keep_model_modes", default=False)

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_leaves
 from . import calls as _calls
 from ..base import keys as K
 from ..base.keys import MIRROR
-from ..base.runtime import CONVERTING
+from ..base.runtime import KEEP_MODEL_MODES
 from ..base.meta import is_converted, is_plain_setting, names_by_id, original_class
 from ..base.quiet import torch_internal_warnings_off, warn_user
 from ..core import weights as _weights
@@ -469,21 +469,24 @@ class _FirstAtSizes:
     def ran(self, out: Any) -> Any:
         """``out``, the call's result, once these sizes are noted as run."""
         sizes = self.module.__dict__.setdefault("_autocastfx_sizes_run", set())
-        if len(sizes) < 256:
-            sizes.add(self.key)
+        if len(sizes) >= 256:  # sizes that vary at every call: the oldest forgotten, all at once
+            sizes.clear()
+        sizes.add(self.key)
         self.buffers = []
         return out
 
 
 def _first_at_sizes(module: nn.Module, runs: nn.Module, args: tuple, kwargs: dict) -> _FirstAtSizes | None:
-    """A :class:`_FirstAtSizes` where ``runs`` (the program called) holds converted blocks and ``module`` has not run
-    a call of these input sizes; None otherwise (and under torch.compile, which guards on sizes itself)."""
+    """A :class:`_FirstAtSizes` where ``runs`` (the program called) holds blocks captured by torch.export (which may
+    fix a size) and ``module`` has not run a call of these input sizes; None otherwise (and under torch.compile,
+    which guards on sizes itself)."""
     if torch.compiler.is_compiling():
         return None
     blocks = runs.__dict__.get("_autocastfx_has_blocks")
     if blocks is None:
-        blocks = runs.__dict__["_autocastfx_has_blocks"] = any(
-            m is not runs and isinstance(m, _Switchable) for m in runs.modules())
+        blocks = runs.__dict__["_autocastfx_has_blocks"] = any(  # a traced block fixes no size
+            m is not runs and isinstance(m, _Switchable)
+            and getattr(m.meta.get("autocastfx"), "capture", None) == "torch.export" for m in runs.modules())
     if not blocks:
         return None
     key = (id(runs), *(tuple(t.shape) for t in tree_leaves((args, kwargs))
@@ -709,7 +712,7 @@ class _Held:
         out = super().train(mode)
         ref = self.__dict__.get(MIRROR)
         own = ref() if ref is not None else None
-        if own is not None and not CONVERTING.get():
+        if own is not None and not KEEP_MODEL_MODES.get():
             own.training = self.training  # its children take theirs in their own train()
         return out
 

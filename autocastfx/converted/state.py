@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from ..base.keys import MIRROR
 from ..base.meta import is_converted
-from ..base.runtime import CONVERTING
+from ..base.runtime import KEEP_MODEL_MODES
 from ..base.quiet import warn_user
 from ..capture.watch import StateUse, fingerprint
 
@@ -38,7 +38,7 @@ class StateGuard:
         self.root = None  # the module bound
         self.names: list[list] = []  # [module globals, name, value then, fingerprint, class reading it]
         self.target = None  # the converted module the entries' last fields point into (a weak reference)
-        self.following = False  # setting on gm a mode set on the model: the model keeps its own modes
+        self.share = True  # False: modes set on gm stay gm's (a piecewise conversion's own Python)
 
     def bound(self, model: nn.Module, names: bool = True) -> StateGuard:
         """A guard of these attributes on ``model`` (the model, or the module of it the capture's copy was made of),
@@ -133,8 +133,8 @@ class StateGuard:
             if m.training is not entry[3]:
                 entry[3] = m.training
                 changed.append((entry[1], entry[3]))
-            elif entry[5] is not None and (t := entry[5]()) is not None and t.training is not entry[3] \
-                    and not CONVERTING.get():
+            elif self.share and entry[5] is not None and (t := entry[5]()) is not None \
+                    and t.training is not entry[3] and not KEEP_MODEL_MODES.get():
                 m.training = entry[3] = t.training  # set on gm's module since: the model's follows (one mode)
             if entry[4] is not None and (hooks := _hooks(m)) != entry[4]:
                 if hooks > entry[4]:
@@ -162,7 +162,7 @@ class StateGuard:
         """Set the model's modules to the modes of ``gm``'s modules of their names: after ``gm.train()`` or
         ``gm.eval()`` the model and ``gm`` are in one mode, so a later ``model.train()``/``model.eval()`` is followed
         even where it changes none of the model's flags (the later call decides, as for one module)."""
-        if self.following or CONVERTING.get():
+        if not self.share or KEEP_MODEL_MODES.get():
             return
         self.point_at(gm)
         for entry in self.watched:
@@ -176,11 +176,11 @@ class StateGuard:
         """Set on ``gm`` the modes set on the model since the last call: the model's root set ``gm``'s (and runs its
         program), then every module takes the model's module's mode, as one module would be left."""
         if any(not path for path, _ in changed):
-            self.following = True
+            token = KEEP_MODEL_MODES.set(True)  # gm's modules, held ones and blocks, leave the model's modes be
             try:
                 gm.train(next(mode for path, mode in changed if not path))
             finally:
-                self.following = False
+                KEEP_MODEL_MODES.reset(token)
             paths = None  # every module
         else:
             paths = {path for path, _ in changed}
@@ -251,26 +251,42 @@ def global_reads(model: nn.Module) -> list[tuple[dict, str, str]]:
         if code is None or g is None or code in seen or g.get("__name__", "").split(".")[0] in ("torch", "autocastfx"):
             continue
         seen.add(code)
-        loads, stores = _global_names(code)
+        loads, stores, edits = _global_names(code)
         for name in loads - stores:
-            if name in g and _plain_value(g[name]):
+            v = g.get(name, _MISSING)
+            if _plain_value(v) and not (type(v) in (dict, list) and (edits or _leaves(v) > 64)):
                 out.setdefault((id(g), name), (g, name, type(m).__qualname__))
     return list(out.values())
 
 
-def _global_names(code: types.CodeType) -> tuple[set[str], set[str]]:
-    loads, stores = set(), set()
+_EDITS = {"append", "extend", "insert", "pop", "popitem", "remove", "clear", "update", "setdefault", "sort",
+          "reverse", "__setitem__", "__delitem__"}
+
+
+def _global_names(code: types.CodeType) -> tuple[set[str], set[str], bool]:
+    """(names loaded, names assigned, whether the code may change a container in place: an item stored or
+    deleted, or a changing method called; its dict and list globals are then not watched, a counter dict the
+    forward moves being no constant of the graph)."""
+    loads, stores, edits = set(), set(), False
     for ins in dis.get_instructions(code):
         if ins.opname == "LOAD_GLOBAL":
             loads.add(ins.argval)
         elif ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
             stores.add(ins.argval)
+        elif ins.opname in ("STORE_SUBSCR", "DELETE_SUBSCR") or \
+                ins.opname in ("LOAD_METHOD", "LOAD_ATTR") and ins.argval in _EDITS:
+            edits = True
     for const in code.co_consts:  # comprehensions, nested functions and lambdas
         if isinstance(const, types.CodeType):
             inner = _global_names(const)
             loads |= inner[0]
             stores |= inner[1]
-    return loads, stores
+            edits = edits or inner[2]
+    return loads, stores, edits
+
+
+def _leaves(v: Any) -> int:
+    return sum(_leaves(x) for x in (v.values() if isinstance(v, dict) else v)) if type(v) in (dict, list, tuple) else 1
 
 
 def _plain_value(v: Any, depth: int = 0) -> bool:

@@ -1,5 +1,7 @@
 """Piecewise: a model that does not capture as one graph runs as its own Python around converted parts."""
 from __future__ import annotations
+import types
+
 import torch
 import torch.nn as nn
 from .parts import BLOCK_META
@@ -126,10 +128,22 @@ def _guard_model(tree: nn.Module, model: nn.Module, parts: dict) -> None:
     guard their own modules."""
     def outside(name: str) -> bool:
         return not any(name == p or name.startswith(p + ".") for p in parts)
-    reads = frozenset((n, k) for n, m in tree.named_modules() if outside(n) and not is_converted(m)
+    reads = frozenset((n, k) for n, m in tree.named_modules() if outside(n) and (not n or not is_converted(m))
                       for k, v in vars(m).items() if k[0] != "_" and k != "training" and is_plain_setting(v))
     tree.meta["autocastfx"].state = StateGuard(reads).bound(model, names=False)  # its Python reads them live
     tree.register_forward_pre_hook(_check_model)
+    tree.train = types.MethodType(train, tree)  # its class is the model's: the mode handed on by the instance
+
+
+def train(self: nn.Module, mode: bool = True) -> nn.Module:
+    """A piecewise conversion's ``train()``: its class's, then the model's modules take the modes (one mode for
+    both, as for a single graph: ``StateGuard.share_modes``). Named ``train``: a pickled module loads with its
+    class's."""
+    type(self).train(self, mode)
+    guard = getattr(self.meta.get("autocastfx"), "state", None)
+    if guard is not None and guard.root is not None:
+        guard.share_modes(self)
+    return self
 
 
 def _check_model(module: nn.Module, args: tuple) -> None:
