@@ -2277,6 +2277,34 @@ def test_a_piecewise_conversion_and_its_model_are_in_one_mode():
     gm(x)
 
 
+class _CountingPiecewise(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.head, self.calls = nn.Linear(8, 8), nn.Linear(8, 2), 0
+
+    def forward(self, x):
+        self.calls += 1  # state its own Python moves, on the model and on the piecewise conversion alike
+        h = torch.relu(self.a(x))
+        if h.sum() > 0:
+            h = h * 2
+        return self.head(h)
+
+
+def test_a_piecewise_conversion_takes_an_attribute_its_forward_moves_for_state_not_a_setting():
+    """A float32 run of the model moves the model's counter; the piecewise conversion's Python moves its own. That
+    is no setting changed after convert(), and the next call runs (it was refused, every call after)."""
+    torch.manual_seed(0)
+    model, x = _CountingPiecewise(), torch.randn(16, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    assert gm.meta["autocastfx"].capture == "piecewise"
+    gm(x)
+    with torch.no_grad():
+        model(x)
+    gm(x)
+
+
 def test_two_conversions_of_one_model_share_its_mode_and_a_counter_the_forward_moves_is_no_constant(tmp_path,
                                                                                                   monkeypatch):
     """Two converted modules of one model are in its one mode, as two torch.compile wrappers of it are (convert a

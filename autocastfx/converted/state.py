@@ -38,7 +38,6 @@ class StateGuard:
         self.root = None  # the module bound
         self.names: list[list] = []  # [module globals, name, value then, fingerprint, class reading it]
         self.target = None  # the converted module the entries' last fields point into (a weak reference)
-        self.share = True  # False: modes set on gm stay gm's (a piecewise conversion's own Python)
 
     def bound(self, model: nn.Module, names: bool = True) -> StateGuard:
         """A guard of these attributes on ``model`` (the model, or the module of it the capture's copy was made of),
@@ -133,8 +132,8 @@ class StateGuard:
             if m.training is not entry[3]:
                 entry[3] = m.training
                 changed.append((entry[1], entry[3]))
-            elif self.share and entry[5] is not None and (t := entry[5]()) is not None \
-                    and t.training is not entry[3] and not KEEP_MODEL_MODES.get():
+            elif entry[5] is not None and (t := entry[5]()) is not None and t.training is not entry[3] \
+                    and not KEEP_MODEL_MODES.get():
                 m.training = entry[3] = t.training  # set on gm's module since: the model's follows (one mode)
             if entry[4] is not None and (hooks := _hooks(m)) != entry[4]:
                 if hooks > entry[4]:
@@ -162,7 +161,7 @@ class StateGuard:
         """Set the model's modules to the modes of ``gm``'s modules of their names: after ``gm.train()`` or
         ``gm.eval()`` the model and ``gm`` are in one mode, so a later ``model.train()``/``model.eval()`` is followed
         even where it changes none of the model's flags (the later call decides, as for one module)."""
-        if not self.share or KEEP_MODEL_MODES.get():
+        if KEEP_MODEL_MODES.get():
             return
         self.point_at(gm)
         for entry in self.watched:

@@ -1,5 +1,6 @@
 """Piecewise: a model that does not capture as one graph runs as its own Python around converted parts."""
 from __future__ import annotations
+import dis
 import types
 
 import torch
@@ -129,7 +130,8 @@ def _guard_model(tree: nn.Module, model: nn.Module, parts: dict) -> None:
     def outside(name: str) -> bool:
         return not any(name == p or name.startswith(p + ".") for p in parts)
     reads = frozenset((n, k) for n, m in tree.named_modules() if outside(n) and (not n or not is_converted(m))
-                      for k, v in vars(m).items() if k[0] != "_" and k != "training" and is_plain_setting(v))
+                      for k, v in vars(m).items() if k[0] != "_" and k != "training" and is_plain_setting(v)
+                      and k not in _assigned(type(m)))
     tree.meta["autocastfx"].state = StateGuard(reads).bound(model, names=False)  # its Python reads them live
     tree.register_forward_pre_hook(_check_model)
     tree.train = types.MethodType(train, tree)  # its class is the model's: the mode handed on by the instance
@@ -144,6 +146,17 @@ def train(self: nn.Module, mode: bool = True) -> nn.Module:
     if guard is not None and guard.root is not None:
         guard.share_modes(self)
     return self
+
+
+def _assigned(cls: type) -> set[str]:
+    """The attributes ``cls.forward`` assigns (``self.calls += 1``): state its Python moves, not a setting."""
+    code = getattr(getattr(cls.forward, "__func__", cls.forward), "__code__", None)
+    out, todo = set(), [code] if code is not None else []
+    while todo:
+        c = todo.pop()
+        out |= {ins.argval for ins in dis.get_instructions(c) if ins.opname in ("STORE_ATTR", "DELETE_ATTR")}
+        todo += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+    return out
 
 
 def _check_model(module: nn.Module, args: tuple) -> None:
