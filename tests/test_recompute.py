@@ -353,15 +353,15 @@ class _CenteredBlock(nn.Module):
 
 
 class _Centered(nn.Module):
-    def __init__(self, d=16):
+    def __init__(self, d=16, block=_CenteredBlock, n=3, pool=True):
         super().__init__()
-        self.layers = nn.ModuleList([_CenteredBlock(d) for _ in range(3)])
-        self.head = nn.Linear(d, 3)
+        self.layers = nn.ModuleList([block(d) for _ in range(n)])
+        self.head, self.pool = nn.Linear(d, 3), pool
 
     def forward(self, x):
         for layer in self.layers:
             x = layer(x)
-        return self.head(x).mean(1)
+        return self.head(x).mean(1) if self.pool else self.head(x)
 
 
 def test_the_recompute_reads_the_buffers_the_forward_read():
@@ -398,18 +398,6 @@ class _CountingBlock(nn.Module):
         return x + self.bn(self.fc(x)) / self.calls
 
 
-class _Counting(nn.Module):
-    def __init__(self, d=16):
-        super().__init__()
-        self.layers = nn.ModuleList([_CountingBlock(d) for _ in range(2)])
-        self.head = nn.Linear(d, 3)
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
 @pytest.mark.parametrize("frozen", ["block", "block_but_its_batch_norm"])
 def test_a_block_in_eval_mode_moves_its_buffers_once_when_checkpointed(frozen):
     """A block set to eval() alone still updates what it updates regardless of its mode (a counter; a batch norm
@@ -417,7 +405,7 @@ def test_a_block_in_eval_mode_moves_its_buffers_once_when_checkpointed(frozen):
     uncheckpointed ones, bit for bit (before, the recompute moved them again: a counter at 6 after 3 steps, the
     gradients halved)."""
     torch.manual_seed(0)
-    base, x, y = _Counting(), torch.randn(8, 16), torch.randint(0, 3, (8,))
+    base, x, y = _Centered(block=_CountingBlock, n=2, pool=False), torch.randn(8, 16), torch.randint(0, 3, (8,))
     runs = []
     for checkpoint in (False, True):
         model = copy.deepcopy(base)
