@@ -364,17 +364,24 @@ class _Centered(nn.Module):
         return self.head(x).mean(1) if self.pool else self.head(x)
 
 
+def plain_and_checkpointed(base: nn.Module, x: torch.Tensor):
+    """(model, gm) for a copy of ``base`` converted, then for another copy converted with its blocks checkpointed."""
+    for checkpoint in (False, True):
+        model = copy.deepcopy(base)
+        gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+        if checkpoint:
+            autocastfx.checkpoint_blocks(gm)
+            assert all(checkpointed(b) for b in gm.layers)
+        yield model, gm
+
+
 def test_the_recompute_reads_the_buffers_the_forward_read():
     """A block that reads a buffer it updates: the recompute runs on the buffer as the forward read it and
     leaves it as the forward left it (before, it read the updated statistic: gradients 0.3-0.6 off)."""
     torch.manual_seed(0)
     base, x, y = _Centered(), torch.randn(4, 5, 16) + 1, torch.randint(0, 3, (4,))
     runs = []
-    for checkpoint in (False, True):
-        model = copy.deepcopy(base)
-        gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
-        if checkpoint:
-            autocastfx.checkpoint_blocks(gm)
+    for model, gm in plain_and_checkpointed(base, x):
         F.cross_entropy(gm(x).float(), y).backward()
         runs.append(([m.fc.weight.grad for m in model.layers], [m.rm.clone() for m in model.layers]))
     (grads, stats), (grads_ck, stats_ck) = runs
@@ -407,12 +414,7 @@ def test_a_block_in_eval_mode_moves_its_buffers_once_when_checkpointed(frozen):
     torch.manual_seed(0)
     base, x, y = _Centered(block=_CountingBlock, n=2, pool=False), torch.randn(8, 16), torch.randint(0, 3, (8,))
     runs = []
-    for checkpoint in (False, True):
-        model = copy.deepcopy(base)
-        gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
-        if checkpoint:
-            autocastfx.checkpoint_blocks(gm)
-            assert all(checkpointed(b) for b in gm.layers)
+    for model, gm in plain_and_checkpointed(base, x):
         gm.train()
         gm.layers[1].eval()
         if frozen == "block_but_its_batch_norm":

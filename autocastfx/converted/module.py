@@ -911,7 +911,8 @@ _HELD: dict[tuple, type] = {}
 _CLASS = "_autocastfx_class"  # a held module's model class (nn.Module for a plain container)
 _TIED = "_autocastfx_tied"  # a held module's weights the model ties to other names -> those names
 _ORDER = "_autocastfx_order"  # a held module's parameter names, in order
-_OWN_FIELDS = _MODULE_FIELDS | {_SETTINGS, _CLASS, _TIED, _ORDER, MIRROR}  # not settings: nn.Module's, and a held module's own
+# not settings: nn.Module's, and a held module's own
+_OWN_FIELDS = _MODULE_FIELDS | {_SETTINGS, _CLASS, _TIED, _ORDER, MIRROR}
 
 
 def check_replacement(parent: nn.Module, name: str, value: Any, caller=None) -> None:
