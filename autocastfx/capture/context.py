@@ -40,6 +40,12 @@ def free_axes(t: torch.Tensor) -> tuple[int, ...]:
     return (0, 1) if not t.is_floating_point() and not t.is_complex() and t.dim() == 2 else (0,)
 
 
+def auto_axes(t: torch.Tensor, sizes: frozenset[int]) -> tuple[int, ...]:
+    """The dims of a model input that a torch.export capture leaves free (``Dim.AUTO``): :func:`free_axes`, and any
+    dim whose size is one of the inputs' free ``sizes`` (:func:`free_sizes`)."""
+    return tuple(sorted(set(free_axes(t)) | {i for i, n in enumerate(t.shape) if n in sizes}))
+
+
 def free_sizes(args: tuple, kwargs: dict) -> frozenset[int]:
     """The sizes along :func:`free_axes` of a model's inputs; sizes of 1 are never free (torch.export specializes
     them)."""

@@ -9,7 +9,7 @@ import torch.fx as fx
 import torch.nn as nn
 from ..base.errors import one_line, CaptureError
 from .around import export_around
-from .context import CaptureContext
+from .context import CaptureContext, auto_axes
 from ..core.propagate import check_example_values, propagate
 from .watch import outer_units, watch_training
 from ..base.quiet import quiet_torch_logs, torch_internal_warnings_off
@@ -228,9 +228,7 @@ def _auto_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict, sizes: fro
         if isinstance(v, torch.Tensor):
             if not v.dim():
                 return None
-            token = not v.is_floating_point() and v.dim() == 2  # ids, masks, positions: (batch, sequence)
-            free = set(range(2 if token else 1)) | {i for i, n in enumerate(v.shape) if n in sizes}
-            return {i: auto for i in sorted(free)}
+            return {i: auto for i in auto_axes(v, sizes)}  # ids, masks, positions: (batch, sequence)
         if isinstance(v, (tuple, list)):
             return type(v)(spec(x) for x in v)
         if isinstance(v, dict):

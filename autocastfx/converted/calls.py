@@ -18,7 +18,7 @@ from ..base import keys as K
 from ..base.errors import one_line
 from ..base.meta import is_plain_setting
 from ..base.quiet import warn_user
-from ..capture.context import free_axes, free_sizes
+from ..capture.context import auto_axes, free_axes, free_sizes
 from ..core import weights as _weights
 from .state import follow_model
 
@@ -293,7 +293,8 @@ def bound_key(model: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
     return tuple((name, _call_shape(v)) for name, v in bound.arguments.items())
 
 
-def _sizes(args: tuple, kwargs: dict) -> tuple:
+def input_sizes(args: tuple, kwargs: dict) -> tuple:
+    """The shapes of a call's tensor inputs, in order."""
     return tuple(tuple(t.shape) for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
 
 
@@ -305,7 +306,7 @@ def _auto_dims(info: Any) -> tuple[tuple[int, tuple[int, ...]], ...]:
     out = []
     for i, t in enumerate(example):
         if isinstance(t, torch.Tensor) and t.dim():
-            dims = tuple(d for d in range(t.dim()) if t.shape[d] > 1 and (d in free_axes(t) or t.shape[d] in free))
+            dims = tuple(d for d in auto_axes(t, free) if t.shape[d] > 1)
             if dims:
                 out.append((i, dims))
     return tuple(out)
@@ -339,7 +340,7 @@ def sized_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict) -> tuple[nn.
     """:func:`other_call` for a call whose sizes the capture fixed otherwise, where a conversion for them was made
     (``(None, args, kwargs)`` where none was: the call runs ``gm``)."""
     holder = gm.__dict__.get("meta", {}).get(K.OTHER_CALLS)
-    if holder is None or not holder.sized or _sizes(args, kwargs) not in holder.sized:
+    if holder is None or not holder.sized or input_sizes(args, kwargs) not in holder.sized:
         return None, args, kwargs
     return other_call(gm, info, args, kwargs, sizes=True)
 
@@ -371,7 +372,7 @@ def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict, sizes: bool 
     if holder.example_key is None:
         holder.example_key = bound_key(checks.model, *checks.example)
     if sizes:
-        key = (key, sizes if isinstance(sizes, tuple) else _sizes(args, kwargs))
+        key = (key, sizes if isinstance(sizes, tuple) else input_sizes(args, kwargs))
     elif key == holder.example_key and not modes:
         return (None, *(respelled(checks.model, info.call_signature, args, kwargs) or (args, kwargs)))
     mods = dict(gm.named_modules(remove_duplicate=False))

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves
 
 from . import calls as _calls
 from ..base import keys as K
@@ -489,8 +488,7 @@ def _first_at_sizes(module: nn.Module, runs: nn.Module, args: tuple, kwargs: dic
             and getattr(m.meta.get("autocastfx"), "capture", None) == "torch.export" for m in runs.modules())
     if not blocks:
         return None
-    key = (id(runs), *(tuple(t.shape) for t in tree_leaves((args, kwargs))
-                       if isinstance(t, torch.Tensor)))
+    key = (id(runs), *_calls.input_sizes(args, kwargs))
     if key in module.__dict__.get("_autocastfx_sizes_run", ()):
         return None
     return _FirstAtSizes(module, key)
