@@ -58,7 +58,7 @@ def test_timing_and_conversion_scaling_run():
     f = Runner("floor", TinyMLP(d=8, depth=1), (torch.randn(2, 8),), torch.tensor([0, 1]))
     times = interleaved_step_times({"fx": r, "floor": f}, rounds=2, steps=2, warmup=1)
     assert set(times) == {"fx", "floor"} and min(times.values()) > 0
-    rows = convert_scaling([2], transformer_stack, lambda: torch.randn(1, 4, 16))
+    rows = convert_scaling([1], transformer_stack, lambda: torch.randn(1, 4, 16))  # one block: 25 nodes
     assert rows[0][0] > 10 and rows[0][3] > 0
 
 

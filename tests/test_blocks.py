@@ -85,15 +85,23 @@ def converted(model, x, **kw):
     return autocastfx.convert(model, (x,), **kw)
 
 
-def test_blocks_stay_modules_at_their_names_in_their_container():
+@pytest.fixture(scope="module")
+def stack():
+    """A six-layer Stack, its input, and its conversions with blocks and as one graph: made once, for the tests that
+    only read them (names, parameters, plans, and what they compute and cast)."""
     torch.manual_seed(0)
     model, x = Stack(), ids()
-    gm = converted(model, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model, x, converted(model, x), converted(model, x, blocks=None)
+
+
+def test_blocks_stay_modules_at_their_names_in_their_container(stack):
+    model, x, gm, flat = stack
     assert isinstance(gm.layers, nn.ModuleList) and len(gm.layers) == 6
     assert all("autocastfx" in layer.meta for layer in gm.layers)  # each a converted module of its own
     calls = [n.target for n in gm.graph.nodes if n.op == "call_module"]
     assert [f"layers.{i}" for i in range(6)] == [c for c in calls if c.startswith("layers")]
-    flat = converted(model, x, blocks=None)
     assert not isinstance(getattr(flat, "layers", None), nn.ModuleList)
     # the same parameter names and values as the one-graph conversion: both are the model's own tensors
     sd, sf = gm.state_dict(), flat.state_dict()
@@ -107,10 +115,8 @@ def test_blocks_stay_modules_at_their_names_in_their_container():
     assert len(masters) >= 6 * 4 and masters <= {id(p) for p in params.values()}
 
 
-def test_blocks_alike_are_planned_once_and_hold_their_own_weights():
-    torch.manual_seed(0)
-    model, x = Stack(), ids()
-    gm = converted(model, x)
+def test_blocks_alike_are_planned_once_and_hold_their_own_weights(stack):
+    model, _, gm, _ = stack
     plans = [layer.meta["autocastfx_block"]["plan"] for layer in gm.layers]
     assert sum("reused" in p for p in plans) >= 4, plans  # layer 0 takes float32 in, layer 1 float16: the rest reuse
     seen = set()
@@ -126,10 +132,8 @@ def test_blocks_alike_are_planned_once_and_hold_their_own_weights():
         assert {n for n, p in theirs.items() if any(q is p for q in low)} >= {"qkv.weight", "proj.weight"}
 
 
-def test_tree_computes_what_the_one_graph_conversion_computes_with_no_more_casts():
-    torch.manual_seed(0)
-    model, x = Stack(), ids()
-    gm, flat = converted(model, x), converted(model, x, blocks=None)
+def test_tree_computes_what_the_one_graph_conversion_computes_with_no_more_casts(stack):
+    model, x, gm, flat = stack
     ref = model(x)
     out, out_flat = gm(x), flat(x)
     with torch.autocast("cpu", dtype=torch.float16):
@@ -220,7 +224,8 @@ def test_block_choice_by_name_and_by_function_and_refusals():
     assert [n.target for n in gm.graph.nodes if n.op == "call_module" and str(n.target).count(".") == 1
             and str(n.target).startswith("layers")] == ["layers.1"]
     gm = converted(model, x, blocks=lambda name, m: isinstance(m, Layer) and name != "layers.0")
-    assert {n for n, m in gm.named_modules() if "autocastfx_block" in getattr(m, "meta", {})} == {"layers.1", "layers.2"}
+    blocks = {n for n, m in gm.named_modules() if "autocastfx_block" in getattr(m, "meta", {})}
+    assert blocks == {"layers.1", "layers.2"}
     with pytest.raises(ValueError, match="ModuleLists"):
         converted(model, x, blocks=["layer.9"])
     with pytest.raises(ValueError, match=r"names a ModuleList, which holds blocks .* \('layers.0', \.\.\.\)"):
@@ -421,7 +426,7 @@ def test_onnx_deployment_of_a_tree(tmp_path):
     onnx = pytest.importorskip("onnx")
     ort = pytest.importorskip("onnxruntime")
     torch.manual_seed(0)
-    model, x = Stack(layers=3).eval(), ids()
+    model, x = Stack(layers=2).eval(), ids()  # two blocks: a tree, the second block on the first one's plan
     gm = converted(model, x)
     autocastfx.export(gm, tmp_path / "m.onnx", (x,))  # checked in onnxruntime by the export itself
     m = onnx.load(str(tmp_path / "m.onnx"))

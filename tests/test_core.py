@@ -296,10 +296,25 @@ def test_idempotent(name):
     torch.testing.assert_close(gm2(*inputs), gm(*inputs), rtol=0, atol=0)
 
 
+@pytest.fixture(scope="module")
+def converted_quietly():
+    """name -> each test model converted with the default options, warnings raised as errors; converted once for
+    the tests that only read its graph and its report."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            model, inputs = example(name)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                made[name] = convert(model, inputs)
+        return made[name]
+    return get
+
+
 @pytest.mark.parametrize("name", ALL)
-def test_no_cast_chains_and_one_cast_per_value_and_dtype(name):
-    model, inputs = example(name)
-    gm = convert(model, inputs)
+def test_no_cast_chains_and_one_cast_per_value_and_dtype(name, converted_quietly):
+    gm = converted_quietly(name)
     casts = _casts(gm)
     seen = set()
     for c in casts:
@@ -530,11 +545,8 @@ def test_unclassified_op_is_fp32_with_warning():
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_every_op_of_the_test_models_is_classified(name):
-    model, inputs = example(name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        gm = convert(model, inputs)
+def test_every_op_of_the_test_models_is_classified(name, converted_quietly):
+    gm = converted_quietly(name)  # converted with warnings raised as errors: no "no policy list" warning either
     assert autocastfx.report(gm).totals["unclassified"] == []
 
 

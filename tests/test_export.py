@@ -25,22 +25,62 @@ def _convert(name):
     return autocastfx.convert(model, inputs, pad_multiple=1), inputs
 
 
+# The conversions, files and process below are shared by the tests that only read them: each is made once.
+@pytest.fixture(scope="module")
+def resnet():
+    return _convert("resnet")
+
+
+@pytest.fixture(scope="module")
+def vit():
+    return _convert("vit")
+
+
+@pytest.fixture(scope="module")
+def saved_resnet(resnet, tmp_path_factory):
+    """The converted ResNet saved once: the file the loading and tampering tests start from (none writes to it)."""
+    path = tmp_path_factory.mktemp("saved") / "good.acfx"
+    save(resnet[0], path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def exported(resnet, vit, tmp_path_factory):
+    """name -> (the .pt2 export() wrote, the program it returned, the converted module's inputs and output)."""
+    folder = tmp_path_factory.mktemp("exported")
+    out = {}
+    for name, (gm, inputs) in (("resnet", resnet), ("vit", vit)):
+        path, io_path = folder / f"{name}.pt2", folder / f"{name}.io.pt"
+        ep = export(gm, path, inputs)
+        torch.save({"x": inputs[0], "y": gm(*inputs)}, io_path)
+        out[name] = (path, ep, io_path)
+    return out
+
+
+LOAD_ALONE = BLOCKER + (
+    "import sys\n"
+    "import torch\n"
+    "try:\n    import autocastfx\n    raise SystemExit('autocastfx importable')\nexcept ImportError:\n    pass\n"
+    "for name, path, io_path in zip(*[iter(sys.argv[1:])] * 3):\n"
+    "    m = torch.export.load(path).module()\n"
+    "    io = torch.load(io_path)\n"
+    "    y = m(io['x'])\n"
+    "    assert y.dtype == io['y'].dtype and torch.equal(y, io['y']), (name, (y - io['y']).abs().max())\n"
+    "    print(name, 'identical')\n")
+
+
+@pytest.fixture(scope="module")
+def loaded_alone(exported):
+    """Every exported file loaded and run in one fresh process in which autocastfx cannot be imported (one process
+    for both models: starting one costs seconds)."""
+    args = [str(a) for name, (path, _, io_path) in exported.items() for a in (name, path, io_path)]
+    return subprocess.run([sys.executable, "-c", LOAD_ALONE, *args], capture_output=True, text=True, timeout=300)
+
+
 @pytest.mark.parametrize("name", ["resnet", "vit"])
-def test_export_loads_without_autocastfx_bit_identical(name, tmp_path):
-    gm, inputs = _convert(name)
-    path = tmp_path / "m.pt2"
-    export(gm, path, inputs)
-    torch.save({"x": inputs[0], "y": gm(*inputs)}, tmp_path / "io.pt")
-    code = BLOCKER + (
-        "import torch\n"
-        "try:\n    import autocastfx\n    raise SystemExit('autocastfx importable')\nexcept ImportError:\n    pass\n"
-        f"m = torch.export.load({str(path)!r}).module()\n"
-        f"io = torch.load({str(tmp_path / 'io.pt')!r})\n"
-        "y = m(io['x'])\n"
-        "assert y.dtype == io['y'].dtype and torch.equal(y, io['y']), (y - io['y']).abs().max()\n"
-        "print('identical')\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "identical" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+def test_export_loads_without_autocastfx_bit_identical(name, loaded_alone):
+    proc = loaded_alone
+    assert proc.returncode == 0 and f"{name} identical" in proc.stdout, proc.stdout + proc.stderr[-2000:]
 
 
 def test_save_load_round_trip_and_resume_training(tmp_path):
@@ -79,11 +119,10 @@ def test_save_load_round_trip_and_resume_training(tmp_path):
         autocastfx.train_step(g3, F.cross_entropy, torch.optim.SGD(g3.parameters(), lr=0.1))
 
 
-def test_master_parameters_of_a_loaded_module_are_the_weights_its_program_casts_low(tmp_path):
+def test_master_parameters_of_a_loaded_module_are_the_weights_its_program_casts_low(resnet, saved_resnet):
     """A loaded program carries no node annotations: its casts are read as torch.export wrote them."""
-    gm, _ = _convert("resnet")
-    save(gm, tmp_path / "m.acfx")
-    g2 = load(tmp_path / "m.acfx")
+    gm, _ = resnet
+    g2 = load(saved_resnet)
     names = {id(p): n for n, p in g2.named_parameters()}
     own = {id(p): n for n, p in gm.named_parameters()}
     assert [names.get(id(p)) for p in autocastfx.master_parameters(g2)] == \
@@ -102,10 +141,8 @@ class _Evil:
 
 
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # the tampered file is written so
-def test_tampered_pickle_is_refused_without_running_code(tmp_path, monkeypatch):
-    gm, _ = _convert("resnet")
-    good, bad = tmp_path / "good.acfx", tmp_path / "bad.acfx"
-    save(gm, good)
+def test_tampered_pickle_is_refused_without_running_code(saved_resnet, tmp_path, monkeypatch):
+    good, bad = saved_resnet, tmp_path / "bad.acfx"
     mark = tmp_path / "pwned"
     monkeypatch.setenv("EVIL_MARK", str(mark))
     buf = io.BytesIO()
@@ -123,10 +160,8 @@ def test_tampered_pickle_is_refused_without_running_code(tmp_path, monkeypatch):
     assert not mark.exists()
 
 
-def test_tampered_meta_and_truncated_files(tmp_path):
-    gm, _ = _convert("resnet")
-    good = tmp_path / "good.acfx"
-    save(gm, good)
+def test_tampered_meta_and_truncated_files(saved_resnet, tmp_path):
+    good = saved_resnet
     data = good.read_bytes()
     trunc = tmp_path / "trunc.acfx"
     trunc.write_bytes(data[: len(data) // 2])
@@ -152,22 +187,22 @@ def test_tampered_meta_and_truncated_files(tmp_path):
         load(tmp_path / "missing.acfx")
 
 
-def test_model_explorer_overlay_ids_match_exported_graph(tmp_path):
-    gm, inputs = _convert("vit")
-    ep = export(gm, tmp_path / "m.pt2", inputs)
+def test_model_explorer_overlay_ids_match_exported_graph(vit, exported):
+    gm, _ = vit
+    path, ep, _ = exported["vit"]
     overlay = model_explorer_overlay(gm, ep)
     results = overlay["node_data"]["main"]["results"]
-    names = {n.name for n in torch.export.load(tmp_path / "m.pt2").graph.nodes}
+    names = {n.name for n in torch.export.load(path).graph.nodes}
     assert results and set(results) <= names
     lows = [k for k, v in results.items() if v["value"] == 1.0 and overlay["notes"][k]["kind"] == "op"]
     assert any("linear" in k or "conv" in k for k in lows)
     assert all(overlay["notes"][k]["reason"] for k in results)
 
 
-def test_onnx_export_optional(tmp_path):
+def test_onnx_export_optional(resnet, tmp_path):
     pytest.importorskip("onnx")
     pytest.importorskip("onnxscript")
-    gm, inputs = _convert("resnet")
+    gm, inputs = resnet
     torch.onnx.export(gm, inputs, str(tmp_path / "m.onnx"), dynamo=True)
     assert (tmp_path / "m.onnx").stat().st_size > 0
 

@@ -3,6 +3,7 @@
 One spawn runs every distributed scenario (starting processes and converting costs more than the steps); each
 test reads what the ranks wrote and compares it with a one-process step on the same global batch, run here.
 """
+import copy
 import importlib.util
 import os
 import sys
@@ -128,12 +129,20 @@ def rank_batch(i, rank):
     return x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
 
 
+_CONVERSIONS = {}
+
+
 def converted(norm=nn.RMSNorm):
-    torch.manual_seed(0)
-    model = TinyLlama(norm=norm)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return autocastfx.convert(model, (global_batch(0)[0][:PER_RANK],))
+    """TinyLlama (seed 0) converted: one conversion per process (the ranks inherit the one made before they fork),
+    each call a deep copy of it with tensors of its own. A copy costs a tenth of a conversion; the ranks take a
+    dozen."""
+    if norm not in _CONVERSIONS:
+        torch.manual_seed(0)
+        model = TinyLlama(norm=norm)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _CONVERSIONS[norm] = autocastfx.convert(model, (global_batch(0)[0][:PER_RANK],))
+    return copy.deepcopy(_CONVERSIONS[norm])
 
 
 def block_tree(norm=nn.RMSNorm, widest=True):
@@ -292,14 +301,20 @@ class LiveBytes(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
-def meta_built():
-    """TableLlama built on the meta device, converted there (blocks: each decoder layer a unit) and sharded there:
-    nothing allocated yet."""
+def meta_converted():
+    """TableLlama built on the meta device and converted there (blocks: each decoder layer a unit): nothing
+    allocated. Made once, before the ranks fork; each rank shards copies of it (``meta_built``)."""
     with torch.device("meta"):
         model = TableLlama()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        gm = autocastfx.convert(model, (global_batch(0)[0][:PER_RANK],))
+        return autocastfx.convert(model, (global_batch(0)[0][:PER_RANK],))
+
+
+def meta_built(meta_gm):
+    """A copy of the meta conversion, sharded on meta: nothing allocated yet."""
+    gm = copy.deepcopy(meta_gm)
+    assert all(t.is_meta for t in [*gm.parameters(), *gm.buffers()])
     return autocastfx.shard(gm)
 
 
@@ -410,7 +425,8 @@ def _shard_keeps_inputs(out):
                            "grad": float((got[0][1] - got[1][1]).abs().max())}
 
 
-def _worker(rank, init_file, out_dir):
+def _worker(rank, init_file, out_dir, made):
+    """``made``: the conversions the fixture made before forking (the meta TableLlama, the Hugging Face Llama)."""
     sys.path.insert(0, os.path.dirname(__file__))
     warnings.simplefilter("ignore")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
@@ -547,7 +563,7 @@ def _worker(rank, init_file, out_dir):
         # 7. the large-model flow: built, converted and sharded on meta; each rank allocates its shards and reads
         # its slices of the float32 model's state dict (memory-mapped); trains, saves, and a fresh one resumes
         full_sd = torch.load(os.path.join(out_dir, "table_llama.pt"), mmap=True, weights_only=True)
-        gm, gm2, table_values = meta_built(), meta_built(), tables()
+        gm, gm2, table_values = meta_built(made["meta"]), meta_built(made["meta"]), tables()
         on_meta = all(t.is_meta for t in [*gm.parameters(), *gm.buffers()])
         with LiveBytes(ignore=full_sd.values()) as loading:
             autocastfx.materialize(gm, "cpu", full_sd, buffers=table_values)
@@ -572,9 +588,9 @@ def _worker(rank, init_file, out_dir):
                                    "resuming": resuming.largest}}
 
         # 7. a Hugging Face Llama: its decoder layers as blocks, sharded, trained (see the last test)
-        if importlib.util.find_spec("transformers") is not None:
+        if made["hf"] is not None:
             try:
-                out["hf"] = _hf_run(rank)
+                out["hf"] = _hf_run(rank, made["hf"])
             except Exception:  # noqa: BLE001 - its own test reports it; the other scenarios' results stand
                 out["hf"] = {"error": traceback.format_exc()}
         dist.barrier()  # no rank leaves while its peer still talks to it (an abort at exit otherwise)
@@ -584,11 +600,22 @@ def _worker(rank, init_file, out_dir):
 
 
 @pytest.fixture(scope="module")
-def ranks():
+def hf_llama():
+    """The Hugging Face Llama converted once, before the ranks fork: each rank shards and trains its own (forked)
+    copy, and the one-process reference of the last test trains this one."""
+    if importlib.util.find_spec("transformers") is None:
+        return None
+    return _hf_llama()
+
+
+@pytest.fixture(scope="module")
+def ranks(hf_llama):
     d = tempfile.mkdtemp()
     torch.manual_seed(0)
     torch.save(TableLlama().state_dict(), os.path.join(d, "table_llama.pt"))  # the float32 model's checkpoint
-    run_ranks(_worker, (os.path.join(d, "init"), d), WORLD)
+    converted()  # made here, copied by every rank
+    made = {"meta": meta_converted(), "hf": hf_llama}
+    run_ranks(_worker, (os.path.join(d, "init"), d, made), WORLD)
     r = [torch.load(os.path.join(d, f"rank{i}.pt"), weights_only=False) for i in range(WORLD)]
     return r
 
@@ -832,34 +859,54 @@ def test_refusals_before_anything_changes(ranks):
         assert isinstance(errors["cast_forward_inputs=False"], float)
 
 
+EXAMPLE_ARGS = ["--layers", "1", "--log-every", "5"]
+
+
+def _example_on_one_process(rank, argv, port, out_file):
+    """In a process forked from the test's (its imports made): the example's main() as torchrun starts a single
+    process, the rendezvous in its environment; what it prints written to ``out_file``."""
+    import contextlib
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)})
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("fsdp_train", os.path.join(root, "examples", "fsdp_train.py"))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    with open(out_file, "w") as f, contextlib.redirect_stdout(f):
+        example.main(argv)
+
+
 def test_example_trains_with_torchrun_on_two_processes(tmp_path):
+    import socket
     import subprocess
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     ckpt = str(tmp_path / "ckpt")
-
-    def torchrun(*args, processes=2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-               os.path.join(root, "examples", "fsdp_train.py"), "--layers", "1", "--log-every", "5",
-               "--checkpoint", ckpt, *args]
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)  # its own process group: a hang is killed whole
-        try:
-            stdout, stderr = proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            stdout, stderr = proc.communicate()
-        assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
-        return stdout
-
-    stdout = torchrun("--steps", "20")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(root, "examples", "fsdp_train.py"), *EXAMPLE_ARGS, "--checkpoint", ckpt, "--steps", "20"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group: a hang is killed whole
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        stdout, stderr = proc.communicate()
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
     lines = stdout.splitlines()
     assert any("2 process(es), gloo on CPU" in line for line in lines), stdout
     losses = [float(line.split("loss")[1].split()[0]) for line in lines if line.startswith("update")]
     assert len(losses) == 4 and losses[-1] < losses[0], losses
     assert os.path.isdir(ckpt) and any(name.endswith(".distcp") for name in os.listdir(ckpt))
-    # the two processes' checkpoint, resumed on one (the example's claim: it loads on any number of processes)
-    resumed = torchrun("--steps", "25", "--resume", processes=1).splitlines()
+    # the two processes' checkpoint, resumed on one (the example's claim: it loads on any number of processes),
+    # forked from this process as torchrun would start it: no launcher, no second import of torch
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out_file = str(tmp_path / "resumed.txt")
+    argv = [*EXAMPLE_ARGS, "--checkpoint", ckpt, "--steps", "25", "--resume"]
+    run_ranks(_example_on_one_process, (argv, port, out_file), 1)
+    with open(out_file) as f:
+        resumed = f.read().splitlines()
     assert any("resumed from" in line and "at update 20" in line for line in resumed), resumed
     assert any("1 process(es), gloo on CPU" in line for line in resumed), resumed
     assert [line.split()[1] for line in resumed if line.startswith("update")] == ["25"]
@@ -886,10 +933,9 @@ def _hf_loss(out, ids):
     return F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
 
 
-def _hf_run(rank):
-    """In the ranks' spawn: the Llama converted (its layers blocks), sharded with shard(), five steps on this
-    rank's half of each batch."""
-    gm = _hf_llama()
+def _hf_run(rank, gm):
+    """In the ranks' spawn: the Llama converted (its layers blocks; this rank's forked copy of the fixture's),
+    sharded with shard(), five steps on this rank's half of each batch."""
     recipe = [type(b).__name__ for b in gm.model.layers]
     from torch.distributed.fsdp import FSDPModule
     autocastfx.shard(gm)
@@ -902,12 +948,14 @@ def _hf_run(rank):
     return {"losses": losses, "recipe": recipe, "sharded": sharded}
 
 
-def test_hugging_face_llama_decoder_layers_train_sharded_as_blocks(ranks):
+def test_hugging_face_llama_decoder_layers_train_sharded_as_blocks(ranks, hf_llama):
     pytest.importorskip("transformers")
     r = [rank["hf"] for rank in ranks]
     assert "error" not in r[0] and "error" not in r[1], r[0].get("error") or r[1].get("error")
     assert all(r[0]["sharded"]) and len(r[0]["sharded"]) == 2  # each decoder layer its own FSDP2 unit
-    gm = _hf_llama()
+    gm = hf_llama  # untouched here: the ranks trained their forked copies
+    from torch.distributed.fsdp import FSDPModule
+    assert not any(isinstance(b, FSDPModule) for b in gm.model.layers)
     step = autocastfx.train_step(gm, _hf_loss, torch.optim.SGD(gm.parameters(), lr=0.1))
     ref = [float(step({"input_ids": _hf_batch(i), "use_cache": False}, _hf_batch(i))) for i in range(5)]
     mean = [(a + b) / 2 for a, b in zip(r[0]["losses"], r[1]["losses"])]

@@ -76,20 +76,41 @@ def _out(gm, name):
 
 @pytest.fixture(scope="module")
 def seed0():
-    """``seed0(name)``: the seed-0 model of a path and its conversion, made once in this file where the path is a
-    Hugging Face Llama's (a conversion costs seconds) and afresh for the others. The tests given a shared pair
-    read it, run forwards and switch its mode (a test that needs one sets it), none of which changes a Llama's
-    weights or outputs (no batch norm; dropout 0); a step may be built over it, never taken."""
+    """``seed0(name)``: the seed-0 model of a path and its conversion, made once in this file (a conversion costs
+    seconds), and afresh for ``traced``, whose batch norms a forward in training mode moves. The tests given a
+    shared pair read it, run forwards and switch its mode (a test that needs one sets it), none of which changes
+    the weights or outputs of a model without batch norm (dropout 0 in all); a step may be built over it, never
+    taken."""
     made = {}
 
     def get(name):
-        if not name.startswith("hf"):
+        if name == "traced":
             model = _build(name)
             return model, _convert(model, name)
         if name not in made:
             model = _build(name)
             made[name] = (model, _convert(model, name))
         return made[name]
+    return get
+
+
+@pytest.fixture(scope="module")
+def on_meta():
+    """``on_meta(name)``: the path's model built on the meta device and converted there, each call a deep copy of
+    one such conversion for a Hugging Face Llama's paths (seconds each) and a conversion afresh for the others."""
+    made = {}
+
+    def convert_empty(name):
+        with torch.device("meta"):
+            empty = _factory(name)()
+        return _convert(empty, name)
+
+    def get(name):
+        if not name.startswith("hf"):
+            return convert_empty(name)
+        if name not in made:
+            made[name] = convert_empty(name)
+        return copy.deepcopy(made[name])
     return get
 
 
@@ -289,11 +310,9 @@ def test_the_parameters_follow_the_module_to_a_device_and_an_optimizer_over_the_
 # ------------------------------------------------------------------------------------------ the meta device
 
 @pytest.mark.parametrize("name", ["traced", "traced-vit", "export", "blocks", "hf-one-graph", "hf-blocks"])
-def test_converted_on_meta_then_loaded_is_the_materialised_conversion(name, seed0):
+def test_converted_on_meta_then_loaded_is_the_materialised_conversion(name, seed0, on_meta):
     model, ref = seed0(name)
-    with torch.device("meta"):
-        empty = _factory(name)()
-    gm = _convert(empty, name)
+    gm = on_meta(name)
     assert all(t.is_meta and t.dtype == torch.float32 for t in gm.parameters())
     assert len(_units(gm)) == len(_units(ref))  # the same blocks, each converted from shapes alone
     buffers = {n: b for n, b in model.named_buffers()}  # rotary tables: in no state dict
@@ -358,11 +377,10 @@ def test_meta_example_inputs_are_taken_too():
     assert gm.code == ref.code
 
 
-def test_materialize_names_buffers_no_checkpoint_fills():
+def test_materialize_names_buffers_no_checkpoint_fills(on_meta):
     model = _llama()()
-    with torch.device("meta"):
-        empty = _llama()()
-    gm = _convert(empty, "hf-one-graph")
+    gm = on_meta("hf-one-graph")
+    assert all(t.is_meta for t in gm.parameters())
     with pytest.raises(ValueError, match=r"rotary_emb\.inv_freq.*buffers="):
         autocastfx.materialize(gm, "cpu", model.state_dict())
     with pytest.raises(ValueError, match="does not have"):

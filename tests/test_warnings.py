@@ -80,7 +80,8 @@ def test_torch_warnings_about_its_own_internals_do_not_reach_the_caller():
     drives them (a get_attr per submodule unflattened, a deprecated class per spec leaf copied): none of it is
     passed on, and autocastfx's own warnings still are."""
     tf = pytest.importorskip("transformers")
-    cfg = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    # two layers: the second reuses the first one's plan, which copies the specs
+    cfg = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     torch.manual_seed(0)
     llama = tf.LlamaForCausalLM(cfg).eval()
@@ -88,6 +89,7 @@ def test_torch_warnings_about_its_own_internals_do_not_reach_the_caller():
     gm, ours, others = _caught(lambda: autocastfx.convert(llama, example_kwargs=kw))  # blocks="auto"
     assert gm.meta["autocastfx"].capture == "torch.export"
     assert all("autocastfx" in layer.meta for layer in gm.model.layers)  # unflattened, and blocks reused
+    assert "reused" in gm.model.layers[1].meta["autocastfx_block"]["plan"]
     assert ours == [] and others == [], others
     gm, ours, others = _caught(lambda: autocastfx.convert(Packs("ops"), (torch.randn(2, 8),)))  # traced
     assert gm.meta["autocastfx"].capture == "symbolic_trace"
