@@ -147,15 +147,20 @@ def test_conversions_for_other_calls_in_two_threads_leave_the_warning_filters_as
     gm = autocastfx.convert(_Optional(), (x,), dtype=torch.bfloat16)
     before = list(warnings.filters)
     barrier = threading.Barrier(2)
+    returned, failed = [], []
 
     def call(name):
         barrier.wait()
-        gm(x, **{name: torch.ones(4, 16)})
+        try:
+            returned.append(gm(x, **{name: torch.ones(4, 16)}).shape)
+        except Exception as e:  # noqa: BLE001 - asserted below, in the test's thread
+            failed.append(f"{name}: {type(e).__name__}: {e}")
     threads = [threading.Thread(target=call, args=(k,)) for k in ("mask", "bias")]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    assert not failed and len(returned) == 2, failed  # both calls converted for and ran
     assert warnings.filters == before
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

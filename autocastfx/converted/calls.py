@@ -9,6 +9,7 @@ import functools
 import types
 import inspect
 import os
+import threading
 from typing import Any
 
 import torch
@@ -366,9 +367,9 @@ def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict, sizes: bool 
     if key is None:
         return None, args, kwargs
     meta = gm.__dict__.get("meta")
-    holder = meta.get(K.OTHER_CALLS) if meta is not None else None
+    holder = meta.get(K.OTHER_CALLS)
     if holder is None:
-        holder = meta[K.OTHER_CALLS] = OtherCalls()
+        holder = meta.setdefault(K.OTHER_CALLS, OtherCalls())  # one holder where two threads make one
     if holder.example_key is None:
         holder.example_key = bound_key(checks.model, *checks.example)
     if sizes:
@@ -377,26 +378,8 @@ def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict, sizes: bool 
         return (None, *(respelled(checks.model, info.call_signature, args, kwargs) or (args, kwargs)))
     mods = dict(gm.named_modules(remove_duplicate=False))
     state = module_state(mods)
-    made = holder.by_key.get((key, state))
-    if made is None:
-        other = info.convert_call(gm, args, kwargs, state, widen=not sizes)
-        # converted from the model as it was: the model's attributes as they are, but for the settings of gm's
-        # modules it was converted with
-        follow_model(other, info.state, frozenset((e[0], k) for e in state if len(e) == 3 for k, _ in e[2]))
-        holders = _weights.tensor_holders(other)
-        if len(holder.by_key) >= MAX_OTHER_CONVERSIONS:
-            del holder.by_key[next(iter(holder.by_key))]
-            if not holder.warned:
-                holder.warned = True
-                name = getattr(info.model_class, "__name__", type(gm).__name__)
-                warn_user(f"autocastfx: {name} has been converted for {MAX_OTHER_CONVERSIONS} other calls: "
-                          "each call whose structure, plain values (a scale, a step number), module modes or sizes the "
-                          "capture fixed are new "
-                          "is converted on first use, which takes seconds. Pass a value that changes from call to "
-                          f"call as a tensor. This call: {text(describe(args, kwargs))}")
-        made = holder.by_key[(key, state)] = (other, holders)
-        if sizes is True:  # later calls of these sizes go to it first (converted.module)
-            holder.sized.add(key[1])
+    with _CONVERTING:  # one conversion at a time: a capture holds the model the others would capture too
+        made = holder.by_key.get((key, state)) or _convert_other(gm, info, holder, args, kwargs, key, state, sizes)
     other, holders = made
     # every call: a move or load may have replaced gm's tensors, or a same-class module one of its modules
     _weights.share_tensors(gm, other, _weights.pair_modules(gm, other, mods, holders))
@@ -405,6 +388,36 @@ def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict, sizes: bool 
         if isinstance(getattr(other, "meta", None), dict) and K.CONVERTED in other.meta else ()
     spelled = respelled(checks.model, made_for, args, kwargs) if made_for else None  # () for a piecewise one
     return (other, *(spelled or (args, kwargs)))
+
+
+# Conversions for other calls, one at a time in the process: a capture runs the model, whose modules and settings
+# another thread's capture of the same model would see half changed (torch.fx: "module is not installed as a
+# submodule").
+_CONVERTING = threading.RLock()
+
+
+def _convert_other(gm: nn.Module, info: Any, holder: Any, args: tuple, kwargs: dict, key: Any, state: tuple,
+                   sizes: bool | tuple) -> tuple:
+    """The model converted for this call, kept in ``holder`` under ``(key, state)``: ``(module, its holders)``."""
+    other = info.convert_call(gm, args, kwargs, state, widen=not sizes)
+    # converted from the model as it was: the model's attributes as they are, but for the settings of gm's
+    # modules it was converted with
+    follow_model(other, info.state, frozenset((e[0], k) for e in state if len(e) == 3 for k, _ in e[2]))
+    holders = _weights.tensor_holders(other)
+    if len(holder.by_key) >= MAX_OTHER_CONVERSIONS:
+        del holder.by_key[next(iter(holder.by_key))]
+        if not holder.warned:
+            holder.warned = True
+            name = getattr(info.model_class, "__name__", type(gm).__name__)
+            warn_user(f"autocastfx: {name} has been converted for {MAX_OTHER_CONVERSIONS} other calls: "
+                      "each call whose structure, plain values (a scale, a step number), module modes or sizes the "
+                      "capture fixed are new "
+                      "is converted on first use, which takes seconds. Pass a value that changes from call to "
+                      f"call as a tensor. This call: {text(describe(args, kwargs))}")
+    made = holder.by_key[(key, state)] = (other, holders)
+    if sizes is True:  # later calls of these sizes go to it first (converted.module)
+        holder.sized.add(key[1])
+    return made
 
 
 def module_state(mods: dict[str, nn.Module]) -> tuple:
