@@ -2144,18 +2144,24 @@ class _ValueBranch(nn.Module):
         return self.head(h)
 
 
-@pytest.mark.parametrize("change", ["eval", "momentum", "buffer", "parameter"])
-def test_a_piecewise_conversion_follows_or_refuses_changes_to_the_model(change):
-    """Around its converted parts a piecewise conversion runs the model's own Python on modules of its own, which
-    nothing watched: after ``model.eval()`` it went on training (statistics moved), a batch norm's new momentum was
-    ignored, and a replaced buffer or parameter left ``gm`` and the model's state dict apart (0.98 off). As for a
-    single graph, a mode is now followed and a replacement or a changed setting refused."""
+def _piecewise_value_branch():
+    """A seed-0 ``_ValueBranch``, its input, and its (piecewise) bfloat16 conversion."""
     torch.manual_seed(0)
     x = torch.randn(16, 3, 8, 8)
     model = _ValueBranch()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    return x, model, gm
+
+
+@pytest.mark.parametrize("change", ["eval", "momentum", "buffer", "parameter"])
+def test_a_piecewise_conversion_follows_or_refuses_changes_to_the_model(change):
+    """Around its converted parts a piecewise conversion runs the model's own Python on modules of its own, which
+    nothing watched: after ``model.eval()`` it went on training (statistics moved), a batch norm's new momentum was
+    ignored, and a replaced buffer or parameter left ``gm`` and the model's state dict apart (0.98 off). As for a
+    single graph, a mode is now followed and a replacement or a changed setting refused."""
+    x, model, gm = _piecewise_value_branch()
     assert gm.meta["autocastfx"].capture == "piecewise"
     if change == "eval":
         model.eval()
@@ -2260,12 +2266,7 @@ def test_following_the_models_train_keeps_the_modes_its_own_train_sets(blocks):
 def test_a_piecewise_conversion_and_its_model_are_in_one_mode():
     """gm.eval() for validation, then model.train() for the next epoch: the later call decides for a piecewise
     conversion too (its train() hands the modes to the model, as a single graph's does)."""
-    torch.manual_seed(0)
-    x = torch.randn(16, 3, 8, 8)
-    model = _ValueBranch()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    x, model, gm = _piecewise_value_branch()
     gm.eval()
     gm(x)
     assert not model.training and not model.bn.training
