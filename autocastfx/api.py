@@ -131,7 +131,8 @@ def convert_graph(gm: fx.GraphModule, example_inputs: tuple | None = None, confi
 # One conversion at a time per process, as captures are not thread-safe: torch.fx's Tracer patches
 # nn.Module.__call__ and __getattr__ process-wide while tracing (torch/fx/_symbolic_trace.py, _Patcher), and
 # torch.export keeps tracing state in module globals (pytorch/pytorch#195099). Re-entrant: a conversion converts its
-# blocks and parts through here. A module another thread calls during an fx trace still enters that trace.
+# blocks and parts through here. A module another thread calls meanwhile runs as it would untraced
+# (capture.trace.ModelTracer checks the thread; torch.export's tracer runs a module it does not hold).
 _KEEP_MODEL_MODES = threading.RLock()
 
 

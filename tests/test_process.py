@@ -78,6 +78,60 @@ def test_a_conversion_in_one_thread_leaves_another_threads_reads_and_prints_alon
     assert gm(torch.randn(2, 8)).shape == (2, 4)
 
 
+_WAITS = {}  # the events of _Waits (a module global: the capture deep-copies the model, and events do not copy)
+
+
+class _Waits(nn.Module):
+    """Stops in the middle of its forward (while a capture traces it) until ``_WAITS["go"]`` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        if not _WAITS["started"].is_set():  # only the first trace waits
+            _WAITS["started"].set()
+            assert _WAITS["go"].wait(60)
+        return self.b(h.relu())
+
+
+def test_modules_another_thread_calls_while_a_conversion_traces_run_as_they_would():
+    """While the main thread's conversion is inside its symbolic trace (torch.fx patches nn.Module.__call__ and
+    __getattr__ for the whole process meanwhile), a second thread calls a converted module and a plain one and
+    reads a parameter: each runs as it would with no trace, not into the trace ("module is not installed as a
+    submodule"), and the conversion is the model's."""
+    x = torch.randn(4, 8)
+    ready = autocastfx.convert(_Flagged().eval(), (x,), dtype=torch.bfloat16)
+    plain = nn.Linear(8, 3)
+    want_ready, want_plain = ready(x), plain(x)
+    started, go, seen, errors = threading.Event(), threading.Event(), [], []
+
+    def worker():
+        try:
+            assert started.wait(60)
+            seen.append((ready(x), plain(x), plain.weight))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(f"{type(e).__name__}: {e}")
+        finally:
+            go.set()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    _WAITS.update(started=started, go=go)
+    model = _Waits()
+    try:
+        gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    finally:
+        go.set()
+        t.join()
+    assert not errors, errors
+    (got_ready, got_plain, weight), = seen
+    assert torch.equal(got_ready, want_ready) and torch.equal(got_plain, want_plain)
+    assert weight is plain.weight and type(weight) is nn.Parameter
+    assert torch.allclose(gm(x), model(x), atol=0.05, rtol=0.05)
+
+
 def test_the_modules_a_capture_watched_have_their_own_classes_after_it():
     """The capture watches its copy of the model by swapping the copy's classes meanwhile: every module the
     converted module keeps has its own class again, no graph's node metadata keeps a subclass (nn_module_stack,

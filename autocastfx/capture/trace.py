@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import threading
 import os
 import random
 import sys
@@ -36,6 +37,7 @@ class ModelTracer(fx.Tracer):
         return self.policy.is_leaf(m) or (bool(qualname) and is_converted(m))  # a converted block: one call
 
     def trace(self, root, concrete_args=None):
+        self._thread = threading.get_ident()
         self._param_names = {id(p): n for n, p in root.named_parameters()} if isinstance(root, nn.Module) else {}
         self._arg_depth, self.output_type, self.why = 0, None, None
         self.checkpointed = False  # whether an op was traced inside torch.utils.checkpoint
@@ -67,7 +69,18 @@ class ModelTracer(fx.Tracer):
         finally:
             self._arg_depth -= 1
 
+    # fx patches nn.Module.__call__ and __getattr__ process-wide while it traces (torch/fx/_symbolic_trace.py): a
+    # module another thread calls meanwhile (a converted module running) would enter this trace and fail with
+    # "module is not installed as a submodule" (pytorch/pytorch#112775; torch after 2.13 checks the thread itself,
+    # pytorch/pytorch#187589). Another thread's calls and reads run as they would untraced.
+    def call_module(self, m, forward, args, kwargs):
+        if threading.get_ident() != self._thread:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
     def getattr(self, attr, attr_val, parameter_proxy_cache):
+        if threading.get_ident() != self._thread:
+            return attr_val
         # fx's own lookup scans every parameter on every access (quadratic in model size): use a dict
         name = self._param_names.get(id(attr_val)) if isinstance(attr_val, nn.Parameter) else None
         if name is None:
