@@ -1,4 +1,4 @@
-"""Test order: the memory accounts first.
+"""Test order: the memory accounts first; under ``tests/parallel.py``, files taken one at a time.
 
 A memory account (bench/measure.py's, tests/test_hidden_copies.py's) walks every object the process holds
 (``gc.collect()``, ``gc.get_objects()``) to find the tensors alive. Late in a full run pytest's process holds the
@@ -8,6 +8,8 @@ there against 1.6-2.8 s alone. They run first, while the process is small; every
 import gc
 import json
 import os
+
+import pytest
 
 WALK_THE_HEAP = (
     "tests/test_memory.py::",
@@ -33,6 +35,59 @@ def pytest_collection_modifyitems(session, config, items):
     if first:
         rest = [i for i in items if not i.nodeid.startswith(WALK_THE_HEAP)]
         items[:] = first + rest
+
+
+# Under tests/parallel.py every process collects every file, and each runs the files it claims, one at a time: a
+# claim is an exclusive create of the unit's name in the folder the processes share (AUTOCASTFX_CLAIMS), so each
+# unit runs in exactly one process. The units are the files, in the order parallel.py offers them
+# (AUTOCASTFX_ORDER), after the heap walkers of each file as a unit of their own. A process claims its next unit
+# before the last test of the one it runs, so pytest knows the next test and keeps no fixture longer than a file.
+
+
+def _units(items) -> list[tuple[str, list]]:
+    with open(os.environ["AUTOCASTFX_ORDER"]) as f:
+        rank = {name: i for i, name in enumerate(json.load(f))}
+    units: dict[str, list] = {}
+    for item in items:
+        name = item.nodeid.split("::", 1)[0]
+        units.setdefault(name + "::heap" if item.nodeid.startswith(WALK_THE_HEAP) else name, []).append(item)
+    heap = [k for k in units if k.endswith("::heap")]
+    rest = sorted((k for k in units if not k.endswith("::heap")), key=lambda k: (rank.get(k, len(rank)), k))
+    return [(k, units[k]) for k in heap + rest]
+
+
+def _claimed(units):
+    """The units this process claims, as it asks for each next one."""
+    for key, items in units:
+        path = os.path.join(os.environ["AUTOCASTFX_CLAIMS"], key.replace("/", "_").replace(":", "_"))
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue  # another process runs it
+        yield items
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    if not os.environ.get("AUTOCASTFX_CLAIMS") or session.config.option.collectonly or session.testsfailed:
+        return None  # pytest's own loop (which stops on collection errors)
+    claimed = _claimed(_units(session.items))
+    current = next(claimed, None)
+    while current is not None:
+        following = None
+        for i, item in enumerate(current):
+            if i + 1 < len(current):
+                nextitem = current[i + 1]
+            else:
+                following = next(claimed, None)
+                nextitem = following[0] if following else None
+            item.config.hook.pytest_runtest_protocol(item=item, nextitem=nextitem)
+            if session.shouldfail:
+                raise session.Failed(session.shouldfail)
+            if session.shouldstop:
+                raise session.Interrupted(session.shouldstop)
+        current = following
+    return True
 
 
 # Seconds per test file, written where tests/parallel.py asks (AUTOCASTFX_FILE_SECONDS): what it balances its

@@ -1,29 +1,34 @@
 """The test suite on every core: ``./run.sh test`` runs this, and CI runs that.
 
 Most of the suite's time is one core's: converting, tracing and exporting are Python, and the 2-core machine the
-suite must finish on in 8 minutes sat half idle under one pytest. This deals the test files to one pytest process
-per core (at most 4), longest first, each to the process with the least work so far, by the seconds each file took
-in the last recorded run on this kind of CPU (``tests/file_seconds.json``, one record per CPU class of
-``tests/cpu_class.py``: the same file takes 10x longer where bfloat16 has no native kernels). A class with no record
-borrows the nearest class's, scaled by the two records' ratio on the files both have; a file in no record counts
-10 s. Each process gets its share of the cores' threads (``OMP_NUM_THREADS``), so no two wait on each other's
+suite must finish on in 8 minutes sat half idle under one pytest. This starts one pytest process per core (at most
+4). Each collects every test file, and the processes take the files one at a time, as each finishes the last: a
+file goes to the first process that claims it (``tests/conftest.py``, an exclusive file create in a folder they
+share), so no process idles while the other has files left, whatever this CPU makes of the record. The files are
+offered longest first, by the seconds each took in the last recorded run on this kind of CPU
+(``tests/file_seconds.json``, one record per CPU class of ``tests/cpu_class.py``: the same file takes 10x longer
+where bfloat16 has no native kernels). A class with no record borrows the nearest class's, scaled by the two
+records' ratio on the files both have; a file in no record counts 10 s. The order only decides what is offered
+first. Each process gets its share of the cores' threads (``OMP_NUM_THREADS``), so no two wait on each other's
 spinning threads. A file's tests stay in one process, so the module-scoped fixtures are built once, as under a
-plain pytest. The processes' lines are printed as they come, each after its process's number; the exit status is
-the first failing process's, else 0.
+plain pytest; the tests that walk the heap (``conftest.WALK_THE_HEAP``) are offered first, as a unit of their own
+per file. The processes' lines are printed as they come, each after its process's number; the exit status is the
+first failing process's, else 0.
 
-    python tests/parallel.py               # the suite, dealt to the cores
+    python tests/parallel.py               # the suite, on every core
     python tests/parallel.py --jobs 1      # one pytest, as before
     python tests/parallel.py --record      # and write this run's seconds per file, as this CPU class's record
 
-Only pytest is needed. Anything after ``--`` goes to every pytest (``-- -x``, ``-- -m slow``: a process whose
-files hold no selected test exits 5, which counts as a pass while another process ran tests). Not for test paths
-(every process would run them: use ``./run.sh test PATH`` or pytest) nor ``--lf``/``--ff`` (the cache is off).
+Only pytest is needed. Anything after ``--`` goes to every pytest (``-- -x``, ``-- -m slow``: a process that ran
+no selected test exits 5, which counts as a pass while another process ran tests). Not for test paths (every
+process would run them: use ``./run.sh test PATH`` or pytest) nor ``--lf``/``--ff`` (the cache is off).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -92,15 +97,9 @@ def _sources(cls: str, sources: list[str]) -> str:
     return "seconds per file from its record" + (f", a file it lacks from {borrowed} (scaled)" if borrowed else "")
 
 
-def deal(files: list[str], seconds: dict[str, float], jobs: int) -> list[list[str]]:
-    """The files in ``jobs`` groups of nearly equal expected seconds: longest first, each to the lightest group."""
-    groups: list[list[str]] = [[] for _ in range(jobs)]
-    load = [0.0] * jobs
-    for name in sorted(files, key=lambda f: (-seconds.get(f, UNKNOWN_FILE_SECONDS), f)):
-        i = load.index(min(load))
-        groups[i].append(name)
-        load[i] += seconds.get(name, UNKNOWN_FILE_SECONDS)
-    return [sorted(g) for g in groups if g]
+def offered(files: list[str], seconds: dict[str, float]) -> list[str]:
+    """The order the files are offered in: longest expected first (by name where equal)."""
+    return sorted(files, key=lambda f: (-seconds.get(f, UNKNOWN_FILE_SECONDS), f))
 
 
 def _usable_cores() -> int:
@@ -129,23 +128,28 @@ def _pump(number: int, stream, lock: threading.Lock) -> None:
 def run(jobs: int, pytest_args: list[str], record: bool) -> int:
     records, cls = load_record(), cpu_class()
     seconds, sources = expected_seconds(records, cls)
-    groups = deal(test_files(), seconds, jobs)
-    threads = max(1, _usable_cores() // len(groups))
+    files = test_files()
+    jobs = max(1, min(jobs, len(files)))
+    threads = max(1, _usable_cores() // jobs)
     lock = threading.Lock()
     procs, pumps, outs = [], [], []
-    _say(lock, f"CPU class {cls}: {_sources(cls, sources)}\n")
+    claims = tempfile.mkdtemp(prefix="autocastfx_claims_")
+    order = os.path.join(claims, "order.json")
+    with open(order, "w") as f:
+        json.dump(offered(files, seconds), f)
+    _say(lock, f"CPU class {cls}: {_sources(cls, sources)}; {len(files)} files, about "
+               f"{sum(seconds.get(f, UNKNOWN_FILE_SECONDS) for f in files):.0f} s, taken by {jobs} process(es) "
+               "one at a time, longest first\n")
     start = time.monotonic()
-    for number, group in enumerate(groups, 1):
-        expected = sum(seconds.get(f, UNKNOWN_FILE_SECONDS) for f in group)
-        _say(lock, f"[{number}] {len(group)} files, about {expected:.0f} s expected: {' '.join(group)}\n")
+    for number in range(1, jobs + 1):
         out = tempfile.NamedTemporaryFile(prefix="file_seconds_", suffix=".json", delete=False)
         out.close()
         outs.append(out.name)
         env = dict(os.environ, AUTOCASTFX_FILE_SECONDS=out.name, PYTHONUNBUFFERED="1")
-        if len(groups) > 1:
-            env["OMP_NUM_THREADS"] = str(threads)
+        if jobs > 1:
+            env.update(OMP_NUM_THREADS=str(threads), AUTOCASTFX_CLAIMS=claims, AUTOCASTFX_ORDER=order)
         proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args,
-                                 *group], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 *files], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, encoding="utf-8", errors="replace", bufsize=1)
         procs.append(proc)
         pump = threading.Thread(target=_pump, args=(number, proc.stdout, lock), daemon=True)
@@ -161,6 +165,7 @@ def run(jobs: int, pytest_args: list[str], record: bool) -> int:
         for proc in procs:
             if proc.poll() is None:
                 proc.terminate()
+    shutil.rmtree(claims, ignore_errors=True)
     measured: dict[str, float] = {}
     for name in outs:
         try:
@@ -170,7 +175,7 @@ def run(jobs: int, pytest_args: list[str], record: bool) -> int:
             pass  # a process that died before its session ended wrote nothing
         finally:
             os.unlink(name)
-    print(f"the suite: {time.monotonic() - start:.0f} s in {len(groups)} processes of {threads} thread(s)",
+    print(f"the suite: {time.monotonic() - start:.0f} s in {jobs} processes of {threads} thread(s)",
           flush=True)
     code = _status(codes)
     if record and code == 0 and not pytest_args:

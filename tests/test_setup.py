@@ -6,6 +6,7 @@ for the case: the real Python binary started with PYTHONHOME pointing at a copy 
 package of a chosen version and build on its path. `nvidia-smi` is a script on PATH. One test makes a real
 .venv and installs the package into it.
 """
+import json
 import os
 import re
 import shutil
@@ -267,21 +268,36 @@ def test_setup_makes_a_venv_that_reuses_the_base_torch(tmp_path):
     assert (d["env_action"], d["torch_found"], d["torch_action"]) == ("reuse", version, "keep")
 
 
-def test_the_suite_is_dealt_to_processes_whole_and_balanced():
-    sys.path.insert(0, str(ROOT / "tests"))
-    try:
-        import parallel
-    finally:
-        sys.path.remove(str(ROOT / "tests"))
+def test_the_suite_is_taken_by_processes_file_by_file_longest_first(tmp_path, monkeypatch):
+    """parallel.py offers the files longest first; processes claiming from one folder (conftest.py) each take a
+    unit whole, every unit exactly once, the heap walkers first as units of their own."""
+    import types
+    parallel, conftest = _tests_module("parallel"), _tests_module("conftest")
     files = parallel.test_files()
     assert "tests/test_setup.py" in files and all(f.startswith("tests/test_") for f in files)
     seconds = {f: float(i % 7 + 1) for i, f in enumerate(files)}
-    groups = parallel.deal(files, seconds, 2)
-    assert sorted(f for g in groups for f in g) == files  # every file once, none split
-    loads = [sum(seconds[f] for f in g) for g in groups]
-    assert max(loads) - min(loads) <= max(seconds.values())  # no group longer than the other by more than a file
-    assert parallel.deal(files, {}, 1) == [files]
-    assert len(parallel.deal(files[:1], seconds, 4)) == 1  # no empty process
+    order = parallel.offered(files, seconds)
+    assert sorted(order) == files and [seconds[f] for f in order] == sorted(seconds.values(), reverse=True)
+    (tmp_path / "order.json").write_text(json.dumps(order))
+    (tmp_path / "claims").mkdir()
+    monkeypatch.setenv("AUTOCASTFX_ORDER", str(tmp_path / "order.json"))
+    monkeypatch.setenv("AUTOCASTFX_CLAIMS", str(tmp_path / "claims"))
+    heap = conftest.WALK_THE_HEAP[2] + "[x]"  # one test of a file whose other tests walk no heap
+    names = [f"{f}::test_{k}" for f in sorted(files[:6] + [heap.split("::")[0]]) for k in "ab"] + [heap]
+    units = conftest._units([types.SimpleNamespace(nodeid=n) for n in names])
+    assert units[0] == (heap.split("::")[0] + "::heap", [units[0][1][0]]) and units[0][1][0].nodeid == heap
+    assert [k for k, _ in units[1:]] == [f for f in order if f in {n.split("::")[0] for n in names}]
+    first, second = conftest._claimed(units), conftest._claimed(units)
+    taken: list[list[str]] = [[], []]
+    for turn in range(2 * len(units)):  # the two processes ask in turns
+        got = next((first, second)[turn % 2], None)
+        if got is not None:
+            taken[turn % 2].append([i.nodeid for i in got])
+    assert taken[0] and taken[1]
+    run = [n for process in taken for unit in process for n in unit]
+    assert sorted(run) == sorted(names)  # every test once
+    assert all(len({n.split("::")[0] for n in unit}) == 1 for process in taken for unit in process)  # whole files
+    assert next(conftest._claimed(units), None) is None  # a late process finds every unit taken
     assert "tests/parallel.py" in (ROOT / "run.sh").read_text()  # the test command runs it
     # one exit status: a failure wins; a process that collected nothing (5) passes beside one that ran tests
     assert parallel._status([0, 5]) == 0 and parallel._status([5, 5]) == 5
