@@ -11,8 +11,7 @@ where bfloat16 has no native kernels). A class with no record borrows the neares
 records' ratio on the files both have; a file in no record counts 10 s. The order only decides what is offered
 first. Each process gets its share of the cores' threads (``OMP_NUM_THREADS``), so no two wait on each other's
 spinning threads. A file's tests stay in one process, so the module-scoped fixtures are built once, as under a
-plain pytest; the tests that walk the heap (``conftest.WALK_THE_HEAP``) are offered first, as a unit of their own
-per file. The processes' lines are printed as they come, each after its process's number; the exit status is the
+plain pytest. The processes' lines are printed as they come, each after its process's number; the exit status is the
 first failing process's, else 0.
 
     python tests/parallel.py               # the suite, on every core

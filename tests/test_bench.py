@@ -1,11 +1,9 @@
 """The benchmark's measuring code runs and counts what it claims to (tiny models, seconds)."""
-import gc
 import json
 import math
 import os
 import sys
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -15,20 +13,6 @@ import gpu  # noqa: E402
 from measure import (Counter, MemoryTracker, Runner, alive_storage_keys, convert_scaling,  # noqa: E402
                      interleaved_step_times, live_tensor_bytes, median_step_time)
 from models import GPT2, TinyMLP, lm_loss, transformer_stack  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _heap_of_this_test():
-    """The objects alive before each test frozen (``gc.freeze``) for its duration, so that the memory accounts'
-    heap walks (``gc.collect``, ``gc.get_objects``) go over what the test made, not over all of torch and pytest:
-    0.25 s a collection and seconds a census in pytest's process. The accounts count the same bytes: every tensor
-    alive before a recipe is left out of its account either way (``AliveBefore``), and every tensor made since
-    is young, so ``gc.get_objects`` still lists it wherever it is held."""
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def test_step_costs_counted_for_every_recipe():

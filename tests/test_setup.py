@@ -270,7 +270,7 @@ def test_setup_makes_a_venv_that_reuses_the_base_torch(tmp_path):
 
 def test_the_suite_is_taken_by_processes_file_by_file_longest_first(tmp_path, monkeypatch):
     """parallel.py offers the files longest first; processes claiming from one folder (conftest.py) each take a
-    unit whole, every unit exactly once, the heap walkers first as units of their own."""
+    file whole, every file exactly once."""
     import types
     parallel, conftest = _tests_module("parallel"), _tests_module("conftest")
     files = parallel.test_files()
@@ -282,11 +282,9 @@ def test_the_suite_is_taken_by_processes_file_by_file_longest_first(tmp_path, mo
     (tmp_path / "claims").mkdir()
     monkeypatch.setenv("AUTOCASTFX_ORDER", str(tmp_path / "order.json"))
     monkeypatch.setenv("AUTOCASTFX_CLAIMS", str(tmp_path / "claims"))
-    heap = conftest.WALK_THE_HEAP[2] + "[x]"  # one test of a file whose other tests walk no heap
-    names = [f"{f}::test_{k}" for f in sorted(files[:6] + [heap.split("::")[0]]) for k in "ab"] + [heap]
+    names = [f"{f}::test_{k}" for f in sorted(files[:6]) for k in "ab"]
     units = conftest._units([types.SimpleNamespace(nodeid=n) for n in names])
-    assert units[0] == (heap.split("::")[0] + "::heap", [units[0][1][0]]) and units[0][1][0].nodeid == heap
-    assert [k for k, _ in units[1:]] == [f for f in order if f in {n.split("::")[0] for n in names}]
+    assert [k for k, _ in units] == [f for f in order if f in files[:6]]
     first, second = conftest._claimed(units), conftest._claimed(units)
     taken: list[list[str]] = [[], []]
     for turn in range(2 * len(units)):  # the two processes ask in turns
