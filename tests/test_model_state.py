@@ -1262,3 +1262,38 @@ def test_torchs_own_reparametrization_hooks_at_conversion_are_not_warned_about()
     with torch.no_grad():
         model[0].weight_g.mul_(2)
     assert (gm(x).float() - model(x)).abs().max() < 0.05  # the graph recomputes it from weight_g
+
+
+class _Holder(nn.Module):
+    """The user's module around the converted one (a loss wrapper, a model with a head), compiled as a whole."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.head = inner, nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.inner(x).float() * 2)
+
+
+def test_a_compiled_module_holding_the_converted_one_checks_the_models_state_as_eager_does():
+    """torch.compile of a module that holds the converted one traces a GraphModule's _call_impl, not its __call__:
+    a value of the model's changed after convert() ran on there with the old constant and said nothing (eager
+    refuses it). Now the change is refused there too; each mode runs its own program, and the outputs are
+    eager's."""
+    torch._dynamo.reset()
+    model = _Tempered()
+    gm, x = _convert(model)
+    holder = _Holder(gm)
+    compiled = torch.compile(holder, backend="eager")
+    with torch.no_grad():
+        for mode in (False, True, False):
+            holder.train(mode)
+            torch.testing.assert_close(compiled(x), holder(x), rtol=0, atol=0)
+        model.temperature = 2.0
+        with pytest.raises(ValueError, match=r"_Tempered\.temperature was set to 2\.0 \(it was 1\.0\) after convert"):
+            compiled(x)
+        model.temperature = 1.0  # as converted: runs again
+        torch.testing.assert_close(compiled(x), holder(x), rtol=0, atol=0)
+        model.cfg["scale"] = 3.0
+        with pytest.raises(ValueError, match=r"\.cfg was changed in place after convert\(\)"):
+            compiled(x)

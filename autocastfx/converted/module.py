@@ -10,6 +10,7 @@ import copyreg
 import inspect
 import itertools
 import sys
+import types
 from typing import Any
 
 import torch
@@ -152,6 +153,14 @@ def _run_as(module: nn.Module, other: nn.Module, args: tuple, kwargs: dict) -> A
 _NONE = object()
 
 
+def _module_call(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """``nn.Module.__call__`` (as a capture may have patched it), or, where torch.compile traces, nn.Module's
+    ``_call_impl`` itself: the hooks and ``forward``, past the converted class's own ``_call_impl``."""
+    if torch.compiler.is_dynamo_compiling():
+        return nn.Module._call_impl(module, *args, **kwargs)
+    return nn.Module.__call__(module, *args, **kwargs)
+
+
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps")
 
 
@@ -249,7 +258,8 @@ class _Switchable(_GuardsChildren):
         if not getattr(self, "_autocastfx_mode_hook", False):
             self.register_forward_pre_hook(_read_mode)
             self._autocastfx_mode_hook = True
-        return super().compile(*args, **kwargs)
+        # nn.Module.compile compiles self._call_impl, which here is __call__'s way in (below): its hooks and forward
+        self._compiled_call_impl = torch.compile(types.MethodType(nn.Module._call_impl, self), *args, **kwargs)
 
     def recompile(self):
         programs = self.__dict__.get("meta", {}).get(K.PROGRAMS)
@@ -267,6 +277,15 @@ class _Switchable(_GuardsChildren):
 
     def eval(self):
         return set_mode(self, False)
+
+    def _call_impl(self, *args, **kwargs):
+        # torch.compile of a module holding this one traces a GraphModule's _call_impl, not its __call__
+        # (torch/_dynamo/variables/nn_module.py): there the call goes through __call__ too, which checks the
+        # model's state, the modes and the call's structure (a change the programs do not hold refused or converted
+        # for, as in eager). Everywhere else this is nn.Module's, reached from __call__.
+        if torch.compiler.is_dynamo_compiling():
+            return self.__call__(*args, **kwargs)
+        return nn.Module._call_impl(self, *args, **kwargs)
 
     def __call__(self, *args, **kwargs):
         if "_autocastfx_fsdp_checked" not in self.__dict__ and hasattr(self, "_get_fsdp_state"):
@@ -333,7 +352,7 @@ class _Switchable(_GuardsChildren):
         first = _first_at_sizes(self, self, args, kwargs) if info is not None else None
         try:
             with _without_autocast():  # the program gm.code shows, whatever autocast the caller has on
-                out = super().__call__(*args, **kwargs)
+                out = _module_call(self, args, kwargs)
         except Exception as e:  # noqa: BLE001 - re-raised below unless a clearer error says what went wrong
             if info is not None and isinstance(e, (TypeError, RuntimeError, ValueError, AttributeError)):
                 _calls.check(info.call_signature, args, kwargs, e)
