@@ -1297,3 +1297,28 @@ def test_a_compiled_module_holding_the_converted_one_checks_the_models_state_as_
         model.cfg["scale"] = 3.0
         with pytest.raises(ValueError, match=r"\.cfg was changed in place after convert\(\)"):
             compiled(x)
+
+
+def test_blocks_compile_inline_in_their_converted_module_and_are_checked_through_a_compiled_parent():
+    """The converted blocks' calls inside a compiled converted module run their programs inline (their checks are
+    the module's own): torch.compile(gm) makes one graph of every block's ops. Through a compiled module holding
+    gm, a block's value changed on the model since convert() is refused, as in eager."""
+    torch._dynamo.reset()
+    model = _Stack().eval()
+    gm, x = _convert(model, blocks="auto")
+    assert [n for n, m in gm.named_modules() if m is not gm and "autocastfx" in getattr(m, "meta", {})] == \
+        ["inner.0", "inner.1"]
+    graphs = []
+
+    def counting(g, example):
+        graphs.append(sum(n.op == "call_function" and "linear" in str(n.target) for n in g.graph.nodes))
+        return g.forward
+    with torch.no_grad():
+        want = gm(x)
+        torch.testing.assert_close(torch.compile(gm, backend=counting)(x), want, rtol=0, atol=0)
+        assert graphs == [2]  # one graph, both blocks' linears in it
+        compiled = torch.compile(_Holder(gm), backend="eager")
+        compiled(x)
+        model.inner[1].temperature = 0.5
+        with pytest.raises(ValueError, match=r"_Tempered\.temperature was set to 0\.5 \(it was 1\.0\)"):
+            compiled(x)

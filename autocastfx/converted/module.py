@@ -237,11 +237,23 @@ def _check_state(gm: nn.Module) -> None:
 def _check_state_eagerly(gm: nn.Module) -> None:
     """:func:`_check_state` under torch.compile, for ``gm`` and each converted block inside it: the compiler runs
     the blocks' forward without their ``__call__``."""
+    for m in units_inside(gm):
+        _check_state(m)
+
+
+def units_inside(gm: nn.Module) -> list[nn.Module]:
+    """``gm`` and each converted module inside it, found once; those inside are marked as checked by ``gm``'s call
+    (where the compiler traces ``gm``'s program, it runs theirs inline: see ``_Switchable._call_impl``)."""
     units = gm.__dict__.get("_autocastfx_units")
     if units is None:
         units = gm.__dict__["_autocastfx_units"] = [m for m in gm.modules() if isinstance(m, _Switchable)]
-    for m in units:
-        _check_state(m)
+        for m in units:
+            if m is not gm:
+                m.__dict__[_INSIDE] = True
+    return units
+
+
+_INSIDE = "_autocastfx_inside"
 
 
 class _Switchable(_GuardsChildren):
@@ -282,8 +294,9 @@ class _Switchable(_GuardsChildren):
         # torch.compile of a module holding this one traces a GraphModule's _call_impl, not its __call__
         # (torch/_dynamo/variables/nn_module.py): there the call goes through __call__ too, which checks the
         # model's state, the modes and the call's structure (a change the programs do not hold refused or converted
-        # for, as in eager). Everywhere else this is nn.Module's, reached from __call__.
-        if torch.compiler.is_dynamo_compiling():
+        # for, as in eager), unless this is a block of a converted module, whose own call checks it. Everywhere
+        # else this is nn.Module's, reached from __call__.
+        if torch.compiler.is_dynamo_compiling() and not self.__dict__.get(_INSIDE):
             return self.__call__(*args, **kwargs)
         return nn.Module._call_impl(self, *args, **kwargs)
 
@@ -295,6 +308,8 @@ class _Switchable(_GuardsChildren):
             _check_state_eagerly(self)  # the blocks' too: the compiled code runs their forward, not their __call__
         else:
             _check_state(self)
+            if "_autocastfx_units" not in self.__dict__:  # the blocks marked, for a compiler tracing the forward
+                units_inside(self)
         # read the mode where torch.compile traces, so it guards on it: the programs' code holds it as constants
         if self.training:
             pass
