@@ -4,10 +4,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
-import threading
 import os
 import random
 import sys
+import threading
 from typing import Any, Iterable
 
 import torch

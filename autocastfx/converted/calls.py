@@ -391,8 +391,8 @@ def other_call(gm: nn.Module, info: Any, args: tuple, kwargs: dict, sizes: bool 
 
 
 # Conversions for other calls, one at a time in the process: a capture runs the model, whose modules and settings
-# another thread's capture of the same model would see half changed (torch.fx: "module is not installed as a
-# submodule").
+# another thread's capture of the same model would see half changed, and two threads making the same call at once
+# convert it once.
 _CONVERTING = threading.RLock()
 
 
