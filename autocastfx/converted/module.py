@@ -350,10 +350,7 @@ class _Switchable(_GuardsChildren):
                 try:
                     out = _run_as(self, other, args, kwargs)
                 except Exception as e:  # noqa: BLE001 - the model's own checks on this call, else as it came
-                    _calls.model_check(info.checks, args, kwargs, e, self.training)
-                    if first is not None and _calls.size_guard(e):
-                        first.undo()
-                    done, out = _for_sizes(self, info, args, kwargs, e)
+                    done, out = _recover(self, info, args, kwargs, e, first)
                     if done:
                         return out
                     raise
@@ -372,10 +369,7 @@ class _Switchable(_GuardsChildren):
             if info is not None and isinstance(e, (TypeError, RuntimeError, ValueError, AttributeError)):
                 _calls.check(info.call_signature, args, kwargs, e)
             if info is not None:
-                _calls.model_check(info.checks, args, kwargs, e, self.training)
-                if first is not None and _calls.size_guard(e):
-                    first.undo()
-                done, out = _for_sizes(self, info, args, kwargs, e)
+                done, out = _recover(self, info, args, kwargs, e, first)
                 if done:
                     return out
             raise
@@ -526,6 +520,18 @@ def _first_at_sizes(module: nn.Module, runs: nn.Module, args: tuple, kwargs: dic
     if key in module.__dict__.get("_autocastfx_sizes_run", ()):
         return None
     return _FirstAtSizes(module, key)
+
+
+def _recover(gm: nn.Module, info: Any, args: tuple, kwargs: dict, error: BaseException,
+             first: _FirstAtSizes | None) -> tuple[bool, Any]:
+    """After a failed call: the model's own error where its code refuses the call (raised, ``error`` chained); the
+    statistics of a first call at new sizes put back where a size guard refused it; then the call converted for its
+    sizes where that guard was the cause. Returns ``(True, output)`` where that ran the call, else ``(False, None)``
+    (the caller raises ``error``)."""
+    _calls.model_check(info.checks, args, kwargs, error, gm.training)
+    if first is not None and _calls.size_guard(error):
+        first.undo()
+    return _for_sizes(gm, info, args, kwargs, error)
 
 
 def _for_sizes(gm: nn.Module, info: Any, args: tuple, kwargs: dict, error: BaseException) -> tuple[bool, Any]:
