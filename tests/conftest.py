@@ -6,7 +6,7 @@ each walk took about 0.25 s, and seconds late in a full run, when the process ho
 tests. The tests in ``HEAP_WALKERS`` run with every object alive at their start frozen (``gc.freeze()``): the
 walks go over what the test made. A test's account leaves out what was alive before it either way (it counts what
 a conversion or a step adds), and every tensor made since is young, so ``gc.get_objects()`` still lists it
-wherever it is held: tests/test_memory.py took 10 s instead of 21 (the 2-core AVX2 EPYC).
+wherever it is held (what this saves: docs/testing.md).
 """
 import gc
 import json
