@@ -21,9 +21,8 @@ def _rel(a, b):
 
 def swin():
     """Two stages with a patch merging between them, drop-path on the second stage's two blocks (rates 0.05 and
-    0.1). One block in the first stage: the graph around the blocks does not capture here (the second stage's 4x4
-    resolution is its window), so convert() tries blocks and converts the model as one graph, as with two blocks
-    there, at two thirds of the conversion time."""
+    0.1), one block in the first stage. The second stage's 4x4 resolution is its window, so its layers set
+    ``shift_size`` to 0 at every call before reading it (as Swin-T's last stage does at 224x224)."""
     cfg = tf.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 2], num_heads=[2, 4], window_size=4,
                         drop_path_rate=0.1, num_labels=10)
     return tf.SwinForImageClassification(cfg), {"pixel_values": torch.randn(2, 3, 32, 32)}
@@ -46,8 +45,11 @@ def test_real_model_in_both_modes_and_training(build):
     with warnings.catch_warnings():  # its conversion time is bench/'s (minutes where every size was left free)
         warnings.simplefilter("ignore")  # transformers' own deprecation notes
         gm = autocastfx.convert(model, example_kwargs=inputs)
+    if build is swin:  # the stages converted blocks, the graph around them captured (the layers' own setting kept)
+        units = {n for n, m in gm.named_modules() if n and "autocastfx" in getattr(m, "meta", {})}
+        assert units == {"swin.encoder.layers.0", "swin.encoder.layers.1"}, units
     with torch.no_grad():
-        ref = model(**inputs).logits
+        ref = model(**inputs).logits  # the model's own call sets shift_size: not a change after convert()
         with torch.autocast("cpu", dtype=torch.float16):
             autocast_err = _rel(model(**inputs).logits, ref)
         with AtenRecorder() as rec:

@@ -180,6 +180,62 @@ def test_a_forward_that_moves_its_own_plain_state_is_refused_at_convert_and_a_bu
     assert _rel(out, want) < 2e-2
 
 
+class _CountsPastTrace(nn.Module):
+    """A step counter after a branch on a size, where symbolic_trace stops: the counter runs under torch.export
+    only, which puts every module attribute back as it was after tracing."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.step = nn.Linear(16, 16), 0
+
+    def forward(self, x):
+        if x.shape[0] > 1:
+            x = x * 2
+        self.step += 1
+        return self.fc(x) * min(1.0, self.step / 4)
+
+
+def test_a_counter_only_torch_export_runs_is_refused_at_convert():
+    """Before: torch.export put ``step`` back after tracing, so nothing saw the forward move it: convert() took the
+    model, and the converted module computed with step 1 at every call, silently."""
+    model = _CountsPastTrace()
+    with pytest.raises(ValueError, match=r"_CountsPastTrace.forward changes its attribute 'step' \(0 -> 1\)"):
+        autocastfx.convert(model, (torch.randn(4, 16),), dtype=BF16, blocks=None)
+    assert model.step == 0
+
+
+class _SetsBeforeReading(nn.Module):
+    """Sets an attribute from its input's size before it reads it, at every call, as Swin's layers set
+    ``shift_size`` to 0 where the resolution is no larger than the window; symbolic_trace stops at the branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.shift = nn.Linear(8, 8), 2
+
+    def forward(self, x):
+        if x.shape[-1] <= 8:
+            self.shift = 0
+        return torch.roll(self.fc(x), self.shift, dims=-1)
+
+
+def test_an_attribute_the_forward_sets_before_reading_it_follows_the_models_own_calls():
+    """The program holds the value the code set (0); the model's own later call sets it too, which is not a change
+    after convert(). Before, the guard had taken the model's 2 and refused every call after the model's own (Swin
+    converted with blocks fell back to one graph for it); a value set by hand after that is still refused."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    model = _SetsBeforeReading()
+    gm = autocastfx.convert(model, (x,), dtype=BF16, blocks=None)
+    assert gm.meta["autocastfx"].capture == "torch.export" and model.shift == 2
+    want = model(x)  # the model's own call sets shift to 0
+    assert model.shift == 0
+    for _ in range(2):
+        torch.testing.assert_close(gm(x), want, rtol=2e-2, atol=2e-2)
+    model.shift = 3
+    with pytest.raises(ValueError, match=r"shift was set to 3"):
+        gm(x)
+
+
 class _KeepsLast(nn.Module):
     def __init__(self):
         super().__init__()

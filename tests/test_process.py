@@ -37,6 +37,7 @@ def test_a_conversion_in_one_thread_leaves_another_threads_reads_and_prints_alon
     the conversion, nothing of nn.Module or of the module's class changes, and every line it printed reaches
     sys.stdout. Only the capture's copy of the model is watched: the model's own modules keep their classes."""
     other = nn.Linear(3, 3)
+    module_setattr = nn.Module.__dict__["__setattr__"]
     stop, reads, errors = threading.Event(), [0], []
 
     def worker():
@@ -53,8 +54,8 @@ def test_a_conversion_in_one_thread_leaves_another_threads_reads_and_prints_alon
     from autocastfx.capture import watch
     original = watch.watch_reads
 
-    def recording(modules, callback):  # the conversion's watchers, wrapped to see what they are given
-        return original(modules, lambda m, n: (seen.append(m), callback(m, n)))
+    def recording(modules, callback, *written):  # the conversion's watchers, wrapped to see what they are given
+        return original(modules, lambda m, n: (seen.append(m), callback(m, n)), *written)
 
     watch.watch_reads = recording
     t = threading.Thread(target=worker)
@@ -74,7 +75,7 @@ def test_a_conversion_in_one_thread_leaves_another_threads_reads_and_prints_alon
     assert seen and not any(m is other for m in seen)
     assert not {id(m) for m in seen} & {id(m) for m in model.modules()}  # the capture's copy, not the model
     assert [type(m) for m in model.modules()] == [_Flagged, nn.Linear, nn.Linear, nn.Dropout]
-    assert "__getattribute__" not in nn.Module.__dict__
+    assert "__getattribute__" not in nn.Module.__dict__ and nn.Module.__dict__["__setattr__"] is module_setattr
     assert gm(torch.randn(2, 8)).shape == (2, 4)
 
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 from . import inline as _inline
 from .context import CaptureContext
 from .trace import capture_graph, copy_model
-from .watch import StateUse, note_changes, state_name, own_classes, watch_reads, watch_state, watchable
+from .watch import StateUse, note_changes, state_name, own_classes, switching, watch_reads, watch_state, watchable
 from ..base.errors import CaptureError, one_line
 from ..base.meta import fetch, is_converted, issuer_path, original_class
 from ..base.quiet import warn_user
@@ -65,7 +65,8 @@ def _capture(model: nn.Module, work: nn.Module, args: tuple, kwargs: dict, polic
     reads: list = []
     try:
         try:
-            work.train()
+            with switching(state):
+                work.train()
             with note_changes(work, state):  # what the model's code changes as it runs (a counter it moves)
                 gm, how = capture_graph(work, args, kwargs, policy, ctx, compile_code=False, reads=reads)
         except CaptureError as e:
@@ -88,7 +89,8 @@ def _capture(model: nn.Module, work: nn.Module, args: tuple, kwargs: dict, polic
                 return Captured(programs, current, how, decisions, found="flags")
         programs = {TRAIN: gm}
         for key in keys[1:]:
-            work.eval() if key == EVAL else _restore(work, given)
+            with switching(state):
+                work.eval() if key == EVAL else _restore(work, given)
             # a module's own train() may set more than its flag: the modes as given are those of a fresh copy
             as_is = fresh() if key == GIVEN and _switches_itself(work) else work
             try:

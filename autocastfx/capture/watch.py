@@ -14,6 +14,7 @@ import torch.fx as fx
 import torch.nn as nn
 from ..base.meta import WATCHED_CLASS, is_converted, original_class
 _CALLBACKS: dict[int, list] = {}  # id(a watched module) -> what is called on each of its reads
+_WRITES: dict[int, list] = {}  # id(a watched module) -> what is called before each of its attribute writes
 
 
 class _Unannounced:
@@ -26,15 +27,21 @@ class _Unannounced:
 
 
 def _reporting(cls: type) -> type:
-    """A subclass of ``cls`` that calls the callbacks of the instance on every attribute read; made per watch, not
-    cached."""
+    """A subclass of ``cls`` that calls the callbacks of the instance on every attribute read, and before every
+    attribute write (``self.x = v``); made per watch, not cached."""
     def __getattribute__(self, name):
         for callback in _CALLBACKS.get(id(self), ()):
             callback(self, name)
         return super(sub, self).__getattribute__(name)
 
-    sub = type(cls.__name__, (_Unannounced, cls), {"__getattribute__": __getattribute__, "__module__": cls.__module__,
-                                      "__qualname__": cls.__qualname__, WATCHED_CLASS: cls})
+    def __setattr__(self, name, value):
+        for callback in _WRITES.get(id(self), ()):
+            callback(self, name, value)
+        super(sub, self).__setattr__(name, value)
+
+    sub = type(cls.__name__, (_Unannounced, cls), {"__getattribute__": __getattribute__, "__setattr__": __setattr__,
+                                                   "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                                   WATCHED_CLASS: cls})
     return sub
 
 
@@ -46,13 +53,17 @@ def watchable(model: nn.Module) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
-def watch_reads(modules: Iterable[nn.Module], callback: Callable[[nn.Module, str], None]):
-    """Meanwhile ``callback(module, name)`` is called on every attribute read of one of ``modules``, which must be
-    the caller's own (a copy it made): their classes are swapped meanwhile. Watches nest."""
+def watch_reads(modules: Iterable[nn.Module], callback: Callable[[nn.Module, str], None],
+                written: Callable[[nn.Module, str, Any], None] | None = None):
+    """Meanwhile ``callback(module, name)`` is called on every attribute read of one of ``modules``, and
+    ``written(module, name, value)`` before every attribute write, which must be the caller's own (a copy it made):
+    their classes are swapped meanwhile. Watches nest."""
     mods = list({id(m): m for m in modules}.values())
     swapped, made = [], {}
     for m in mods:
         _CALLBACKS.setdefault(id(m), []).append(callback)
+        if written is not None:
+            _WRITES.setdefault(id(m), []).append(written)
         cls = type(m)
         if WATCHED_CLASS not in cls.__dict__:  # not watched already (by an enclosing watch)
             if cls not in made:
@@ -72,6 +83,11 @@ def watch_reads(modules: Iterable[nn.Module], callback: Callable[[nn.Module, str
             left.remove(callback)
             if not left:
                 _CALLBACKS.pop(id(m), None)
+            if written is not None:
+                left = _WRITES.get(id(m), [])
+                left.remove(written)
+                if not left:
+                    _WRITES.pop(id(m), None)
 
 
 _CLASS_KEYS = ("nn_module_stack", "source_fn_stack")  # the node metadata that names modules' classes
@@ -151,7 +167,18 @@ class StateUse:
     changed: dict = dataclasses.field(default_factory=dict)
     leaves: set = dataclasses.field(default_factory=set)  # paths of the modules the graph calls (their own forward)
     unowned: set = dataclasses.field(default_factory=set)  # public names read from a module's class, or found absent
-    lazy: dict = dataclasses.field(default_factory=dict)  # a config's attribute read, set from None: -> its value
+    lazy: dict = dataclasses.field(default_factory=dict)  # read, and set by the code itself first: -> the value set
+    switching: bool = False  # the capture is setting the copy's modes (its train() may set attributes): no writes
+
+
+@contextlib.contextmanager
+def switching(use: StateUse):
+    """Meanwhile the copy's attribute writes are not the model's forward's (the capture calls its ``train()``)."""
+    use.switching = True
+    try:
+        yield
+    finally:
+        use.switching = False
 
 
 def _own_state(model: nn.Module, mods: list[nn.Module]) -> dict:
@@ -196,11 +223,45 @@ def watch_state(model: nn.Module):
             path = paths.get(id(obj))
             if path is not None:
                 use.read.add((path, name))
+                first.setdefault((path, name), True)
+
+    first: dict[tuple[str, str], bool] = {}  # (module path, name) -> whether the code read it before any write
+    written: dict[tuple[str, str], list] = {}  # (module path, name) -> [value before, fingerprints of values set]
+
+    def wrote(obj, name, value):
+        path = paths.get(id(obj))  # a module's attribute, not a config's; not its class (a watch's swap)
+        if path is None or use.switching or name[:2] == "__" or not state_name(obj, name):
+            return
+        first.setdefault((path, name), False)
+        entry = written.setdefault((path, name), [object.__getattribute__(obj, "__dict__").get(name, _ABSENT), {}])
+        entry[1][fingerprint(value)] = value
 
     before = {id(v): dict(vars(v)) for _, _, v in held.values()}
-    with watch_reads(mods + [v for _, _, v in held.values()], seen):
+    with watch_reads(mods + [v for _, _, v in held.values()], seen, wrote):
         yield use
+    _set_while_captured(use, first, written)
     _lazily_set(use, held, before)
+
+
+_ABSENT = object()
+
+
+def _set_while_captured(use: StateUse, first: dict, written: dict) -> None:
+    """Note the plain attributes of modules the code set while it was captured, from its writes: torch.export puts
+    every module attribute back as it was (``_detect_attribute_assignment``), so no change is left to see after it.
+    One the code read before setting it (a counter) is a change the program cannot repeat (``use.changed``), as is
+    one set to different values in the capture's runs; one set to one plain value before any read is the model's own
+    setting, made at each call (Swin's ``shift_size`` where the resolution is no larger than its window): the program
+    holds that value, which the model's own first call sets too (``use.lazy``)."""
+    for key, (old, values) in written.items():
+        if old is not _ABSENT and set(values) == {fingerprint(old)}:
+            continue  # set again to the value it had
+        new = list(values.values())[-1]
+        if not first[key] and key in use.read and len(values) == 1 and isinstance(new, _PLAIN):
+            use.lazy[key] = new
+            use.changed.pop(key, None)
+        else:
+            use.changed.setdefault(key, (None if old is _ABSENT else old, new))
 
 
 def _lazily_set(use: StateUse, held: dict, before: dict) -> None:

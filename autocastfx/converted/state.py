@@ -27,7 +27,7 @@ class StateGuard:
     def __init__(self, reads: frozenset = frozenset(), unowned: frozenset = frozenset(), lazy: dict | None = None):
         self.reads = reads  # (module path, name) read at capture
         self.unowned = unowned  # (module path, name) read from the module's class, or absent, at capture
-        self.lazy = lazy or {}  # (module path, name) the code set from None at capture -> that value
+        self.lazy = lazy or {}  # (module path, name) the model's own call sets, as at capture -> that value
         self.looked: list[tuple] = []  # (module ref, path, name, value then, fingerprint) of those
         self.modules: list[list] = []  # [module ref, getter, values, path, names, fingerprints, {name: set lazily}]
         self.contents: list[tuple[Any, weakref.ref, str, str, Any]] = []
@@ -198,7 +198,7 @@ class StateGuard:
             for n, old, fp in zip(names, values, prints):
                 new = m.__dict__.get(n, _MISSING)
                 if new is not old and (new is _MISSING or fingerprint(new) != fp) \
-                        and not (n in lazy and old is None and new == lazy[n]):  # set by the model's first call
+                        and not (n in lazy and fingerprint(new) == fingerprint(lazy[n])):  # the model's own call set it
                     _refuse(m, path, n, old, new)
             entry[2] = get(m.__dict__)
 
