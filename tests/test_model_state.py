@@ -236,6 +236,33 @@ def test_an_attribute_the_forward_sets_before_reading_it_follows_the_models_own_
         gm(x)
 
 
+class _KeepsLength(nn.Module):
+    """Sets an attribute from the sequence length (a size torch.export leaves free) before reading it."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc, self.length = nn.Embedding(10, 8), nn.Linear(8, 8), 0
+
+    def forward(self, ids):
+        if ids.shape[0] > 1:  # symbolic_trace stops here
+            ids = ids + 0
+        self.length = ids.shape[1]
+        return self.fc(self.emb(ids))[:, : self.length - 1]
+
+
+def test_an_attribute_set_from_a_free_size_before_it_is_read_is_the_programs_own():
+    """The program computes it from each call's size: the converted module runs at other lengths, and after the
+    model's own calls set it, without refusing (seeing torch.export's writes first refused this at convert)."""
+    torch.manual_seed(0)
+    model = _KeepsLength()
+    gm = autocastfx.convert(model, (torch.randint(0, 10, (2, 5)),), dtype=BF16, blocks=None)
+    for t in (7, 5, 9):
+        ids = torch.randint(0, 10, (2, t))
+        want = model(ids)
+        assert model.length == t
+        torch.testing.assert_close(gm(ids), want, rtol=2e-2, atol=2e-2)
+
+
 class _KeepsLast(nn.Module):
     def __init__(self):
         super().__init__()

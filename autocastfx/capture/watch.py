@@ -249,19 +249,26 @@ _ABSENT = object()
 def _set_while_captured(use: StateUse, first: dict, written: dict) -> None:
     """Note the plain attributes of modules the code set while it was captured, from its writes: torch.export puts
     every module attribute back as it was (``_detect_attribute_assignment``), so no change is left to see after it.
-    One the code read before setting it (a counter) is a change the program cannot repeat (``use.changed``), as is
-    one set to different values in the capture's runs; one set to one plain value before any read is the model's own
-    setting, made at each call (Swin's ``shift_size`` where the resolution is no larger than its window): the program
-    holds that value, which the model's own first call sets too (``use.lazy``)."""
+    One the code read before setting it (a counter), or set and never read, is a change the program does not
+    repeat (``use.changed``), as is one set before reading it to different plain values in the capture's runs. One
+    set to one plain value before any read is the model's own setting, made at each call (Swin's ``shift_size`` where
+    the resolution is no larger than its window): the program holds that value, which the model's own first call
+    sets too (``use.lazy``). One set from the call's sizes before each read (a symbolic size) is computed by the
+    program, not taken from the model: not watched."""
     for key, (old, values) in written.items():
         if old is not _ABSENT and set(values) == {fingerprint(old)}:
             continue  # set again to the value it had
         new = list(values.values())[-1]
-        if not first[key] and key in use.read and len(values) == 1 and isinstance(new, _PLAIN):
+        plain = all(isinstance(v, _PLAIN) for v in values.values())
+        if first[key] or key not in use.read or (plain and len(values) > 1) \
+                or any(isinstance(v, torch.Tensor) for v in values.values()):
+            use.changed.setdefault(key, (None if old is _ABSENT else old, new))
+        elif plain:
             use.lazy[key] = new
             use.changed.pop(key, None)
         else:
-            use.changed.setdefault(key, (None if old is _ABSENT else old, new))
+            use.read.discard(key)
+            use.changed.pop(key, None)
 
 
 def _lazily_set(use: StateUse, held: dict, before: dict) -> None:
