@@ -5,8 +5,6 @@ decides where the blocks' low results are cast.
 """
 from __future__ import annotations
 
-from ..base.meta import FIRST, ReadsThrough
-
 import contextlib
 import operator
 import re
@@ -19,6 +17,8 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 
+from ..base.errors import one_line
+from ..base.meta import FIRST, ReadsThrough, fetch
 from ..base.quiet import torch_internal_warnings_off
 
 _CALL_INDEX = re.compile(r"@\d+$")
@@ -85,7 +85,7 @@ def export_around(model: nn.Module, args: tuple, kwargs: dict, units: dict[str, 
         try:
             ep = export(model, args, kwargs, tuple(units))
         except Exception as e:  # noqa: BLE001 - the caller falls back to a flat capture, saying why
-            raise AroundError(f"torch.export cannot keep the blocks' signatures ({_first_line(e)})") from e
+            raise AroundError(f"torch.export cannot keep the blocks' signatures ({one_line(e)})") from e
     finally:
         for owner, key, unit in parents.values():
             owner._modules[key] = unit
@@ -98,7 +98,7 @@ def export_around(model: nn.Module, args: tuple, kwargs: dict, units: dict[str, 
         with torch_internal_warnings_off(), _meta_state(ep) as originals:
             flat = torch.export.unflatten(ep)
     except Exception as e:  # noqa: BLE001
-        raise AroundError(f"torch.export.unflatten failed ({_first_line(e)})") from e
+        raise AroundError(f"torch.export.unflatten failed ({one_line(e)})") from e
     _share_model_tensors(flat, originals)
     try:
         return graph_around(flat, units, ep)
@@ -164,11 +164,6 @@ def _release(ep) -> None:
         meta.pop("unflattened_module", None)
 
 
-def _first_line(e: BaseException) -> str:
-    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return f"{type(e).__name__}: {text}"[:300]
-
-
 def graph_around(flat: nn.Module, units: dict[str, nn.Module], ep) -> fx.GraphModule:
     """One graph module from the unflattened ``flat``: its nested modules inlined, the preserved blocks called
     as the converted ``units``, its inputs and outputs those of the exported program (pytree code)."""
@@ -189,8 +184,8 @@ def graph_around(flat: nn.Module, units: dict[str, nn.Module], ep) -> fx.GraphMo
     gm = fx.GraphModule(root, graph, type(flat).__name__)
     for name in loose:  # fx's copy registers every buffer persistent
         parent, _, field = name.rpartition(".")
-        owner = _get(gm, parent)
-        if owner is not None and field in owner._buffers:
+        owner = fetch(gm, parent, None) if parent else gm
+        if isinstance(owner, nn.Module) and field in owner._buffers:
             owner._non_persistent_buffers_set.add(field)
     # every parameter and buffer of the model around the blocks under each of its names, read or not (a tied
     # head's weight under the head's name too: the model's state dict has both)
@@ -216,13 +211,6 @@ def graph_around(flat: nn.Module, units: dict[str, nn.Module], ep) -> fx.GraphMo
     if missing:
         raise AroundError(f"the blocks {sorted(missing)[:3]} are not called in the exported graph")
     return gm
-
-
-def _get(root: nn.Module, path: str) -> nn.Module | None:
-    try:
-        return root.get_submodule(path) if path else root
-    except AttributeError:
-        return None
 
 
 def _assign(root: nn.Module, target: str, value: Any, persistent: bool = True) -> None:

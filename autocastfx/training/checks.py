@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_unflatten
 from ..base import keys as K
+from ..base.errors import one_line
 
 
 class StepError(ValueError):
@@ -150,7 +151,7 @@ class InputChecker:
             raise StepError(
                 "the converted module does not run on these inputs: " + "; ".join(differing) + ". Pass inputs "
                 "shaped like the example (a size that the model accepts, such as the batch, may differ), or "
-                f"convert again with an example of the new shape. Inside the module: {_first_line(e)}") from e
+                f"convert again with an example of the new shape. Inside the module: {one_line(e)}") from e
 
     def _differing(self, inputs: Any, bound: dict[str, Any]) -> list[str]:
         out = []
@@ -235,7 +236,3 @@ def _dtype(dtype: torch.dtype) -> str:
     return str(dtype)
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    line = f"{type(e).__name__}: {text[0] if text else ''}"
-    return line if len(line) < 300 else line[:297] + "..."
