@@ -193,3 +193,72 @@ def test_a_config_value_the_model_sets_at_its_first_call_is_the_one_the_graph_ho
     model.config.problem_type = "multi_label_classification"
     with pytest.raises(ValueError, match=r"problem_type was set to 'multi_label_classification'"):
         gm(**inputs)
+
+
+def _gpt2_collecting(collect: bool = True):
+    """A GPT-2 whose config asks for every hidden state (``collect``): Hugging Face collects them through forward
+    hooks it puts on the decoder blocks at the model's first call. Its weights scaled up: less flat, so a shift of
+    its positions changes the tokens it generates."""
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, use_cache=False,
+                        output_hidden_states=collect, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = tf.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3)
+    return model
+
+
+def _hooks(model):
+    return {n: len(m._forward_hooks) for n, m in model.named_modules() if m._forward_hooks}
+
+
+def test_hidden_states_collected_through_hooks_are_returned_and_the_model_and_its_config_are_its_own():
+    """Before, with blocks (the default): the converted module returned no hidden state, as the graph around the
+    blocks held the empty list they are collected in; the conversion's run left Hugging Face's hooks on the model's
+    own blocks, so the model, called afterwards, hooked them again and returned 5 hidden states where it returns 3;
+    and ``gm.config`` was a copy, a change to which did nothing. Now the structure the graph around the blocks
+    returns is compared with the model's own call (one graph where they differ), the model's blocks keep the hooks
+    they had, and ``gm.config`` is the model's."""
+    model, twin = _gpt2_collecting(), _gpt2_collecting()
+    ids = torch.randint(3, 64, (2, 8))
+    gm = autocastfx.convert(model, (ids,), dtype=torch.bfloat16).eval()
+    assert _hooks(model) == {}  # the model has not been called: Hugging Face has not hooked it yet
+    got, ref, own = gm(ids).hidden_states, twin(ids).hidden_states, model(ids).hidden_states
+    assert len(got) == len(ref) == len(own) == 3
+    assert all(torch.equal(a, b) for a, b in zip(own, ref))
+    assert max(_rel(a.float(), b) for a, b in zip(got, ref)) < 2e-2
+    assert gm.config is model.config
+
+
+def test_a_copy_of_the_converted_module_keeps_the_models_signature_and_generates_as_it_does():
+    """Before: ``copy.deepcopy(gm)`` and ``AveragedModel(gm).module`` (an EMA) showed the example's inputs as their
+    forward's signature, so Hugging Face's generate() passed them no position ids: on a left-padded row GPT-2's
+    positions were off by the padding, and the copy generated other tokens than the model."""
+    import copy
+    import inspect
+    from torch.optim.swa_utils import AveragedModel
+    model = _gpt2_collecting(collect=False)
+    ids = torch.randint(3, 64, (2, 8))
+    gm = autocastfx.convert(model, example_kwargs={"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                            dtype=torch.bfloat16, blocks=None).eval()
+    copies = [copy.deepcopy(gm), AveragedModel(gm).module]
+    for c in copies:
+        assert inspect.signature(c.forward) == inspect.signature(gm.forward)
+        assert "position_ids" in inspect.signature(c.forward).parameters
+    prompt = torch.tensor([[0, 0, 0, 5, 9, 17], [4, 8, 15, 16, 23, 42]])
+    kw = dict(attention_mask=(prompt != 0).long(), max_new_tokens=6, do_sample=False, use_cache=False)
+    with torch.no_grad():  # the deep copy converts for generate's call on its own (a copy shares no conversion)
+        assert torch.equal(copies[0].eval().generate(prompt, **kw), gm.generate(prompt, **kw))
+
+def test_hidden_states_the_model_collects_through_hooks_are_returned_piecewise():
+    """``blocks=True`` keeps the blocks where the model around them runs as its own Python. Before: the hooks
+    Hugging Face put on the model's blocks during the conversion's run were on no converted block, and the
+    converted module returned no hidden state. Now the hooks the model's code put on a block as it ran are the
+    converted block's."""
+    model, twin = _gpt2_collecting(), _gpt2_collecting()
+    ids = torch.randint(1, 64, (2, 8))
+    gm = autocastfx.convert(model, (ids,), dtype=torch.bfloat16, blocks=True)
+    got, ref = gm(ids).hidden_states, twin(ids).hidden_states
+    assert len(got) == len(ref) == 3 and len(model(ids).hidden_states) == 3
+    assert max(_rel(a.float(), b) for a, b in zip(got, ref)) < 2e-2

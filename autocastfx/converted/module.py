@@ -112,6 +112,17 @@ def _keep_wrapped_call(cls: type) -> None:
             return
 
 
+def _model_signature(gm: nn.Module) -> None:
+    """Give ``gm``'s forward the model's signature, for code that reads it to choose what to pass (Hugging Face's
+    ``generate`` passes ``position_ids`` only to a forward that names it)."""
+    cls = getattr(gm.__dict__.get("meta", {}).get("autocastfx"), "model_class", None)
+    if cls is not None and "forward" in vars(type(gm)):
+        try:
+            type(gm).forward.__signature__ = inspect.signature(cls.forward)
+        except (TypeError, ValueError):
+            pass
+
+
 def _read_mode(module: nn.Module, args: tuple) -> None:
     """A forward pre-hook of a compiled converted module: its mode, read where the compiler traces."""
     if module.training:
@@ -278,13 +289,7 @@ class _Switchable(_GuardsChildren):
         if programs is not None and not programs.switching:  # the graph was edited: the kept code is stale
             programs.code.clear()
         out = super().recompile()
-        cls = getattr(self.__dict__.get("meta", {}).get("autocastfx"), "model_class", None)
-        if cls is not None and "forward" in vars(type(self)):
-            # the model's signature, for code that reads it to choose what to pass (Hugging Face's generate)
-            try:
-                type(self).forward.__signature__ = inspect.signature(cls.forward)
-            except (TypeError, ValueError):
-                pass
+        _model_signature(self)
         return out
 
     def eval(self):
@@ -393,7 +398,8 @@ class _Switchable(_GuardsChildren):
         """A copy that keeps non-persistent buffers and read-only names, which GraphModule's copy drops."""
         with torch_internal_warnings_off():  # the graph's pytree specs
             out = super().__deepcopy__(memo)
-        add_model_surface(out)  # the copy's class is made anew
+        add_model_surface(out)  # the copy's class is made anew, and its forward before the copy had its meta
+        _model_signature(out)
         copies = dict(out.named_modules(remove_duplicate=False))
         for name, m in self.named_modules(remove_duplicate=False):
             c = copies.get(name)

@@ -20,7 +20,9 @@ from ..capture.trace import copy_model, ModelTracer
 from .piecewise import piecewise_units
 from ..core.propagate import placeholder_values
 from ..base.quiet import torch_internal_warnings_off
+from ..converted.module import add_model_surface
 from ..converted.state import rebind
+from ..core.modes import EVAL, TRAIN
 from .parts import BLOCK_META, Conversions
 from ..base.options import ConvertOptions
 from ..capture.context import CaptureContext, free_sizes
@@ -299,23 +301,30 @@ def _tree(model, names, args, kwargs, conv, options, ctx, *, piecewise: bool, wh
     for name in names:
         stands[name] = _Stand(name, tree.get_submodule(name), make)
         put_module(tree, name, stands[name])
+    hooks = _hooks_of(keep.values())
+    before = {name: set(st.block._forward_hooks) for name, st in stands.items()}
     try:
         with quiet_run(tree, None if piecewise else options.dtype, (args, kwargs)), _fake_on(ctx.meta_device):
-            tree(*args, **kwargs)
+            ran = torch.utils._pytree.tree_structure(tree(*args, **kwargs))
     except _CalledTwice as e:  # a block called twice (weights shared between calls) is no block: again without
         rest = [n for n in names if n != str(e)]
         if not rest:
             return conv.whole(model, args, kwargs, options, ctx)
         return _tree(model, rest, args, kwargs, conv, options, ctx, piecewise=piecewise, why=why)
     finally:
+        added = {name: {k: h for k, h in st.block._forward_hooks.items() if k not in before[name]}
+                 for name, st in stands.items()}
         _put_back(tree, stands, keep)
         set_modes(tree, model, modes)
+        _restore_hooks(hooks)  # the model's own blocks: hooks its code registered as it ran go (HF's output capture)
     units = {n: st.unit for n, st in stands.items() if st.unit is not None and is_converted(st.unit)}
     skipped = {n: make.failed.get(n, "not called by the model's forward on the example inputs") for n in stands
                if n not in units}
     if not units:
         return conv.whole(model, args, kwargs, options, ctx)
-    if piecewise:
+    if piecewise:  # the model's code runs around the blocks: the hooks it put on them run on the units
+        for name, unit in units.items():
+            unit._forward_hooks.update(added[name])
         return piecewise_units(model, tree, units, skipped, args, kwargs, conv, options, ctx, modes, why)
     changing = [n for n in units if stands[n].changes_inputs]
     if changing:  # a graph around the blocks would hold the list as it was before the block's call
@@ -325,8 +334,40 @@ def _tree(model, names, args, kwargs, conv, options, ctx, *, piecewise: bool, wh
     # what torch.export traces for the converted blocks: a copy of the input where that has the block's
     # result's shape, else the model's own block
     sources = {id(u): (model.get_submodule(n), stands[n].template) for n, u in units.items()}
-    return _root(model, tree, units, skipped, args, kwargs, conv, options, ctx.replace(sources=sources), modes,
-                 make)
+    gm = _root(model, tree, units, skipped, args, kwargs, conv, options, ctx.replace(sources=sources), modes, make)
+    made = _eval_out_spec(gm)
+    if made is not None and made != ran:
+        # the model's code collects more than its blocks return (Hugging Face's output_hidden_states, through
+        # forward hooks it puts on the blocks): a graph calling the blocks would return less
+        raise RootError("the model around its blocks returns another structure than the model's own call (output "
+                        "its code collects from the blocks, such as output_hidden_states=True in the config)")
+    return gm
+
+
+_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+          "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _hooks_of(blocks) -> list[tuple[dict, dict]]:
+    """Each hook table of every module of ``blocks``, with a copy of what it holds now."""
+    return [(table, dict(table)) for b in blocks for m in b.modules()
+            for table in (getattr(m, name, None) for name in _HOOKS) if isinstance(table, dict)]
+
+
+def _restore_hooks(saved: list[tuple[dict, dict]]) -> None:
+    for table, before in saved:
+        if table.keys() != before.keys():
+            table.clear()
+            table.update(before)
+
+
+def _eval_out_spec(gm: nn.Module):
+    """The output structure of ``gm``'s eval program where its code builds it from a pytree spec (torch.export's),
+    else None."""
+    programs = gm.meta.get(K.PROGRAMS)
+    graph = programs.graphs.get(EVAL, programs.graphs.get(TRAIN)) if programs is not None else gm.graph
+    info = getattr(graph._codegen, "pytree_info", None)
+    return getattr(info, "out_spec", None)
 
 
 def _tree_copy(model: nn.Module, names: list[str]) -> tuple[nn.Module, dict[int, nn.Module]]:
@@ -602,6 +643,9 @@ def _root(model, tree, units, skipped, args, kwargs, conv: Conversions, options:
     set_modes(gm, model, modes)
     rebind(gm, model)  # the model's own modules, not the tree's copies, hold the attributes read
     info = gm.meta["autocastfx"]
+    own = vars(model)  # gm.config is the model's config, not the tree's copy of it
+    info.model_attrs = {k: own.get(k, v) for k, v in info.model_attrs.items()}
+    add_model_surface(gm)
     info.source_params = names_by_id(model)
     info.extra_totals["blocks"] = describe_units(units, skipped)
     return gm
