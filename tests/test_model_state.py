@@ -1240,6 +1240,12 @@ def test_hooks_on_the_models_modules_that_the_converted_module_never_runs_are_wa
     model.inp.register_forward_hook(lambda m, a, out: seen.append("inp"))
     with pytest.warns(UserWarning, match=r"forward hooks on the model's 'inp' ran once, at conversion"):
         gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16, blocks=True)
+    # a hook on a block at conversion: the block's graph holds what it computed, its Python is gone (before: no word)
+    handle = model.layers[0].register_forward_hook(lambda m, a, out: seen.append("layers.0"))
+    for blocks in (True, "auto"):
+        with pytest.warns(UserWarning, match=r"forward hooks on the model's 'layers.0' ran once, at conversion"):
+            autocastfx.convert(model, (x,), dtype=torch.bfloat16, blocks=blocks)
+    handle.remove()
     seen.clear()
     gm.layers[0].register_forward_hook(lambda m, a, out: seen.append("gm.layers.0"))
     model.layers[1].register_forward_hook(lambda m, a, out: seen.append("model.layers.1"))

@@ -342,12 +342,19 @@ def _torchs(hook) -> bool:
     return str(getattr(fn, "__module__", "") if plain else type(fn).__module__).startswith("torch.")
 
 
-def warn_model_hooks(model: nn.Module) -> None:
-    """Warn where the model's modules have forward hooks at conversion: the capture ran them once, so the graph
-    holds what they compute on tensors, and none of their Python runs at later calls."""
+def hooked_paths(model: nn.Module, prefix: str = "") -> list[str]:
+    """The names (after ``prefix``) of ``model``'s modules, converted blocks' aside, with forward hooks not torch's."""
     inside = {id(s) for n, u in model.named_modules() if n and is_converted(u) for s in u.modules()}
-    hooked = [path or type(model).__name__ for path, m in model.named_modules() if id(m) not in inside
-              and any(not _torchs(h) for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()))]
+    return [".".join(p for p in (prefix, path) if p) or type(model).__name__
+            for path, m in model.named_modules() if id(m) not in inside
+            and any(not _torchs(h) for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()))]
+
+
+def warn_model_hooks(model: nn.Module, hooked: list[str] | None = None) -> None:
+    """Warn where the model's modules have forward hooks at conversion (``hooked``, else found in ``model``): the
+    capture ran them once, so the graph holds what they compute on tensors, and none of their Python runs at later
+    calls."""
+    hooked = hooked_paths(model) if hooked is None else hooked
     if hooked:
         warn_user(f"autocastfx: forward hooks on the model's {', '.join(map(repr, hooked[:4]))}"
                   f"{f' and {len(hooked) - 4} more' if len(hooked) > 4 else ''} ran once, at conversion: the "

@@ -21,7 +21,7 @@ from .piecewise import piecewise_units
 from ..core.propagate import placeholder_values
 from ..base.quiet import torch_internal_warnings_off
 from ..converted.module import add_model_surface
-from ..converted.state import rebind
+from ..converted.state import hooked_paths, rebind, warn_model_hooks
 from ..core.modes import EVAL, TRAIN
 from .parts import BLOCK_META, Conversions
 from ..base.options import ConvertOptions
@@ -303,6 +303,7 @@ def _tree(model, names, args, kwargs, conv, options, ctx, *, piecewise: bool, wh
         put_module(tree, name, stands[name])
     hooks = _hooks_of(keep.values())
     before = {name: set(st.block._forward_hooks) for name, st in stands.items()}
+    hooked = {name: hooked_paths(st.block, name) for name, st in stands.items()}  # the model's, before the run
     try:
         with quiet_run(tree, None if piecewise else options.dtype, (args, kwargs)), _fake_on(ctx.meta_device):
             ran = torch.utils._pytree.tree_structure(tree(*args, **kwargs))
@@ -322,6 +323,8 @@ def _tree(model, names, args, kwargs, conv, options, ctx, *, piecewise: bool, wh
                if n not in units}
     if not units:
         return conv.whole(model, args, kwargs, options, ctx)
+    # a converted block's graph holds what the hooks on the model's block computed on tensors, once
+    warn_model_hooks(model, [p for n in units for p in hooked[n]])
     if piecewise:  # the model's code runs around the blocks: the hooks it put on them run on the units
         for name, unit in units.items():
             unit._forward_hooks.update(added[name])
