@@ -234,5 +234,3 @@ def _shape(shape) -> str:
 
 def _dtype(dtype: torch.dtype) -> str:
     return str(dtype)
-
-

@@ -324,10 +324,11 @@ def _tree(model, names, args, kwargs, conv, options, ctx, *, piecewise: bool, wh
     if not units:
         return conv.whole(model, args, kwargs, options, ctx)
     # a converted block's graph holds what the hooks on the model's block computed on tensors, once
-    warn_model_hooks(model, [p for n in units for p in hooked[n]])
+    hooked = [p for n in units for p in hooked[n]]
     if piecewise:  # the model's code runs around the blocks: the hooks it put on them run on the units
         for name, unit in units.items():
             unit._forward_hooks.update(added[name])
+        warn_model_hooks(model, hooked)
         return piecewise_units(model, tree, units, skipped, args, kwargs, conv, options, ctx, modes, why)
     changing = [n for n in units if stands[n].changes_inputs]
     if changing:  # a graph around the blocks would hold the list as it was before the block's call
@@ -344,6 +345,7 @@ def _tree(model, names, args, kwargs, conv, options, ctx, *, piecewise: bool, wh
         # forward hooks it puts on the blocks): a graph calling the blocks would return less
         raise RootError("the model around its blocks returns another structure than the model's own call (output "
                         "its code collects from the blocks, such as output_hidden_states=True in the config)")
+    warn_model_hooks(model, hooked)
     return gm
 
 
