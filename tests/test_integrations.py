@@ -83,6 +83,10 @@ def test_hugging_face_trainer_trains_through_the_generated_step(tmp_path, hf_who
     mms = [c for c in rec.calls if c.name in ("mm", "addmm", "bmm")]
     assert mms and sum(torch.float16 in c.in_dtypes for c in mms) > len(mms) // 2
     assert "autocastfx_step.pt" in os.listdir(out / "checkpoint-2")
+    # clipped by the step at the arguments' max_grad_norm, which stay as given, in the run and in its checkpoints
+    # (before: set to 0.0 on the caller's TrainingArguments, so a second Trainer built on them did not clip)
+    assert ours.step.clip == ours.args.max_grad_norm == 1.0
+    assert torch.load(out / "checkpoint-4" / "training_args.bin", weights_only=False).max_grad_norm == 1.0
     # the checkpoint's weights are the converted module's float32 parameters, unrounded, under the model's names
     from safetensors.torch import load_file
     saved = load_file(str(out / "checkpoint-4" / "model.safetensors"))

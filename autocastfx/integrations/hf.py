@@ -91,9 +91,20 @@ class Trainer(transformers.Trainer):
         # the converted forward takes the inputs it was converted with: the window's token count is applied here
         self.tokens_per_window = self.tokens_per_window or self.model_accepts_loss_kwargs
         self.model_accepts_loss_kwargs = False
-        if self.args.max_grad_norm and self.args.max_grad_norm > 0:  # clipped by the step, after unscaling
-            self.clip, self.args.max_grad_norm = self.args.max_grad_norm, 0.0
-        return super().train(*args, **kwargs)
+        max_norm = self.args.max_grad_norm  # clipped by the step, after unscaling; the caller's args kept as given
+        self.clip = max_norm if max_norm and max_norm > 0 else None
+        if hasattr(transformers.Trainer, "_clip_grad_norm"):  # the Trainer's own clipping goes through it (below)
+            return super().train(*args, **kwargs)
+        self.args.max_grad_norm = 0.0  # an older Trainer clips inline: off for this run, put back after it
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.args.max_grad_norm = max_norm
+
+    def _clip_grad_norm(self, model):
+        """None: the step clipped the unscaled gradients before its update; the Trainer then measures the norm
+        without clipping (the logged norm is the step's, :meth:`log`)."""
+        return None
 
     def _refuse_other_losses(self) -> None:
         """ValueError where the Trainer would compute a loss other than the model's own ``out.loss``, which the step
