@@ -17,7 +17,7 @@ import torch.nn as nn
 from .base import keys as K
 from .base.errors import CaptureError, one_line
 from .base.quiet import deepcopy_quietly, own_warnings_off, torch_internal_warnings_off, warn_user
-from .base.meta import ConvertInfo, is_converted, names_by_id
+from .base.meta import HOOK_TABLES, ConvertInfo, is_converted, names_by_id
 from .base.options import LOW_DTYPES, ConvertOptions
 from .base.runtime import KEEP_MODEL_MODES, no_recompile
 from .capture import inline as _inline
@@ -248,8 +248,7 @@ def _keep_checks(out: nn.Module, model: nn.Module, args: tuple, kwargs: dict) ->
     except Exception:  # noqa: BLE001 - a model that does not deep-copy keeps torch's errors only
         return
     for m in twin.modules():  # the user's hooks are not run on meta (they may count, log or move tensors)
-        for hooks in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-                      "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
+        for hooks in HOOK_TABLES:
             if isinstance(getattr(m, hooks, None), dict):
                 getattr(m, hooks).clear()
     info.checks = _calls.checks_for(twin, args, kwargs)

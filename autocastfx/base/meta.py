@@ -20,6 +20,10 @@ WATCHED_CLASS = "_autocastfx_watched_class"  # on the subclass a watched module 
 
 _RAISE = object()
 
+# a module's hook tables that run at its call (nn.Module's own attribute names)
+HOOK_TABLES = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+
 
 def fetch(module: Any, target: str, missing: Any = _RAISE) -> Any:
     """The attribute a ``get_attr`` node's dotted ``target`` names in ``module``; ``missing`` where absent, or an

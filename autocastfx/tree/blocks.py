@@ -14,7 +14,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from ..base.errors import one_line, CaptureError
-from ..base.meta import FIRST, is_converted, original_class, ReadsThrough, TensorInfo
+from ..base.meta import FIRST, HOOK_TABLES, is_converted, original_class, ReadsThrough, TensorInfo
 from ..base import keys as K
 from ..capture.trace import copy_model, ModelTracer
 from .piecewise import piecewise_units
@@ -349,14 +349,10 @@ def _tree(model, names, args, kwargs, conv, options, ctx, *, piecewise: bool, wh
     return gm
 
 
-_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
-          "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
-
-
 def _hooks_of(blocks) -> list[tuple[dict, dict]]:
     """Each hook table of every module of ``blocks``, with a copy of what it holds now."""
     return [(table, dict(table)) for b in blocks for m in b.modules()
-            for table in (getattr(m, name, None) for name in _HOOKS) if isinstance(table, dict)]
+            for table in (getattr(m, name, None) for name in HOOK_TABLES) if isinstance(table, dict)]
 
 
 def _restore_hooks(saved: list[tuple[dict, dict]]) -> None:
