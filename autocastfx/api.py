@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from .base import keys as K
 from .base.errors import CaptureError, one_line
-from .base.quiet import deepcopy_quietly, own_warnings_off, torch_internal_warnings_off, warn_user
+from .base.quiet import deepcopy_quietly, own_warnings_off, quiet_torch_logs, torch_internal_warnings_off, warn_user
 from .base.meta import HOOK_TABLES, ConvertInfo, is_converted, names_by_id
 from .base.options import LOW_DTYPES, ConvertOptions
 from .base.runtime import KEEP_MODEL_MODES, no_recompile
@@ -139,7 +139,7 @@ _KEEP_MODEL_MODES = threading.RLock()
 def _convert_any(model: nn.Module, args: tuple, kwargs: dict, options: ConvertOptions,
                  ctx: CaptureContext) -> nn.Module:
     """A float32 model (or one on meta), or a low-precision checkpoint (converted as its float32 twin)."""
-    with _KEEP_MODEL_MODES:
+    with _KEEP_MODEL_MODES, quiet_torch_logs():  # once: each logger level set clears every logger's cache
         token = KEEP_MODEL_MODES.set(True)
         try:
             return _convert_any_alone(model, args, kwargs, options, ctx)
