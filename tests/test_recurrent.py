@@ -617,6 +617,39 @@ def test_a_size_the_model_cannot_take_either_is_named_with_the_fix():
             gm(torch.randn(2, 4, 8))
 
 
+class _TokenLSTM(nn.Module):
+    def __init__(self, vocab=48, width=32):
+        super().__init__()
+        self.emb, self.rnn, self.head = nn.Embedding(vocab, width), nn.LSTM(width, width, batch_first=True), \
+            nn.Linear(width, vocab)
+
+    def forward(self, idx):
+        return self.head(self.rnn(self.emb(idx))[0])
+
+
+@pytest.mark.parametrize("how", ["torch.compile(gm)", "gm.compile()"])
+def test_a_compiled_call_at_sizes_the_capture_fixed_is_converted_for_as_an_eager_one(how):
+    """Under torch.compile, a call whose sizes differ from those torch.export fixed (a length after a batch size
+    changed, when the compiler leaves both free) gets the conversion an eager call gets, through one graph break:
+    the eager module's outputs, where the compiled trace stopped at torch.export's guard."""
+    torch.manual_seed(0)
+    model = _TokenLSTM()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm, eager = (autocastfx.convert(model, (torch.randint(0, 48, (4, 12)),), dtype=torch.bfloat16)
+                     for _ in range(2))
+    if how == "gm.compile()":
+        gm.compile(backend="eager")
+        run = gm
+    else:
+        run = torch.compile(gm, backend="eager")
+    for shape in ((4, 12), (3, 12), (4, 8)):  # the length after the batch: the compiler leaves both free
+        idx = torch.randint(0, 48, shape)
+        out, expected = run(idx).detach(), eager(idx).detach()
+        assert out.shape == (*shape, 48)
+        assert (out - expected).abs().max() <= 1e-5 * expected.abs().max(), shape
+
+
 class _WordModel(nn.Module):
     """pytorch/examples' word language model in small: main.py calls ``model.rnn.flatten_parameters()`` after
     loading its checkpoint."""

@@ -524,10 +524,10 @@ def test_accelerate_loop():
     """Hugging Face accelerate's loop on the CPU: ``Accelerator(cpu=True, mixed_precision=...)``,
     ``prepare(model, optimizer, dataloader)``, ``accelerator.backward(loss)``, ``accelerator.clip_grad_norm_``,
     ``opt.step()``; the checkpoint is ``unwrap_model(model).state_dict()`` saved with ``accelerator.save``.
-    With ``mixed_precision="bf16"`` (which accelerate supports on the CPU) accelerate wraps the model's forward in
-    a CPU autocast, inside which the converted module runs its own plan: the converted module gives the same
-    losses under "bf16" and under the default "no". Compared with the same loop on the unconverted model under
-    "bf16" (the autocast run) and "no" (float32)."""
+    With ``mixed_precision="bf16"`` (which accelerate supports on the CPU) accelerate wraps the converted module's
+    forward in a CPU autocast, which runs inside its program (a warning says so): this MLP's plan has every matmul
+    in bfloat16 already, so the losses are those of the default "no". Compared with the same loop on the unconverted
+    model under "bf16" (the autocast run) and "no" (float32)."""
     pytest.importorskip("accelerate")
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
@@ -575,6 +575,74 @@ def test_accelerate_loop():
     # measured: converted vs autocast 1.5e-3, autocast vs float32 1.0e-3, the loss falls by 1.0
     assert_losses_track_autocast(losses, ac, f32, tol=0.01)
     assert_checkpoint_is_the_trained_model(gm, make, init, (torch.randn(16, 8),), state=saved)
+
+
+class _FunctionalDropout(nn.Module):
+    """Its dropout's mode is a value in the graph (``F.dropout(training=self.training)``): each mode a program."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 64), nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.b(F.dropout(F.gelu(self.a(x)), 0.5, training=self.training))
+
+
+def _wrap_forward_as_accelerate_does(gm):
+    """``gm.forward = MethodType(torch.autocast(...)(gm.forward.__func__), gm)``, as accelerate's mixed precision
+    sets it on the instance."""
+    import types
+    gm.forward = types.MethodType(torch.autocast("cpu", dtype=BF16)(gm.forward.__func__), gm)
+    return gm
+
+
+@pytest.mark.parametrize("wrap", ["accelerate bf16", "wrapped forward"])
+@pytest.mark.parametrize("first", ["train", "eval"])
+def test_a_forward_wrapped_on_the_instance_follows_train_and_eval(wrap, first):
+    """A wrapper that took ``gm.forward.__func__`` and set itself on the instance (accelerate's
+    ``mixed_precision="bf16"`` does, in ``prepare``) runs the program of the mode ``gm`` is in after each
+    ``train()``/``eval()``, not the one it was in when wrapped: evaluation is deterministic and training drops out,
+    each as the float32 model does in that mode with the same seed (measured: 2.6e-3 apart in both). The autocast
+    such a wrapper enables runs inside the converted program and recasts its plan: the first call says so, once."""
+    torch.manual_seed(0)
+    model, x = _FunctionalDropout(), torch.randn(8, 16)
+    gm = autocastfx.convert(model, (x,), dtype=BF16)
+    gm.train(first == "train")
+    if wrap == "accelerate bf16":
+        pytest.importorskip("accelerate")
+        from accelerate import Accelerator
+        from accelerate.state import AcceleratorState, GradientState
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        try:
+            run = Accelerator(cpu=True, mixed_precision="bf16").prepare(gm)
+        finally:
+            AcceleratorState._reset_state(True)
+            GradientState._reset_state()
+    else:
+        run = _wrap_forward_as_accelerate_does(gm)
+    assert "forward" in gm.__dict__
+    ref = _FunctionalDropout()
+    ref.load_state_dict(model.state_dict())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            run(x)
+            run(x)
+    said = [w for w in caught if "wrapped in torch.autocast" in str(w.message)]
+    assert len(said) == 1 and "mixed_precision='no'" in str(said[0].message), [str(w.message) for w in caught]
+    for mode in (first != "train", first == "train", first != "train"):
+        run.train(mode)
+        ref.train(mode)
+        outs = []
+        with torch.no_grad():
+            for seed in (0, 1):
+                torch.manual_seed(seed)
+                outs.append(run(x).float())
+            torch.manual_seed(0)
+            expected = ref(x)
+        assert torch.equal(outs[0], outs[1]) is (not mode), mode  # eval deterministic, training drops out
+        assert (outs[0] - expected).abs().max() < 2e-2, (mode, (outs[0] - expected).abs().max())
 
 
 # ---------------------------------------------------------------------------------------------------------------

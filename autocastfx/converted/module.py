@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.fx._pytree as fx_pytree
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 import torch.nn as nn
 
 from . import calls as _calls
@@ -86,6 +88,7 @@ def _switch_graph(gm: fx.GraphModule, programs: Programs, key: str) -> None:
             if name in kept:
                 setattr(gm, name, kept[name])
         type(gm).forward = kept["forward"]
+        _hold_forward(gm)
         return
     programs.switching = True
     try:
@@ -96,8 +99,36 @@ def _switch_graph(gm: fx.GraphModule, programs: Programs, key: str) -> None:
 
 
 def _running_code(gm: fx.GraphModule) -> dict:
-    return {"graph": gm._graph, "forward": type(gm).forward,
+    forward = type(gm).forward
+    return {"graph": gm._graph, "forward": getattr(forward, _PROGRAM, forward),
             **{n: getattr(gm, n) for n in _CODE_FIELDS if hasattr(gm, n)}}
+
+
+_HELD_FORWARD, _PROGRAM = "_autocastfx_forward", "_autocastfx_program"
+
+
+def _hold_forward(gm: nn.Module) -> None:
+    """Keep one function as ``type(gm).forward`` for ``gm``'s life, running the code generated for the program now
+    current: a wrapper that took ``gm.forward.__func__`` and set itself on the instance (accelerate's mixed
+    precision wraps it in autocast) then runs each mode's program, not the one it took. Each program's own function
+    stays apart (``_autocastfx_program`` of the held one), and so do their code objects, which torch.compile caches
+    by. Where two programs' code would read one global name as different objects, a new function is held."""
+    cls = type(gm)
+    fn, held = cls.__dict__.get("forward"), cls.__dict__.get(_HELD_FORWARD)
+    if fn is None or fn is held or not isinstance(fn, types.FunctionType) or fn.__closure__:
+        return
+    if held is None or any(k in held.__globals__ and held.__globals__[k] is not v for k, v in fn.__globals__.items()
+                           if k != "forward"):
+        held = types.FunctionType(fn.__code__, dict(fn.__globals__), fn.__name__, fn.__defaults__)
+        held.__qualname__, held.__module__ = fn.__qualname__, fn.__module__
+        held.__dict__.update(fn.__dict__)
+        setattr(cls, _HELD_FORWARD, held)
+    else:
+        held.__code__, held.__defaults__ = fn.__code__, fn.__defaults__
+        held.__globals__.update(fn.__globals__)
+    held.__kwdefaults__ = fn.__kwdefaults__
+    setattr(held, _PROGRAM, fn)
+    cls.forward = held
 
 
 def _keep_wrapped_call(cls: type) -> None:
@@ -162,6 +193,32 @@ def _run_as(module: nn.Module, other: nn.Module, args: tuple, kwargs: dict) -> A
 
 
 _NONE = object()
+
+
+def _check_wrapped_forward(gm: nn.Module) -> None:
+    """Warn, once per wrapper, where ``gm.forward`` was replaced on the instance by a wrapper that runs it under an
+    enabled ``torch.autocast`` (accelerate's ``mixed_precision="bf16"``/``"fp16"`` does, in ``prepare``)."""
+    fn = gm.__dict__["forward"]
+    if gm.__dict__.get("_autocastfx_wrapper_seen") == id(fn):
+        return
+    gm.__dict__["_autocastfx_wrapper_seen"] = id(fn)
+    for _ in range(8):  # the wrappers' chain: __func__ of a method, __wrapped__ of functools.wraps, accelerate's
+        fn = getattr(fn, "__func__", fn)
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:
+                continue
+            if isinstance(value, torch.amp.autocast_mode.autocast) and getattr(value, "_enabled", False):
+                warn_user("autocastfx: the converted module's forward is wrapped in torch.autocast on the instance "
+                          "(accelerate's mixed_precision='bf16' or 'fp16' does this in prepare()): autocast then runs "
+                          "inside the converted program and recasts it, so ops its plan keeps in float32 (routers, "
+                          "a float32 head, the loss) run low. The converted module is mixed precision already: use "
+                          "Accelerator(mixed_precision='no') (train() and eval() are followed either way)")
+                return
+        fn = getattr(fn, "__wrapped__", None) or getattr(fn, "model_forward", None)
+        if fn is None:
+            return
 
 
 def _module_call(module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -289,6 +346,7 @@ class _Switchable(_GuardsChildren):
         if programs is not None and not programs.switching:  # the graph was edited: the kept code is stale
             programs.code.clear()
         out = super().recompile()
+        _hold_forward(self)
         _model_signature(self)
         return out
 
@@ -313,6 +371,8 @@ class _Switchable(_GuardsChildren):
             _check_state_eagerly(self)  # the blocks' too: the compiled code runs their forward, not their __call__
         else:
             _check_state(self)
+            if "forward" in self.__dict__:
+                _check_wrapped_forward(self)
             if "_autocastfx_units" not in self.__dict__:  # the blocks marked, for a compiler tracing the forward
                 units_inside(self)
         # read the mode where torch.compile traces, so it guards on it: the programs' code holds it as constants
@@ -364,6 +424,8 @@ class _Switchable(_GuardsChildren):
             _calls.mark_free_dims(info.free_dims, args, kwargs)  # gm.compile(): sizes free to vary left free
         if info is not None:
             other, a, k = _sized(self, info, args, kwargs)
+            if other is None and (torch.compiler.is_compiling() or self.__dict__.get("_compiled_call_impl")):
+                other, a, k = _compiled_at_fixed_sizes(self, info, args, kwargs)
             if other is not None:
                 return _run_as(self, other, a, k)
         first = _first_at_sizes(self, self, args, kwargs) if info is not None else None
@@ -469,6 +531,48 @@ def _sized(gm: nn.Module, info: Any, args: tuple, kwargs: dict) -> tuple:
         other, a, k = (_single_eagerly if torch.compiler.is_compiling() else _calls.other_call)(
             gm, info, args, kwargs, sizes=ones)
     return other, a, k
+
+
+def _compiled_at_fixed_sizes(gm: nn.Module, info: Any, args: tuple, kwargs: dict) -> tuple:
+    """Under torch.compile (or before ``gm.compile()``'s compiled call), ``(conversion, args, kwargs)`` for a call
+    whose input sizes differ from the ones ``gm``'s torch.export program fixed (converted for them now, through one
+    graph break), as eager calls get it through torch.export's guard; ``(None, args, kwargs)`` for a call of its
+    sizes. The compiler guards on each comparison, so a compiled call of fixed sizes stays one graph."""
+    fixed = gm.__dict__.get("_autocastfx_fixed_sizes")
+    if fixed is None:
+        fixed = _fixed_sizes_eagerly(gm, info)
+    if fixed:
+        flat = fx_pytree.tree_flatten_spec((args, kwargs), gm._in_spec)
+        if any(flat[i].shape[d] != size for i, d, size in fixed):
+            return _at_sizes_eagerly(gm, info, args, kwargs)
+    return None, args, kwargs
+
+
+@torch.compiler.disable
+def _fixed_sizes_eagerly(gm: nn.Module, info: Any) -> tuple:
+    """(input index, dim, size) of each input size the torch.export program fixes (an int in its placeholder's
+    value); () where the capture was not torch.export's or another structure than its inputs' is kept."""
+    fixed = []
+    if getattr(info, "capture", None) == "torch.export" and _calls.convertible(info) \
+            and getattr(gm, "_in_spec", None) is not None:
+        for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                fixed += [(i, d, int(size)) for d, size in enumerate(val.shape) if is_concrete_int(size)]
+    gm.__dict__["_autocastfx_fixed_sizes"] = out = tuple(fixed)
+    return out
+
+
+@torch.compiler.disable
+def _at_sizes_eagerly(gm: nn.Module, info: Any, args: tuple, kwargs: dict) -> tuple:
+    """:func:`calls.other_call` for sizes the capture fixed, under ``torch.compile(gm)``; the FixedSizeError an eager
+    call would get where the model does not convert for them."""
+    try:
+        return _calls.other_call(gm, info, args, kwargs, sizes=True)
+    except Exception as e:  # noqa: BLE001 - said as for an eager call
+        guard = AssertionError("Guard failed: an input size differs from the one torch.export's program fixed")
+        _calls.fixed_size(args, kwargs, guard, e)
+        raise
 
 
 @torch.compiler.disable
