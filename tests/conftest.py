@@ -43,6 +43,11 @@ def pytest_configure(config):
     against 23.7-24.8 s (2-core AMD EPYC, one thread). The process is the test run's: nothing of autocastfx sets
     this, and a test that counts what is alive still calls gc.collect() itself."""
     gc.set_threshold(50_000, 50, 100)
+    # torch.compile collects the young generations after every compile (torch._dynamo.config.run_gc_after_compile):
+    # about 23 ms a compile in pytest's process, for the few hundred compiles of the suite
+    import torch._dynamo.config as dynamo_config
+    if hasattr(dynamo_config, "run_gc_after_compile"):
+        dynamo_config.run_gc_after_compile = False
 
 
 # Under tests/parallel.py every process collects every file, and each runs the files it claims, one at a time: a
