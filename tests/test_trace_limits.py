@@ -387,3 +387,152 @@ def test_a_draw_from_no_input_leaves_the_callers_random_stream_as_it_was():
     before = torch.get_rng_state()
     autocastfx.convert(model, (x,), dtype=BF16)
     assert torch.equal(before, torch.get_rng_state())
+
+
+class _ObsNorm(nn.Module):
+    """A normaliser of inputs whose statistics the loop updates (``update``), read by an expression of the
+    buffers alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.register_buffer("running_mean", torch.zeros(16))
+        self.register_buffer("running_var", torch.ones(16))
+
+    @torch.no_grad()
+    def update(self, x):
+        self.running_mean.mul_(0.9).add_(0.1 * x.mean(0))
+        self.running_var.mul_(0.9).add_(0.1 * x.var(0))
+
+    def forward(self, x):
+        return self.fc((x - self.running_mean) / torch.sqrt(self.running_var + 1e-5))
+
+
+class _EmaWeight(nn.Module):
+    """An average of a weight kept as a buffer, updated in forward in training and used in evaluation."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.register_buffer("ema", self.fc.weight.detach().clone())
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.ema.copy_(0.5 * self.ema + 0.5 * self.fc.weight)
+            return self.fc(x)
+        return nn.functional.linear(x, self.ema, self.fc.bias)
+
+
+@pytest.mark.parametrize("blocks", ["auto", None])
+def test_an_expression_of_buffers_alone_is_computed_at_each_call(blocks):
+    """Before: ``torch.sqrt(self.running_var + eps)`` and ``0.5 * self.ema`` were computed once, at the trace, into
+    constants of the graph: after the loop's updates gm was 4.2 from the model (autocast 3.3e-3), 8.6 after a
+    load_state_dict, and an EMA drifted from the model's by 0.1 in four calls."""
+    torch.manual_seed(0)
+    model, x = _ObsNorm(), torch.randn(64, 16) * 5 + 3
+    ref = copy.deepcopy(model)
+    gm = autocastfx.convert(model, (torch.randn(8, 16),), dtype=BF16, blocks=blocks)
+    for _ in range(20):
+        model.update(x)
+        ref.update(x)
+    assert _rel(gm(x), ref(x)) < 2e-2
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    state["running_var"].fill_(100.0)
+    gm.load_state_dict(state)
+    ref.load_state_dict(state)
+    assert _rel(gm(x), ref(x)) < 2e-2
+    model, x = _EmaWeight(), torch.randn(8, 16)
+    ref = copy.deepcopy(model)
+    gm = autocastfx.convert(model, (x,), dtype=BF16, blocks=blocks)
+    for _ in range(3):
+        with torch.no_grad():
+            ref.fc.weight.add_(0.1)  # a step on the shared weight, as an optimizer's
+            model.fc.weight.add_(0.1)
+        gm(x), ref(x)
+    torch.testing.assert_close(model.ema, ref.ema)
+    gm.eval()
+    ref.eval()
+    assert _rel(gm(x), ref(x)) < 2e-2
+
+
+class _WarmUp(nn.Module):
+    """A step counter rebound in forward (``self.steps = self.steps + 1``), read as a warm-up factor."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x):
+        if self.training:
+            self.steps = self.steps + 1
+        return self.fc(x) * torch.clamp(self.steps / 3.0, max=1.0)
+
+
+def test_a_buffer_rebound_in_forward_counts_from_the_models_value_at_each_call():
+    """Before: the captures moved a copy's counter to 2 and the converted module kept that copy's tensor: its first
+    call was 2.0 from the model's, and the warning said it did not set the counter, which it did."""
+    torch.manual_seed(0)
+    model, x = _WarmUp(), torch.randn(4, 16)
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gm = autocastfx.convert(model, (x,), dtype=BF16)
+    assert not [w for w in caught if "'steps'" in str(w.message)], [str(w.message) for w in caught]
+    assert float(model.steps) == 0.0
+    for i in range(3):
+        out, expected = gm(x), ref(x)
+        assert float(model.steps) == float(ref.steps) == i + 1
+        assert _rel(out, expected) < 2e-2, i
+
+
+class _Reversal(torch.autograd.Function):
+    """Gradient reversal (domain-adversarial training): the identity forward, the negated gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+class _Adversarial(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.b(_Reversal.apply(self.a(x)))
+
+
+class _InferenceTeacher(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.teacher, self.student = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        with torch.inference_mode():
+            t = self.teacher(x).softmax(-1)
+        return self.student(x) * t.clone()
+
+
+def test_a_custom_autograd_function_and_an_inference_mode_region_keep_their_gradients():
+    """Before: a graph held the ops of ``_Reversal.forward`` and autograd differentiated them (a.weight's gradient
+    of the wrong sign, 1.8 from the model's), and the ops inside ``torch.inference_mode()`` recorded gradients (the
+    teacher trained). Their modules now run as the model's own Python around the converted parts; one graph
+    (``blocks=None``) is refused, naming them."""
+    torch.manual_seed(0)
+    for cls, name in ((_Adversarial, "_Reversal"), (_InferenceTeacher, "inference_mode")):
+        model, x = cls(), torch.randn(8, 16)
+        gm = autocastfx.convert(model, (x,), dtype=BF16)
+        ref = copy.deepcopy(model)
+        gm(x).square().sum().backward()
+        ref(x).square().sum().backward()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), n
+            assert p.grad is None or _rel(p.grad, q.grad) < 3e-2, (n, _rel(p.grad, q.grad))
+        with pytest.raises(autocastfx.CaptureError, match=name):
+            autocastfx.convert(cls(), (x,), dtype=BF16, blocks=None)

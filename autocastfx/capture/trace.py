@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dis
+import inspect
 import itertools
 import os
 import random
 import sys
 import threading
+import types
 from typing import Any, Iterable
 
 import torch
@@ -29,6 +32,12 @@ from .context import CaptureContext
 
 
 class ModelTracer(fx.Tracer):
+    # a buffer read is a node, as a parameter read is: an expression of buffers alone (a normaliser's
+    # sqrt(running_var + eps), an EMA's 0.5 * ema) is computed at each call from the buffer as it is then, not
+    # once at the trace into a constant that a later update or load_state_dict would never reach; a buffer the
+    # code branches on stops the trace (torch.export captures the model)
+    proxy_buffer_attributes = True
+
     def __init__(self, policy: Policy):
         super().__init__()
         self.policy = policy
@@ -39,10 +48,22 @@ class ModelTracer(fx.Tracer):
     def trace(self, root, concrete_args=None):
         self._thread = threading.get_ident()
         self._param_names = {id(p): n for n, p in root.named_parameters()} if isinstance(root, nn.Module) else {}
+        self._buffer_names = {id(b): n for n, b in root.named_buffers()} if isinstance(root, nn.Module) else {}
         self._arg_depth, self.output_type, self.why = 0, None, None
         self.checkpointed = False  # whether an op was traced inside torch.utils.checkpoint
         self._modes = _grad_modes()
-        return super().trace(root, concrete_args)
+        tables = [m._buffers for m in root.modules()] if isinstance(root, nn.Module) else []
+        kept = [dict(t) for t in tables]
+        try:
+            return super().trace(root, concrete_args)
+        finally:  # a buffer the code rebinds (self.steps = self.steps + 1) is no node: put back, and refused
+            for table, before in zip(tables, kept):
+                if table.keys() != before.keys() or any(table[k] is not v for k, v in before.items()):
+                    if self.why is None:
+                        name = next((k for k in table if table.get(k) is not before.get(k)), "a buffer")
+                        self.why = f"its forward rebinds a buffer ({name} = ...), which symbolic tracing does not record"
+                    table.clear()
+                    table.update(before)
 
     def create_proxy(self, kind, target, args, kwargs, *rest, **kw):
         # an op traced inside ``torch.no_grad()``, ``inference_mode()`` or a ``torch.autocast`` region: symbolic
@@ -81,10 +102,13 @@ class ModelTracer(fx.Tracer):
     def getattr(self, attr, attr_val, parameter_proxy_cache):
         if threading.get_ident() != self._thread:
             return attr_val
-        # fx's own lookup scans every parameter on every access (quadratic in model size): use a dict
-        name = self._param_names.get(id(attr_val)) if isinstance(attr_val, nn.Parameter) else None
+        # fx's own lookup scans every parameter and buffer on every access (quadratic in model size): use a dict
+        if not isinstance(attr_val, torch.Tensor):
+            return attr_val
+        names = self._param_names if isinstance(attr_val, nn.Parameter) else self._buffer_names
+        name = names.get(id(attr_val))
         if name is None:
-            return super().getattr(attr, attr_val, parameter_proxy_cache)
+            return attr_val
         if name not in parameter_proxy_cache:
             parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
         return parameter_proxy_cache[name]
@@ -196,6 +220,10 @@ def _set_python_random_states(states: tuple) -> None:
 def _capture_graph(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, ctx: CaptureContext,
                    compile_code: bool, method: str | None, check: bool, reads: list | None, caller: bool
                    ) -> tuple[fx.GraphModule, str]:
+    why = opaque_code(model)
+    if why is not None:
+        raise CaptureError(f"cannot capture {type(model).__name__} as a graph: {why}. blocks='auto' (the default) "
+                           "converts the parts around that module and runs it as the model's own Python")
     if method == "torch.export":
         out = capture_export(model, args, kwargs, ctx, check=check, reads=reads)
         if _export_checkpointing(model):
@@ -207,6 +235,10 @@ def _capture_graph(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, 
         tracer = ModelTracer(policy)
         with watch_training(model, reads), _RealOps(model) as real:
             graph = tracer.trace(model)
+        written = _buffers_written(graph, set(tracer._buffer_names.values()))
+        if real.why is None and tracer.why is None and written:
+            tracer.why = (f"its code updates its buffer {written[0]} in place, which torch.export captures with its "
+                          "writes")
         if real.why is not None or tracer.why is not None:
             raise CaptureError(real.why or tracer.why)
         if tracer.checkpointed:
@@ -230,6 +262,57 @@ def _capture_graph(model: nn.Module, args: tuple, kwargs: dict, policy: Policy, 
     if _export_checkpointing(model):
         _warn_checkpointing(model)
     return out
+
+
+def opaque_code(model: nn.Module) -> str | None:
+    """Why no capture of ``model`` computes what its code computes, where its modules' code (their ``forward`` and
+    the functions and methods it calls, two calls deep) uses a custom ``torch.autograd.Function`` (a graph holds
+    the ops of its forward, and autograd differentiates those instead of running its backward) or
+    ``torch.inference_mode()`` (which neither symbolic tracing nor torch.export records: the ops inside would
+    record gradients); None otherwise."""
+    seen: set[type] = set()
+    for m in model.modules():
+        cls = type(m)
+        if cls not in seen and not is_converted(m) and not (cls.__module__ or "").startswith("torch."):
+            seen.add(cls)
+            why = _opaque_function(cls, getattr(cls.forward, "__func__", cls.forward), 0)
+            if why is not None:
+                return f"{cls.__name__}'s code {why}"
+    return None
+
+
+def _opaque_function(cls: type, fn: Any, depth: int) -> str | None:
+    code = getattr(fn, "__code__", None)
+    if code is None or (getattr(fn, "__module__", None) or "").startswith("torch."):
+        return None
+    found = None
+    codes = [code]
+    while codes and found is None:
+        c = codes.pop()
+        codes += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+        for ins in dis.get_instructions(c):
+            if ins.opname == "LOAD_GLOBAL":
+                obj = getattr(fn, "__globals__", {}).get(ins.argval)
+            elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+                if ins.argval == "inference_mode":
+                    return "runs a torch.inference_mode() region, which no capture records (its ops would record " \
+                           "gradients): use torch.no_grad() there"
+                obj = inspect.getattr_static(cls, ins.argval, None)
+                obj = getattr(obj, "__func__", obj)
+            else:
+                continue
+            if obj is torch.inference_mode:
+                return "runs a torch.inference_mode() region, which no capture records (its ops would record " \
+                       "gradients): use torch.no_grad() there"
+            if isinstance(obj, type) and issubclass(obj, torch.autograd.Function) \
+                    and not (obj.__module__ or "").startswith("torch."):
+                return (f"calls the custom torch.autograd.Function {obj.__name__}, whose backward a captured graph "
+                        "would not run (autograd would differentiate the ops of its forward)")
+            if isinstance(obj, types.FunctionType) and depth < 2 and obj is not fn:
+                found = _opaque_function(cls, obj, depth + 1)
+                if found is not None:
+                    break
+    return found
 
 
 def _warn_checkpointing(model: nn.Module) -> None:
@@ -486,6 +569,36 @@ class _RealOps(_WritesUndone):
 
     def _owns(self, t) -> bool:
         return isinstance(t, torch.Tensor) and (id(t) in self.own or _storage(t) in self.by_storage)
+
+
+_VIEWS = frozenset({"view", "view_as", "narrow", "select", "t", "transpose", "permute", "squeeze", "unsqueeze",
+                    "expand", "flatten", "unflatten", "reshape", "__getitem__", "getitem", "detach", "data"})
+
+
+def _buffers_written(graph: fx.Graph, buffers: set[str]) -> list[str]:
+    """The buffers a traced graph writes in place (``self.count.add_(1)``, ``self.avg.mul_(0.9).add_(...)``,
+    ``self.table[0] = x``), through views of them."""
+    def name(n: fx.Node) -> str:
+        t = n.target
+        return t if isinstance(t, str) else getattr(t, "__name__", "")
+
+    def base(n: Any) -> str | None:
+        while isinstance(n, fx.Node) and n.op in ("call_method", "call_function") and n.args and \
+                (name(n) in _VIEWS or _in_place(name(n))):
+            n = n.args[0]
+        return n.target if isinstance(n, fx.Node) and n.op == "get_attr" and n.target in buffers else None
+
+    out = []
+    for n in graph.nodes:
+        if n.op in ("call_method", "call_function") and n.args and (_in_place(name(n)) or name(n) == "setitem"):
+            b = base(n.args[0])
+            if b is not None and b not in out:
+                out.append(b)
+    return out
+
+
+def _in_place(op: str) -> bool:
+    return op.endswith("_") and not op.startswith("_") and not op.endswith("__")
 
 
 def _graph_module(root: nn.Module, graph: fx.Graph, name: str, compile_code: bool) -> fx.GraphModule:

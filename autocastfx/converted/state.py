@@ -424,7 +424,10 @@ def guard_for(state: StateUse | None, model: nn.Module) -> StateGuard | None:
                 "conversion, and never again. Keep the value in a tensor buffer updated in place "
                 f"(self.register_buffer({name!r}, torch.tensor(...)); self.{name}.add_(1)), which the converted "
                 "module updates at each call, or change it in the training loop")
-    carried = sorted(name for (path, name) in state.changed if (path, name) in state.read and path not in leaves)
+    # a registered buffer the code rebinds (self.steps = self.steps + 1) is a write torch.export records: the
+    # converted module copies the new value into the model's buffer at each call (symbolic tracing refuses one)
+    changed = {k: v for k, v in state.changed.items() if not _is_buffer(model, *k)}
+    carried = sorted(name for (path, name) in changed if (path, name) in state.read and path not in leaves)
     if carried:
         warn_user(f"autocastfx: {type(model).__name__}'s code sets the tensor attribute(s) "
                   f"{', '.join(repr(n) for n in carried)} and reads them: the converted graph computes them as the "
@@ -432,13 +435,17 @@ def guard_for(state: StateUse | None, model: nn.Module) -> StateGuard | None:
                   "none (a counter). That is right for a cache of values computed from the inputs, not for state "
                   "carried from one call to the next (a counter, a running average), which belongs in a buffer "
                   "updated in place (self.register_buffer(...); self.n.add_(1))")
-    unread = sorted(name for (path, name) in state.changed if (path, name) not in state.read and path not in leaves)
+    unread = sorted(name for (path, name) in changed if (path, name) not in state.read and path not in leaves)
     if unread:
         warn_user(f"autocastfx: {type(model).__name__}'s code sets {', '.join(repr(n) for n in unread)} as it runs; "
                   "the converted module runs the captured tensor ops only and does not set it (it keeps its value "
                   "from before conversion). Read it from the model run without autocastfx, or return it from forward")
     reads = frozenset(k for k in state.read if k not in state.changed)  # what the code sets is its own
     return StateGuard(reads, frozenset(state.unowned), state.lazy).bound(model)
+
+
+def _is_buffer(model: nn.Module, path: str, name: str) -> bool:
+    return _has(model, path) and name in (model.get_submodule(path) if path else model)._buffers
 
 
 def _has(model: nn.Module, path: str) -> bool:
