@@ -782,3 +782,32 @@ def test_a_block_added_or_removed_on_gm_is_refused_and_one_replaced_is_followed(
         after, want = gm(x), model(x)
     assert not torch.equal(before, after)
     assert (after - want).norm() / want.norm() < 0.05
+
+
+class _PaddedEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True), 2,
+                                         enable_nested_tensor=True)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x, mask):
+        return self.head(self.enc(x, src_key_padding_mask=mask))
+
+
+def test_an_encoder_whose_fast_path_hands_its_layers_nested_tensors_converts_as_one_graph():
+    """Before: ``NestedTensorImpl doesn't support sizes``, from the blocks' run (eval, no gradients), where
+    nn.TransformerEncoder's fast path hands its layers nested tensors; ``blocks="auto"`` now converts one graph."""
+    torch.manual_seed(0)
+    model, x = _PaddedEncoder(), torch.randn(3, 7, 32)
+    mask = torch.zeros(3, 7, dtype=torch.bool)
+    mask[0, 5:] = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = autocastfx.convert(model, (x, mask), dtype=torch.bfloat16)
+    out, ref = gm(x, mask), model(x, mask)
+    assert ((out - ref).norm() / ref.norm()).item() < 2e-2
+    with pytest.raises(Exception, match="nested tensor"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            autocastfx.convert(model, (x, mask), dtype=torch.bfloat16, blocks=True)

@@ -106,6 +106,10 @@ class _Stand(ReadsThrough):
 
     def forward(self, *args, **kwargs):
         self.calls += 1
+        if any(isinstance(t, torch.Tensor) and t.is_nested for t in torch.utils._pytree.tree_leaves((args, kwargs))):
+            raise RootError(f"{self.name} is given a nested tensor in the run that finds the blocks' inputs (eval, no "
+                            "gradients: nn.TransformerEncoder's fast path with a padding mask), which no block "
+                            "converts for; convert it as one graph (blocks=None)")
         if self.unit is None:
             if _has_fake((args, kwargs)):  # the one run of a model on the meta device: converted from shapes
                 with unset_fake_temporarily():
