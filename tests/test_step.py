@@ -452,7 +452,7 @@ def test_parameters_are_the_models_and_master_weights_true_is_refused():
     step = autocastfx.train_step(gm, F.cross_entropy, o)
     assert "master" not in step.code
     sd = step.state_dict()
-    assert sorted(sd) == ["cuda_rng", "grads", "micro", "model", "optimizer", "rng", "scaler"]  # no masters beside "model"
+    assert sorted(sd) == ["cuda_rng", "grads", "micro", "model", "optimizer", "outside", "rng", "scaler"]  # no masters beside "model"
     assert sd["grads"] == {}  # no accumulation cycle under way
     assert all(v.dtype == torch.float32 for v in sd["model"].values())
     w0 = gm.fc1.weight.clone()
@@ -651,6 +651,41 @@ def test_auto_scale_is_capped_and_follows_an_overflow_like_a_fixed_scale():
     inject(gm, when={0})
     with pytest.raises(autocastfx.LossScaleError):
         step(x, y)
+
+
+def test_a_parameter_of_the_loss_resumes_with_its_value_and_its_unfinished_gradient(tmp_path):
+    """A learned loss weighting trained beside the module's parameters: ``step.state_dict()`` holds its value and,
+    inside an accumulation cycle, its gradient (before: both were lost, the weighting 0.091 where the run without a
+    stop reached 0.109); a DCP checkpoint, which names optimizer state by the module's parameters, says so."""
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        gm = autocastfx.convert(model, (torch.randn(8, 16),), dtype=torch.float16, pad_multiple=1)
+        log_var = nn.Parameter(torch.zeros(()))
+        opt = torch.optim.SGD([{"params": gm.parameters()}, {"params": [log_var]}], lr=0.1)
+        step = autocastfx.train_step(gm, lambda out, y: F.cross_entropy(out, y) * torch.exp(-log_var) + log_var,
+                                     opt, accum_steps=2, init_scale=1024.0)
+        return gm, log_var, step
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(7)]
+    gm, log_var, step = build()
+    for b in batches:
+        step(*b)
+    for cut in (3, 4):  # inside a cycle, at its end
+        gm2, log_var2, step2 = build()
+        for b in batches[:cut]:
+            step2(*b)
+        sd = copy.deepcopy(step2.state_dict())
+        gm3, log_var3, step3 = build()
+        step3.load_state_dict(sd)
+        for b in batches[cut:]:
+            step3(*b)
+        assert torch.equal(log_var3, log_var), cut
+        assert all(torch.equal(a, b) for a, b in zip(gm3.parameters(), gm.parameters())), cut
+    step(*batches[0])  # the cycle finished
+    with pytest.raises(ValueError, match="not the converted module's"):
+        autocastfx.save_checkpoint(step, str(tmp_path / "ckpt"))
 
 
 def test_auto_scale_state_resumes():

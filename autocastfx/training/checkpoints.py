@@ -22,6 +22,13 @@ def _state(step: TrainStep, optimizer_state: bool | None = None) -> dict[str, An
     """
     from torch.distributed.checkpoint.state_dict import get_state_dict
     opt = step.optimizer
+    outside = step.outside_params()
+    if outside:
+        raise ValueError(
+            f"the optimizer trains {len(outside)} tensor(s) that are not the converted module's (a parameter of the "
+            f"loss, such as a learned weighting: {outside[0][0]}), and a DCP checkpoint names optimizer state by "
+            "the module's parameter names. Keep them in a module the converted model holds, or save with "
+            "torch.save(step.state_dict(), f), which holds them")
     fresh = not opt.state
     if optimizer_state is None:
         optimizer_state = not fresh

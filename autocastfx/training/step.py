@@ -334,6 +334,7 @@ class TrainStep:
             "optimizer": torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, self.optimizer.state_dict()),
             "micro": self.micro,
             "grads": self.pending_grads(),
+            "outside": {n: p.detach().clone() for n, p in self.outside_params()},  # a parameter of the loss
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         }
@@ -348,20 +349,33 @@ class TrainStep:
                 f"this step is {self.micro % self.accum_steps} micro-batches into an accumulation cycle of "
                 f"{self.accum_steps}, whose gradients FSDP2 holds in its own state: a checkpoint now would lose them. "
                 "Save after the cycle's last micro-batch (when step.micro % accum_steps == 0)")
-        return {n: p.grad.detach().clone() for n, p in self.gm.named_parameters() if p.grad is not None}
+        return {n: p.grad.detach().clone() for n, p in [*self.gm.named_parameters(), *self.outside_params()]
+                if p.grad is not None}
+
+    def outside_params(self) -> list[tuple[str, torch.Tensor]]:
+        """The optimizer's tensors that are not ``gm``'s parameters (a parameter of the loss), each named by its
+        place in the optimizer (``optimizer.param_groups.<group>.<index>``)."""
+        own = {id(p) for p in self.gm.parameters()}
+        return [(f"optimizer.param_groups.{g}.{i}", p) for g, group in enumerate(self.optimizer.param_groups)
+                for i, p in enumerate(group["params"]) if id(p) not in own]
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         missing = {"scaler", "model", "optimizer"} - set(sd)
         if missing:
             raise KeyError(f"not a train_step state_dict: missing {sorted(missing)}")
         self.gm.load_state_dict(sd["model"])
+        outside = dict(self.outside_params())
+        with torch.no_grad():
+            for name, value in sd.get("outside", {}).items():
+                if name in outside:
+                    outside[name].copy_(value)
         _load_optimizer(self.optimizer, sd["optimizer"])
         self.state.load_state_dict(sd["scaler"])
         self.micro = sd.get("micro", 0)
         for p in self.trained_params():  # gradients of this run's micro-batches are not the checkpoint's
             p.grad = None
         self.parallel.drop_unsynced_grads()
-        params = dict(self.gm.named_parameters())
+        params = {**dict(self.gm.named_parameters()), **dict(self.outside_params())}
         for name, g in sd.get("grads", {}).items():  # the checkpoint's unfinished cycle, continued
             params[name].grad = g.to(params[name].device).clone()
         if sd.get("rng") is not None:
