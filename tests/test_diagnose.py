@@ -81,6 +81,10 @@ def test_grad_histogram_shares_and_scale(tmp_path):
     assert (tmp_path / "g.png").exists() is False
     h.plot(str(tmp_path / "g.png"))
     assert (tmp_path / "g.png").stat().st_size > 1000
+    # on the converted module it would count the low program's gradients and the weight casts' (32 where the
+    # model's scale is 4): refused, naming the model
+    with pytest.raises(TypeError, match="call it on the model you converted"):
+        grad_histogram(autocastfx.convert(model, inputs, pad_multiple=1), inputs, F.cross_entropy, y)
 
 
 def test_calibrate_and_for_inference_of_a_piecewise_module_say_what_to_apply_them_to():

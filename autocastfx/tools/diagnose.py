@@ -221,6 +221,10 @@ def grad_histogram(model: nn.Module, inputs: tuple, loss_fn: Callable, *targets:
     of ``model``."""
     if isinstance(inputs, torch.Tensor):
         raise TypeError("inputs must be a tuple: write (x,) instead of x")
+    if any(is_converted(sub) for sub in model.modules()):
+        raise TypeError("grad_histogram measures the float32 model's activation gradients, and this is a module "
+                        "autocastfx converted (a copy would run its low-precision program): call it on the model "
+                        "you converted, whose parameters are the converted module's, trained ones included")
     m = copy.deepcopy(model).float()
     col = _GradCollector()
     with torch.random.fork_rng(devices=_cuda_devices(m)):  # its dropout draws: not the caller's
