@@ -452,7 +452,8 @@ def test_parameters_are_the_models_and_master_weights_true_is_refused():
     step = autocastfx.train_step(gm, F.cross_entropy, o)
     assert "master" not in step.code
     sd = step.state_dict()
-    assert sorted(sd) == ["cuda_rng", "grads", "micro", "model", "optimizer", "outside", "rng", "scaler"]  # no masters beside "model"
+    # no masters beside "model" ("outside": a parameter of the loss, where the optimizer holds one)
+    assert sorted(sd) == ["cuda_rng", "grads", "micro", "model", "optimizer", "outside", "rng", "scaler"]
     assert sd["grads"] == {}  # no accumulation cycle under way
     assert all(v.dtype == torch.float32 for v in sd["model"].values())
     w0 = gm.fc1.weight.clone()

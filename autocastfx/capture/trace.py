@@ -61,7 +61,7 @@ class ModelTracer(fx.Tracer):
                 if table.keys() != before.keys() or any(table[k] is not v for k, v in before.items()):
                     if self.why is None:
                         name = next((k for k in table if table.get(k) is not before.get(k)), "a buffer")
-                        self.why = f"its forward rebinds a buffer ({name} = ...), which symbolic tracing does not record"
+                        self.why = f"its forward rebinds a buffer ({name} = ...), which symbolic tracing leaves out"
                     table.clear()
                     table.update(before)
 
@@ -290,17 +290,18 @@ def _opaque_function(cls: type, fn: Any, depth: int) -> str | None:
     while codes and found is None:
         c = codes.pop()
         codes += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+        last = None
         for ins in dis.get_instructions(c):
             if ins.opname == "LOAD_GLOBAL":
                 obj = getattr(fn, "__globals__", {}).get(ins.argval)
-            elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
-                if ins.argval == "inference_mode":
-                    return "runs a torch.inference_mode() region, which no capture records (its ops would record " \
-                           "gradients): use torch.no_grad() there"
-                obj = inspect.getattr_static(cls, ins.argval, None)
+            elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):  # torch.inference_mode, self.helper
+                obj = getattr(last, ins.argval, None) if isinstance(last, types.ModuleType) else \
+                    inspect.getattr_static(cls, ins.argval, None)
                 obj = getattr(obj, "__func__", obj)
             else:
+                last = None
                 continue
+            last = obj
             if obj is torch.inference_mode:
                 return "runs a torch.inference_mode() region, which no capture records (its ops would record " \
                        "gradients): use torch.no_grad() there"
