@@ -11,6 +11,7 @@ import random
 import sys
 import threading
 import types
+import weakref
 from typing import Any, Iterable
 
 import torch
@@ -275,10 +276,28 @@ def opaque_code(model: nn.Module) -> str | None:
         cls = type(m)
         if cls not in seen and not is_converted(m) and not (cls.__module__ or "").startswith("torch."):
             seen.add(cls)
-            why = _opaque_function(cls, getattr(cls.forward, "__func__", cls.forward), 0)
+            why = _class_code(cls)
             if why is not None:
                 return f"{cls.__name__}'s code {why}"
     return None
+
+
+# each class's answer, for its forward as it was read (a Hugging Face model's code is read in about 10 ms): held
+# weakly, so a class and its forward go when the program drops them
+_READ: "weakref.WeakKeyDictionary[type, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _class_code(cls: type) -> str | None:
+    fn = getattr(cls.forward, "__func__", cls.forward)
+    hit = _READ.get(cls)
+    if hit is not None and hit[0]() is fn:
+        return hit[1]
+    why = _opaque_function(cls, fn, 0)
+    try:
+        _READ[cls] = (weakref.ref(fn), why)
+    except TypeError:  # a forward that is no function (a callable object): read again next time
+        pass
+    return why
 
 
 def _opaque_function(cls: type, fn: Any, depth: int) -> str | None:
