@@ -88,6 +88,7 @@ def convert(model: nn.Module, example_inputs: tuple | None = None, *, example_kw
     _keep_checks(out, model, args, kwargs)
     if isinstance(out, fx.GraphModule):  # its converted blocks, found once: a compiled call checks their modes
         _module.index_blocks(out)
+        _module.note_fixed_sizes(out)  # before any compile: read under one, it would cost a graph break
     if note:
         for _, unit in _weights.converted_units(out):
             unit.meta[K.CONVERTED].extra_totals["dtype_choice"] = note

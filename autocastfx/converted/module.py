@@ -538,14 +538,21 @@ def _compiled_at_fixed_sizes(gm: nn.Module, info: Any, args: tuple, kwargs: dict
     whose input sizes differ from the ones ``gm``'s torch.export program fixed (converted for them now, through one
     graph break), as eager calls get it through torch.export's guard; ``(None, args, kwargs)`` for a call of its
     sizes. The compiler guards on each comparison, so a compiled call of fixed sizes stays one graph."""
-    fixed = gm.__dict__.get("_autocastfx_fixed_sizes")
-    if fixed is None:
+    fixed = gm.__dict__.get("_autocastfx_fixed_sizes")  # noted by convert() (read while compiling: a graph break)
+    if fixed is None and not torch.compiler.is_compiling():
         fixed = _fixed_sizes_eagerly(gm, info)
     if fixed:
         flat = fx_pytree.tree_flatten_spec((args, kwargs), gm._in_spec)
         if any(flat[i].shape[d] != size for i, d, size in fixed):
             return _at_sizes_eagerly(gm, info, args, kwargs)
     return None, args, kwargs
+
+
+def note_fixed_sizes(gm: nn.Module) -> None:
+    """Note the input sizes ``gm``'s torch.export program fixes (see :func:`_fixed_sizes_eagerly`)."""
+    info = gm.__dict__.get("meta", {}).get("autocastfx")
+    if info is not None:
+        _fixed_sizes_eagerly(gm, info)
 
 
 @torch.compiler.disable
