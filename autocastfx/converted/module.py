@@ -124,8 +124,8 @@ def _hold_forward(gm: nn.Module) -> None:
         held.__dict__.update(fn.__dict__)
         setattr(cls, _HELD_FORWARD, held)
     else:
+        held.__globals__.update(fn.__globals__)  # first: a call starting meanwhile finds every name the code reads
         held.__code__, held.__defaults__ = fn.__code__, fn.__defaults__
-        held.__globals__.update(fn.__globals__)
     held.__kwdefaults__ = fn.__kwdefaults__
     setattr(held, _PROGRAM, fn)
     cls.forward = held
