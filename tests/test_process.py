@@ -300,6 +300,7 @@ def test_quieting_torch_in_two_threads_interleaved_leaves_nothing_behind():
 
 
 SEEN_CACHE_FLAG = []  # what ShapeBranch's code read: a module-level list (the capture runs on a copy of the model)
+SEEN_STACK_FLAG = []
 
 
 class ShapeBranch(nn.Module):
@@ -313,6 +314,7 @@ class ShapeBranch(nn.Module):
     def forward(self, x):
         if isinstance(x, torch._subclasses.FakeTensor):  # torch.export's run (not symbolic_trace's first try)
             SEEN_CACHE_FLAG.append(torch._dynamo.config.fake_tensor_cache_enabled)
+            SEEN_STACK_FLAG.append(getattr(torch.fx.config, "do_not_emit_stack_traces", True))
         return self.lin(x) if x.shape[0] > 1 else self.lin(x).relu()
 
 
@@ -335,6 +337,29 @@ def test_exports_run_without_the_fake_tensor_cache_and_leave_the_flag_as_it_was(
         assert torch.equal(torch.export.load(tmp_path / "m.pt2").module()(x), gm(x))
     finally:
         config.fake_tensor_cache_enabled = saved
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_exports_record_no_stack_traces_and_leave_the_flag_as_it_was(before, tmp_path):
+    """Every export records no source stack per node (nothing reads them; docs/benchmarks.md, "torch.export without
+    node stack traces"), and after a conversion and an export of its result torch's flag is the caller's."""
+    config = torch.fx.config
+    if not hasattr(config, "do_not_emit_stack_traces"):
+        pytest.skip("this torch records stack traces with no flag to turn them off")
+    saved = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = before
+    try:
+        SEEN_STACK_FLAG.clear()
+        x = torch.randn(4, 8)
+        gm = autocastfx.convert(ShapeBranch(), (x,), dtype=torch.bfloat16)
+        assert SEEN_STACK_FLAG and all(SEEN_STACK_FLAG), SEEN_STACK_FLAG
+        assert config.do_not_emit_stack_traces is before
+        assert not any(n.stack_trace for n in gm.graph.nodes)
+        autocastfx.export(gm, tmp_path / "m.pt2")
+        assert config.do_not_emit_stack_traces is before
+        assert torch.equal(torch.export.load(tmp_path / "m.pt2").module()(x), gm(x))
+    finally:
+        config.do_not_emit_stack_traces = saved
 
 
 def test_conversions_in_two_threads_at_once_each_export_without_the_cache_and_leave_the_flag_alone():

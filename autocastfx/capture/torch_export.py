@@ -17,8 +17,12 @@ from ..base.quiet import quiet_torch_logs, torch_internal_warnings_off
 
 # torch's fake-tensor dispatch cache slows an export with free sizes: a cache hit rebuilds its output's symbolic
 # sizes and strides at more cost than the op's meta function (pytorch/pytorch#191500, pytorch/pytorch#192047), so
-# it is turned off around each such export. On torch 2.11 that config is process-wide: an export in another thread
-# may then run with or without the cache, which changes its speed, never its result.
+# it is turned off around each such export. No export records a source stack per node
+# (``torch.fx.config.do_not_emit_stack_traces``, where this torch has it): nothing reads them, the generated code never
+# shows them, a converted module's own export would find only generated code, and extracting and formatting one stack
+# per traced op costs time (docs/benchmarks.md). Both configs are
+# process-wide: an export in another thread meanwhile may run with or without the cache and stacks, which changes
+# its speed and its nodes' ``stack_trace`` metadata, never its program.
 
 
 def _not_a_view(t: torch.Tensor) -> torch.Tensor:
@@ -27,14 +31,28 @@ def _not_a_view(t: torch.Tensor) -> torch.Tensor:
 
 def run_export(model: nn.Module, args: tuple, kwargs: dict | None = None,
                **options) -> torch.export.ExportedProgram:
-    """``torch.export.export``; with ``dynamic_shapes``, without the fake-tensor cache (see above). An input that is
-    a view (``idx[:, :5]``) is given as a copy: torch.export guards on a view's base (``x._base.size()``), and the
-    program's guard then fails on a later input that is no view (``'NoneType' object has no attribute 'size'``)."""
+    """``torch.export.export`` without node stack traces; with ``dynamic_shapes``, without the fake-tensor cache
+    (see above). An input that is a view (``idx[:, :5]``) is given as a copy: torch.export
+    guards on a view's base (``x._base.size()``), and the program's guard then fails on a later input that is no
+    view (``'NoneType' object has no attribute 'size'``)."""
     args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, _not_a_view, (tuple(args), kwargs))
-    if options.get("dynamic_shapes") is None:
+    cache = contextlib.nullcontext() if options.get("dynamic_shapes") is None else \
+        torch._dynamo.config.patch(fake_tensor_cache_enabled=False)
+    with cache, _no_stack_traces():
         return torch.export.export(model, args, kwargs, **options)
-    with torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
-        return torch.export.export(model, args, kwargs, **options)
+
+
+@contextlib.contextmanager
+def _no_stack_traces():
+    config = torch.fx.config
+    if not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
+    before, config.do_not_emit_stack_traces = config.do_not_emit_stack_traces, True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = before
 
 
 def capture_export(model: nn.Module, args: tuple, kwargs: dict, ctx: CaptureContext = CaptureContext(),
