@@ -537,6 +537,103 @@ def test_a_module_with_its_own_train_method_is_captured_in_both_modes():
     assert _rel(gm(x), model(x)) < 2e-3
 
 
+class _PassesTheModeOn(nn.Module):
+    """Its own train() only passes the mode on, as Hugging Face's PreTrainedModel.train does without hub kernels."""
+
+    def __init__(self, dropout: bool):
+        super().__init__()
+        self.fc, self.drop = nn.Linear(16, 16), nn.Dropout(0.5) if dropout else nn.Identity()
+
+    def train(self, mode: bool = True):
+        return super().train(mode)
+
+    def forward(self, x):
+        return self.drop(self.fc(x))
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+def test_a_train_method_that_only_passes_the_mode_on_costs_no_second_capture(dropout, monkeypatch):
+    """A module's own train() that does what nn.Module.train does needs no capture in each mode: code that reads no
+    mode is one program for both, whose dropout module still switches with the modes."""
+    import autocastfx.capture.programs as programs
+    captures, real = [], programs.capture_graph
+    monkeypatch.setattr(programs, "capture_graph", lambda *a, **k: captures.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    model = _PassesTheModeOn(dropout)
+    gm = autocastfx.convert(model, (x,))
+    assert len(captures) == 1
+    how = autocastfx.report(gm).totals["modes"]["how"]
+    assert how.startswith("one program for both modes"), how  # the dropout a module that switches itself
+    gm.eval()
+    model.eval()
+    assert torch.equal(gm(x), gm(x)) and _rel(gm(x), model(x)) < 2e-3
+    gm.train()
+    assert torch.equal(gm(x), gm(x)) is not dropout
+
+
+def test_a_train_method_that_sets_another_modules_flag_is_captured_in_each_mode(monkeypatch):
+    """A train() that keeps a submodule in eval (a frozen batch norm) does more than nn.Module.train: each mode is
+    captured, and the training program runs the norm on its running statistics."""
+    class Frozen(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.bn = nn.Linear(16, 16), nn.BatchNorm1d(16)
+
+        def train(self, mode=True):
+            super().train(mode)
+            self.bn.eval()
+            return self
+
+        def forward(self, x):
+            return self.bn(self.fc(x))
+
+    import autocastfx.capture.programs as programs
+    captures, real = [], programs.capture_graph
+    monkeypatch.setattr(programs, "capture_graph", lambda *a, **k: captures.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    x = torch.randn(8, 16) * 3 + 1
+    model = Frozen().train()
+    gm = autocastfx.convert(model, (x,))
+    assert len(captures) == 3  # training, eval, and the modes as given (mixed: the norm in eval)
+    before = model.bn.running_mean.clone()
+    assert _rel(gm(x), model(x)) < 2e-3
+    assert torch.equal(model.bn.running_mean, before)
+
+
+def test_hugging_face_models_own_train_costs_no_second_capture_of_the_model_around_its_blocks():
+    """Hugging Face's PreTrainedModel overrides train() (it re-applies hub kernels where they are in use) and its
+    models read no mode around their decoder layers but through torch's dropout: GPT-2 converted with its blocks
+    exports each block in both modes (its attention reads the mode in code) and the model around them once."""
+    tf = pytest.importorskip("transformers")
+    import autocastfx.capture.torch_export as te
+    exports = []
+    real = te.run_export
+
+    def counted(model, *args, **kwargs):
+        exports.append(type(model).__name__)
+        return real(model, *args, **kwargs)
+
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, use_cache=False)
+    model, ids = tf.GPT2LMHeadModel(cfg), torch.randint(0, 64, (2, 8))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(te, "run_export", counted)
+        gm = autocastfx.convert(model, (ids,))
+    assert sorted(exports) == ["GPT2Block", "GPT2Block", "GPT2LMHeadModel"], exports
+    model.eval()
+    gm.eval()
+    with torch.no_grad():
+        ref = model(ids).logits
+        with torch.autocast("cpu", dtype=gm.meta["autocastfx"].dtype):
+            ac = model(ids).logits.float()
+        out = gm(ids).logits
+        assert torch.equal(out, gm(ids).logits)
+        assert _rel(out, ref) <= max(2 * _rel(ac, ref), 1e-3), (_rel(out, ref), _rel(ac, ref))
+        gm.train()
+        assert not torch.equal(gm(ids).logits, gm(ids).logits)  # its dropout
+
+
 class _Head(nn.Module):
     def __init__(self):
         super().__init__()

@@ -12,7 +12,8 @@ import torch.nn as nn
 from . import inline as _inline
 from .context import CaptureContext
 from .trace import capture_graph, copy_model
-from .watch import StateUse, note_changes, state_name, own_classes, switching, watch_reads, watch_state, watchable
+from .watch import StateUse, fingerprint, note_changes, state_name, own_classes, switching, watch_reads, watch_state, \
+    watchable
 from ..base.errors import CaptureError, one_line
 from ..base.meta import fetch, is_converted, issuer_path, original_class
 from ..base.quiet import warn_user
@@ -41,9 +42,11 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy, ctx: CaptureCon
     code read no mode one capture serves both; where only torch's dropout and batch-norm modules read it, or a mode
     cannot be captured (with a warning), the other programs are derived from one capture."""
     work = copy_model(model, share_tensors)
+    switches = _switches_itself(work)
     with watch_reads(watchable(work), ctx.watch) if ctx.watch is not None else contextlib.nullcontext(), \
             watch_state(work) as state:
-        out = _capture(model, work, args, kwargs, policy, ctx, lambda: copy_model(model, share_tensors), state)
+        out = _capture(model, work, args, kwargs, policy, ctx, lambda: copy_model(model, share_tensors), state,
+                       switches)
     out.state = state
     for p in out.programs.values():  # a leaf module runs its own forward at each call: all its settings count
         for n in p.graph.nodes:
@@ -57,7 +60,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy, ctx: CaptureCon
 
 
 def _capture(model: nn.Module, work: nn.Module, args: tuple, kwargs: dict, policy, ctx: CaptureContext,
-             fresh, state: StateUse) -> Captured:
+             fresh, state: StateUse, switches: bool) -> Captured:
     given = {name: m.training for name, m in work.named_modules()}
     mixed = len(set(given.values())) > 1
     current = GIVEN if mixed else (TRAIN if model.training else EVAL)
@@ -79,9 +82,9 @@ def _capture(model: nn.Module, work: nn.Module, args: tuple, kwargs: dict, polic
             return _derive_all(model, work, gm, how, decisions, keys, current, why)
         decisions = _open_up(gm, args, kwargs, ctx)
         _restore(work, given)
-        if not reads and not _switches_itself(work):  # nothing read the mode: one program for both
+        if not reads and not switches:  # nothing read the mode: one program for both
             return Captured({TRAIN: gm}, TRAIN, how, decisions)
-        if not _switches_itself(work) and all(flag_only(m, code) for m, code in reads):
+        if not switches and all(flag_only(m, code) for m, code in reads):
             owners = {name for name, m in work.named_modules() if any(m is r for r, _ in reads)}
             marks = flag_marks(gm, owners=owners)
             if owners <= {issuer_path(n) for n in marks}:  # every reader's flag found
@@ -92,7 +95,7 @@ def _capture(model: nn.Module, work: nn.Module, args: tuple, kwargs: dict, polic
             with switching(state):
                 work.eval() if key == EVAL else _restore(work, given)
             # a module's own train() may set more than its flag: the modes as given are those of a fresh copy
-            as_is = fresh() if key == GIVEN and _switches_itself(work) else work
+            as_is = fresh() if key == GIVEN and switches else work
             try:
                 p = capture_graph(as_is, args, kwargs, policy, ctx, compile_code=False, method=how, check=False)[0]
                 decisions += _open_up(p, args, kwargs, ctx, propagated=False)
@@ -175,9 +178,33 @@ def flag_only(module: nn.Module, code) -> bool:
 
 
 def _switches_itself(model: nn.Module) -> bool:
-    """Whether a module of the model has its own ``train()``/``eval()``, which may set state other than the
-    ``training`` flags (then only a capture in each mode tells what differs)."""
+    """Whether a module of the model has its own ``train()``/``eval()`` that does more than ``nn.Module.train``: sets
+    a module's flag to another mode than the one asked, or changes any other attribute, submodule, parameter, buffer
+    or hook of a module (then only a capture in each mode tells what differs). One that only passes the mode on
+    (Hugging Face's ``PreTrainedModel.train`` without hub kernels) does not. Tried on ``model``, the capture's copy,
+    in both modes; its modules' flags are put back after."""
     units = [m for name, m in model.named_modules() if name and is_converted(m)]  # converted blocks switch as leaves do
     inside = {id(s) for u in units for s in u.modules()}
-    return any((type(m).train is not nn.Module.train or type(m).eval is not nn.Module.eval) and id(m) not in inside
-               for m in model.modules())
+    own = [m for m in model.modules() if id(m) not in inside]
+    if all(type(m).train is nn.Module.train and type(m).eval is nn.Module.eval for m in own):
+        return False
+    given = [(m, m.training) for m in model.modules()]
+    before = _layout(own)
+    try:
+        for mode in (True, False):
+            model.train(mode)
+            if any(m.training != mode for m in own) or _layout(own) != before:
+                return True
+        return False
+    except Exception:  # noqa: BLE001 - a train() that fails on the copy: captured in each mode, as it is asked
+        return True
+    finally:
+        for m, training in given:
+            m.training = training
+
+
+def _layout(modules: list[nn.Module]) -> list:
+    """What a ``train()`` may change of each module besides its flag: its attributes (plain values by value, others
+    by identity), and its submodules, parameters, buffers and hooks by identity."""
+    return [{k: ("dict", tuple((key, id(x)) for key, x in v.items())) if isinstance(v, dict) else fingerprint(v)
+             for k, v in vars(m).items() if k != "training"} for m in modules]
