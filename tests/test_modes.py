@@ -601,6 +601,65 @@ def test_a_train_method_that_sets_another_modules_flag_is_captured_in_each_mode(
     assert torch.equal(model.bn.running_mean, before)
 
 
+class _Settings:
+    def __init__(self):
+        self.scale = 2.0
+
+
+class _SetsItsConfig(nn.Module):
+    """Its own train() changes a setting of the config it holds, not an attribute of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.config = nn.Linear(16, 16), _Settings()
+
+    def train(self, mode: bool = True):
+        self.config.scale = 2.0 if mode else 1.0
+        return super().train(mode)
+
+    def forward(self, x):
+        return self.fc(x) * self.config.scale
+
+
+class _SetsItsClass(nn.Module):
+    """Its own train() changes an attribute of its class."""
+    scale = 2.0
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def train(self, mode: bool = True):
+        type(self).scale = 2.0 if mode else 1.0
+        return super().train(mode)
+
+    def forward(self, x):
+        return self.fc(x) * type(self).scale
+
+
+@pytest.mark.parametrize("cls", [_SetsItsConfig, _SetsItsClass])
+def test_a_train_method_that_changes_a_config_or_its_class_is_captured_in_each_mode(cls, monkeypatch):
+    """A train() that changes what the code reads through a config it holds or through its class sets more than
+    the flags: each mode is captured. Each mode's program gives the model's result where the setting is its
+    class's; a config's setting is guarded as any setting the code reads (changed after convert(): refused)."""
+    import autocastfx.capture.programs as programs
+    captures, real = [], programs.capture_graph
+    monkeypatch.setattr(programs, "capture_graph", lambda *a, **k: captures.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    model = cls()
+    gm = autocastfx.convert(model, (x,))
+    assert len(captures) == 2
+    for mode in (True, False, True):
+        model.train(mode)
+        gm.train(mode)
+        if cls is _SetsItsClass or mode:
+            assert _rel(gm(x), model(x)) < 2e-3, mode
+        else:
+            with pytest.raises(ValueError, match="config'\\).scale was set to 1.0"):
+                gm(x)
+
+
 def test_hugging_face_models_own_train_costs_no_second_capture_of_the_model_around_its_blocks():
     """Hugging Face's PreTrainedModel overrides train() (it re-applies hub kernels where they are in use) and its
     models read no mode around their decoder layers but through torch's dropout: GPT-2 converted with its blocks

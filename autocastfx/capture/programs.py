@@ -12,8 +12,8 @@ import torch.nn as nn
 from . import inline as _inline
 from .context import CaptureContext
 from .trace import capture_graph, copy_model
-from .watch import StateUse, fingerprint, note_changes, state_name, own_classes, switching, watch_reads, watch_state, \
-    watchable
+from .watch import StateUse, fingerprint, note_changes, plain_object, state_name, own_classes, switching, watch_reads, \
+    watch_state, watchable
 from ..base.errors import CaptureError, one_line
 from ..base.meta import fetch, is_converted, issuer_path, original_class
 from ..base.quiet import warn_user
@@ -205,6 +205,15 @@ def _switches_itself(model: nn.Module) -> bool:
 
 def _layout(modules: list[nn.Module]) -> list:
     """What a ``train()`` may change of each module besides its flag: its attributes (plain values by value, others
-    by identity), and its submodules, parameters, buffers and hooks by identity."""
-    return [{k: ("dict", tuple((key, id(x)) for key, x in v.items())) if isinstance(v, dict) else fingerprint(v)
-             for k, v in vars(m).items() if k != "training"} for m in modules]
+    by identity; a plain object it holds, such as a config, by its attributes), its submodules, parameters, buffers
+    and hooks by identity, and the attributes of its classes that are not torch's."""
+    def value(v):
+        if isinstance(v, dict):
+            return "dict", tuple((key, id(x)) for key, x in v.items())
+        if plain_object(v):
+            return "object", id(v), tuple((k, fingerprint(x)) for k, x in vars(v).items())
+        return fingerprint(v)
+
+    classes = {c for m in modules for c in type(m).__mro__ if not c.__module__.startswith(("torch.", "builtins"))}
+    return [{k: value(v) for k, v in vars(m).items() if k != "training"} for m in modules] + \
+        [{k: fingerprint(v) for k, v in vars(c).items()} for c in sorted(classes, key=id)]

@@ -204,7 +204,7 @@ def watch_state(model: nn.Module):
     held: dict[int, tuple] = {}  # id(a plain object a module holds: a config) -> (module path, attribute)
     for m in mods:
         for k, v in vars(m).items():
-            if _plain_object(v) and state_name(m, k) and id(m) in paths:
+            if plain_object(v) and state_name(m, k) and id(m) in paths:
                 held.setdefault(id(v), (paths[id(m)], k, v))
 
     looked: dict[tuple[type, str], bool] = {}
@@ -310,7 +310,7 @@ def _class_value(looked: dict, own: dict, cls: type, name: str) -> bool:
     return looked[key]
 
 
-def _plain_object(v: Any) -> bool:
+def plain_object(v: Any) -> bool:
     """An instance of a class of the model's code or a library's (a config), not a module, tensor, function,
     class or builtin value: its attributes are read as constants too."""
     return hasattr(v, "__dict__") and not isinstance(v, (nn.Module, torch.Tensor, type, torch.dtype, torch.device)) \
