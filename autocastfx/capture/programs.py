@@ -42,7 +42,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy, ctx: CaptureCon
     code read no mode one capture serves both; where only torch's dropout and batch-norm modules read it, or a mode
     cannot be captured (with a warning), the other programs are derived from one capture."""
     work = copy_model(model, share_tensors)
-    switches = _switches_itself(work)
+    switches = _switches_itself(work, lambda: copy_model(model, share_tensors))
     with watch_reads(watchable(work), ctx.watch) if ctx.watch is not None else contextlib.nullcontext(), \
             watch_state(work) as state:
         out = _capture(model, work, args, kwargs, policy, ctx, lambda: copy_model(model, share_tensors), state,
@@ -177,18 +177,17 @@ def flag_only(module: nn.Module, code) -> bool:
     return True
 
 
-def _switches_itself(model: nn.Module) -> bool:
+def _switches_itself(model: nn.Module, fresh) -> bool:
     """Whether a module of the model has its own ``train()``/``eval()`` that does more than ``nn.Module.train``: sets
     a module's flag to another mode than the one asked, or changes any other attribute, submodule, parameter, buffer
     or hook of a module (then only a capture in each mode tells what differs). One that only passes the mode on
-    (Hugging Face's ``PreTrainedModel.train`` without hub kernels) does not. Tried on ``model``, the capture's copy,
-    in both modes; its modules' flags are put back after."""
-    units = [m for name, m in model.named_modules() if name and is_converted(m)]  # converted blocks switch as leaves do
-    inside = {id(s) for u in units for s in u.modules()}
-    own = [m for m in model.modules() if id(m) not in inside]
+    (Hugging Face's ``PreTrainedModel.train`` without hub kernels) does not. Tried in both modes on ``fresh()``, a
+    copy of its own, so the capture's copy stays as the model is."""
+    own = _own_modules(model)
     if all(type(m).train is nn.Module.train and type(m).eval is nn.Module.eval for m in own):
         return False
-    given = [(m, m.training) for m in model.modules()]
+    model = fresh()
+    own = _own_modules(model)
     before = _layout(own)
     try:
         for mode in (True, False):
@@ -198,9 +197,13 @@ def _switches_itself(model: nn.Module) -> bool:
         return False
     except Exception:  # noqa: BLE001 - a train() that fails on the copy: captured in each mode, as it is asked
         return True
-    finally:
-        for m, training in given:
-            m.training = training
+
+
+def _own_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's modules but those inside its converted blocks (which switch as leaves do)."""
+    units = [m for name, m in model.named_modules() if name and is_converted(m)]
+    inside = {id(s) for u in units for s in u.modules()}
+    return [m for m in model.modules() if id(m) not in inside]
 
 
 def _layout(modules: list[nn.Module]) -> list:
