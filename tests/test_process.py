@@ -382,3 +382,36 @@ def test_conversions_in_two_threads_at_once_each_export_without_the_cache_and_le
     assert not errors, errors
     assert len(SEEN_CACHE_FLAG) >= 2 and not any(SEEN_CACHE_FLAG), SEEN_CACHE_FLAG
     assert torch._dynamo.config.fake_tensor_cache_enabled is before
+
+
+def test_exports_in_two_threads_interleaved_leave_the_stack_trace_flag_as_it_was():
+    """Two exports that overlap (A starts, B starts, A ends, B ends): each runs without stack traces, and the flag
+    is the caller's after both; a save-and-restore of its own per export would leave it on for good."""
+    from autocastfx.capture.torch_export import _no_stack_traces
+    config = torch.fx.config
+    if not hasattr(config, "do_not_emit_stack_traces"):
+        pytest.skip("this torch records stack traces with no flag to turn them off")
+    before, seen = config.do_not_emit_stack_traces, []
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def a():
+        with _no_stack_traces():
+            a_in.set()
+            b_in.wait(10)
+            seen.append(config.do_not_emit_stack_traces)
+        a_out.set()
+
+    def b():
+        a_in.wait(10)
+        with _no_stack_traces():
+            b_in.set()
+            a_out.wait(10)
+            seen.append(config.do_not_emit_stack_traces)
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert seen == [True, True]
+    assert config.do_not_emit_stack_traces is before

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import threading
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -42,17 +43,30 @@ def run_export(model: nn.Module, args: tuple, kwargs: dict | None = None,
         return torch.export.export(model, args, kwargs, **options)
 
 
+_STACKS = {"depth": 0, "before": None}  # the exports under way in this process, and the caller's flag before them
+_STACKS_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _no_stack_traces():
+    """Meanwhile exports record no node stack traces; the first export of overlapping ones (other threads') turns
+    them off, and the last one puts the caller's flag back."""
     config = torch.fx.config
     if not hasattr(config, "do_not_emit_stack_traces"):
         yield
         return
-    before, config.do_not_emit_stack_traces = config.do_not_emit_stack_traces, True
+    with _STACKS_LOCK:
+        if _STACKS["depth"] == 0:
+            _STACKS["before"] = config.do_not_emit_stack_traces
+        _STACKS["depth"] += 1
+        config.do_not_emit_stack_traces = True
     try:
         yield
     finally:
-        config.do_not_emit_stack_traces = before
+        with _STACKS_LOCK:
+            _STACKS["depth"] -= 1
+            if _STACKS["depth"] == 0:
+                config.do_not_emit_stack_traces = _STACKS["before"]
 
 
 def capture_export(model: nn.Module, args: tuple, kwargs: dict, ctx: CaptureContext = CaptureContext(),
