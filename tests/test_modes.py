@@ -660,6 +660,56 @@ def test_a_train_method_that_changes_a_config_or_its_class_is_captured_in_each_m
                 gm(x)
 
 
+class _LoraMerge(nn.Module):
+    """loralib's Linear in small: eval() merges the low-rank update into the weight, train() takes it out again."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.lora_a, self.lora_b = nn.Parameter(torch.randn(4, 16) * 0.3), nn.Parameter(torch.randn(16, 4) * 0.3)
+        self.merged = False
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if mode and self.merged:
+            self.fc.weight.data -= self.lora_b @ self.lora_a
+            self.merged = False
+        elif not mode and not self.merged:
+            self.fc.weight.data += self.lora_b @ self.lora_a
+            self.merged = True
+        return self
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y if self.merged else y + x @ self.lora_a.t() @ self.lora_b.t()
+
+
+class _LoraStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers, self.out = nn.ModuleList([_LoraMerge(), _LoraMerge()]), nn.Linear(16, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.out(x)
+
+
+@pytest.mark.parametrize("make,blocks", [(_LoraMerge, "auto"), (_LoraStack, "auto"), (_LoraStack, None)])
+def test_a_train_method_that_writes_into_the_weights_is_refused_and_leaves_them_alone(make, blocks):
+    """Before: capturing the eval program called the model's own eval() on a copy sharing its weights, which merged
+    the update into the model's weight (1.4 off, for good), and the training program then added it again; the
+    converted module's eval() repeats no merge. Now refused before any switch, naming the fix; weights untouched."""
+    torch.manual_seed(0)
+    model = make()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"_LoraMerge has its own train\(\)/eval\(\), which writes into tensors .*"
+                                         r"merge_weights=False"):
+        autocastfx.convert(model, (torch.randn(4, 16),), blocks=blocks)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert model.training and not any(m.merged for m in model.modules() if isinstance(m, _LoraMerge))
+
+
 def test_hugging_face_models_own_train_costs_no_second_capture_of_the_model_around_its_blocks():
     """Hugging Face's PreTrainedModel overrides train() (it re-applies hub kernels where they are in use) and its
     models read no mode around their decoder layers but through torch's dropout: GPT-2 converted with its blocks

@@ -4,10 +4,13 @@ program on its own, and the converted module runs the one of its mode (``core.mo
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import inline as _inline
 from .context import CaptureContext
@@ -42,7 +45,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy, ctx: CaptureCon
     code read no mode one capture serves both; where only torch's dropout and batch-norm modules read it, or a mode
     cannot be captured (with a warning), the other programs are derived from one capture."""
     work = copy_model(model, share_tensors)
-    switches = _switches_itself(work, lambda: copy_model(model, share_tensors))
+    switches = _switches_itself(work)
     with watch_reads(watchable(work), ctx.watch) if ctx.watch is not None else contextlib.nullcontext(), \
             watch_state(work) as state:
         out = _capture(model, work, args, kwargs, policy, ctx, lambda: copy_model(model, share_tensors), state,
@@ -177,26 +180,74 @@ def flag_only(module: nn.Module, code) -> bool:
     return True
 
 
-def _switches_itself(model: nn.Module, fresh) -> bool:
+def _switches_itself(model: nn.Module) -> bool:
     """Whether a module of the model has its own ``train()``/``eval()`` that does more than ``nn.Module.train``: sets
     a module's flag to another mode than the one asked, or changes any other attribute, submodule, parameter, buffer
     or hook of a module (then only a capture in each mode tells what differs). One that only passes the mode on
-    (Hugging Face's ``PreTrainedModel.train`` without hub kernels) does not. Tried in both modes on ``fresh()``, a
-    copy of its own, so the capture's copy stays as the model is."""
+    (Hugging Face's ``PreTrainedModel.train`` without hub kernels) does not. Tried in both modes on a copy whose
+    tensors are on the meta device, its converted blocks stand-ins; any failure counts as switching. One that writes
+    into tensors (loralib merges its low-rank update into the weight on ``eval()``) is refused: the capture's
+    switches would write into the model's own weights, and no program repeats such a write."""
     own = _own_modules(model)
-    if all(type(m).train is nn.Module.train and type(m).eval is nn.Module.eval for m in own):
+    overriding = sorted({type(m).__name__ for m in own
+                         if type(m).train is not nn.Module.train or type(m).eval is not nn.Module.eval})
+    if not overriding:
         return False
-    model = fresh()
-    own = _own_modules(model)
-    before = _layout(own)
     try:
+        twin = _meta_copy(model)
+        own = _own_modules(twin)
+        before = _layout(own)
+        switches = False
         for mode in (True, False):
-            model.train(mode)
-            if any(m.training != mode for m in own) or _layout(own) != before:
-                return True
-        return False
-    except Exception:  # noqa: BLE001 - a train() that fails on the copy: captured in each mode, as it is asked
+            with _TensorWrites() as writes:
+                twin.train(mode)
+            if writes.ops:
+                raise ModeWritesError(
+                    f"{', '.join(overriding)} {'has its own' if len(overriding) == 1 else 'have their own'} "
+                    f"train()/eval(), which writes into tensors when the mode changes ({', '.join(writes.ops[:3])} "
+                    f"in train({mode})), as loralib's merge of its low-rank update into the weight does: converting "
+                    "would write into the model's weights, and the converted module's programs would not repeat the "
+                    "write at gm.train()/gm.eval(). Leave the weights alone when the mode changes (loralib: "
+                    "merge_weights=False), or merge the update into the weights once and convert the merged model")
+            switches = switches or any(m.training != mode for m in own) or _layout(own) != before
+        return switches
+    except ModeWritesError:
+        raise
+    except Exception:  # noqa: BLE001 - a copy or a train() that fails here: captured in each mode, as it is asked
         return True
+
+
+class ModeWritesError(ValueError):
+    """A module's own ``train()``/``eval()`` writes into tensors: refused (:func:`_switches_itself`)."""
+
+
+class _TensorWrites(TorchDispatchMode):
+    """Meanwhile notes each op that writes into a tensor it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.is_mutable:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` with its tensors (parameters, buffers, tensors in its attributes) as meta tensors and
+    its converted blocks as empty modules: its structure and code without its memory or its blocks' programs."""
+    memo: dict[int, object] = {}
+    for name, m in model.named_modules():
+        if name and is_converted(m):
+            memo[id(m)] = nn.Module()
+    values = [v for m in model.modules() for v in vars(m).values()]
+    values += [t for m in model.modules() for t in (*m._parameters.values(), *m._buffers.values())]
+    for t in torch.utils._pytree.tree_leaves(values):
+        if isinstance(t, torch.Tensor) and id(t) not in memo:
+            shell = torch.empty_like(t, device="meta")
+            memo[id(t)] = nn.Parameter(shell, t.requires_grad) if isinstance(t, nn.Parameter) else shell
+    return copy.deepcopy(model, memo)
 
 
 def _own_modules(model: nn.Module) -> list[nn.Module]:
