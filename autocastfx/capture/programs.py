@@ -180,19 +180,27 @@ def flag_only(module: nn.Module, code) -> bool:
     return True
 
 
+# The train()/eval() overrides known to pass the mode on and do nothing else where their own check holds: Hugging
+# Face's PreTrainedModel re-applies hub kernels on a mode change only where they are in use (``use_kernels``). Any
+# other override may set what no check of the copy sees (a global, a closure, a torch setting, a hook), so a model
+# with one is captured in each mode.
+_PASS_THROUGH = {("transformers.modeling_utils", "PreTrainedModel.train"),
+                 ("transformers.modeling_utils", "PreTrainedModel.eval")}
+
+
 def _switches_itself(model: nn.Module) -> bool:
-    """Whether a module of the model has its own ``train()``/``eval()`` that does more than ``nn.Module.train``: sets
-    a module's flag to another mode than the one asked, or changes any other attribute, submodule, parameter, buffer
-    or hook of a module (then only a capture in each mode tells what differs). One that only passes the mode on
-    (Hugging Face's ``PreTrainedModel.train`` without hub kernels) does not. Tried in both modes on a copy whose
-    tensors are on the meta device, its converted blocks stand-ins; any failure counts as switching. One that writes
-    into tensors (loralib merges its low-rank update into the weight on ``eval()``) is refused: the capture's
-    switches would write into the model's own weights, and no program repeats such a write."""
+    """Whether a module of the model has its own ``train()``/``eval()`` that may do more than ``nn.Module.train``
+    (then only a capture in each mode tells what differs). Only the overrides of ``_PASS_THROUGH`` may not, and only
+    where switching a copy of the model (its tensors on the meta device, its converted blocks stand-ins) with
+    ``train()`` and ``eval()`` sets every module's flag to the mode asked and changes no attribute, setting of a
+    held config, submodule, parameter, buffer or hook. An override that writes into tensors on a switch (loralib
+    merges its low-rank update into the weight on ``eval()``) is refused: the capture's switches would write into
+    the model's own weights, and no program repeats such a write."""
     own = _own_modules(model)
-    overriding = sorted({type(m).__name__ for m in own
-                         if type(m).train is not nn.Module.train or type(m).eval is not nn.Module.eval})
+    overriding = [m for m in own if type(m).train is not nn.Module.train or type(m).eval is not nn.Module.eval]
     if not overriding:
         return False
+    names = sorted({type(m).__name__ for m in overriding})
     try:
         twin = _meta_copy(model)
         own = _own_modules(twin)
@@ -200,21 +208,25 @@ def _switches_itself(model: nn.Module) -> bool:
         switches = False
         for mode in (True, False):
             with _TensorWrites() as writes:
-                twin.train(mode)
+                twin.train() if mode else twin.eval()
             if writes.ops:
                 raise ModeWritesError(
-                    f"{', '.join(overriding)} {'has its own' if len(overriding) == 1 else 'have their own'} "
-                    f"train()/eval(), which writes into tensors when the mode changes ({', '.join(writes.ops[:3])} "
-                    f"in train({mode})), as loralib's merge of its low-rank update into the weight does: converting "
-                    "would write into the model's weights, and the converted module's programs would not repeat the "
-                    "write at gm.train()/gm.eval(). Leave the weights alone when the mode changes (loralib: "
-                    "merge_weights=False), or merge the update into the weights once and convert the merged model")
+                    f"{', '.join(names)} {'has its own' if len(names) == 1 else 'have their own'} train()/eval(), "
+                    f"which writes into tensors when the mode changes ({', '.join(writes.ops[:3])} in "
+                    f"{'train()' if mode else 'eval()'}), as loralib's merge of its low-rank update into the weight "
+                    "does: converting would write into the model's weights, and the converted module's programs would "
+                    "not repeat the write at gm.train()/gm.eval(). Leave the weights alone when the mode changes "
+                    "(loralib: merge_weights=False), or merge the update into the weights once and convert the merged "
+                    "model")
             switches = switches or any(m.training != mode for m in own) or _layout(own) != before
-        return switches
     except ModeWritesError:
         raise
     except Exception:  # noqa: BLE001 - a copy or a train() that fails here: captured in each mode, as it is asked
         return True
+    plain = all((f.__module__, f.__qualname__) in _PASS_THROUGH or f is getattr(nn.Module, f.__name__)
+                for m in overriding for f in (type(m).train, type(m).eval)) \
+        and not any(getattr(m, "use_kernels", False) for m in overriding)
+    return switches or not plain
 
 
 class ModeWritesError(ValueError):
