@@ -223,8 +223,9 @@ def _switches_itself(model: nn.Module) -> bool:
         raise
     except Exception:  # noqa: BLE001 - a copy or a train() that fails here: captured in each mode, as it is asked
         return True
-    plain = all((f.__module__, f.__qualname__) in _PASS_THROUGH or f is getattr(nn.Module, f.__name__)
-                for m in overriding for f in (type(m).train, type(m).eval)) \
+    plain = all((getattr(f, "__module__", None), getattr(f, "__qualname__", None)) in _PASS_THROUGH
+                or f is getattr(nn.Module, name) for m in overriding
+                for name, f in (("train", type(m).train), ("eval", type(m).eval))) \
         and not any(getattr(m, "use_kernels", False) for m in overriding)
     return switches or not plain
 
