@@ -436,8 +436,9 @@ def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: Con
                           **({"opaque_calls": [str(d) for d in captured.decisions]} if captured.decisions else {})})
         _rewrite.rebuild_output_type(gm)
         _module.install(gm, programs, captured.current, owners)
-    if not isinstance(model, fx.GraphModule):  # after install: they hold no mode the programs check
+    if not isinstance(model, fx.GraphModule):  # after install, whose class refuses new children
         _module.stand_in_for_settings(gm, model)
+        _module.note_owners(gm, owners)  # a stand-in's mode (a dropout's) is one the programs hold as a flag
     if guard is not None and (guard.reads or guard.unowned):
         _module.refuse_writes(gm, guard.reads | guard.unowned)
     if guard is not None:

@@ -195,6 +195,25 @@ def test_a_config_value_the_model_sets_at_its_first_call_is_the_one_the_graph_ho
         gm(**inputs)
 
 
+def test_a_dropout_switched_off_on_its_own_is_off():
+    """Before: ``gm.train(); gm.transformer.drop.eval()`` left GPT-2's embedding dropout on (a torch.export capture
+    holds a dropout, a module without tensors, as a stand-in whose mode no program checked): 0.76 off the model in
+    the same modes, with nothing said. The call now runs a program for the modes its modules are in."""
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, use_cache=False,
+                        embd_pdrop=0.5, resid_pdrop=0.0, attn_pdrop=0.0)
+    model = tf.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 64, (2, 8))
+    gm = autocastfx.convert(model, (ids,), dtype=torch.bfloat16)
+    for m in (gm, model):
+        m.train()
+        m.get_submodule("transformer.drop").eval()
+    with torch.no_grad():
+        ref, got = model(ids).logits, gm(ids).logits
+        assert torch.equal(got, gm(ids).logits)  # no dropout left on: deterministic
+    assert _rel(got.float(), ref) < 2e-2
+
+
 def _gpt2_collecting(collect: bool = True):
     """A GPT-2 whose config asks for every hidden state (``collect``): Hugging Face collects them through forward
     hooks it puts on the decoder blocks at the model's first call. Its weights scaled up: less flat, so a shift of

@@ -12,6 +12,7 @@ import autocastfx
 from autocastfx.core import modes
 
 import small_models
+from helpers import AtenRecorder
 
 
 @dataclasses.dataclass
@@ -982,6 +983,56 @@ class _FrozenNorm(nn.Module):
     def forward(self, x):
         b, *_ = x.shape  # noqa: F841
         return self.l3(F.relu(self.bn(self.l1(x))))
+
+
+class _ExportedDropout(nn.Module):
+    """A torch.export capture (a traced shape) with a dropout: a module without tensors, which the converted module
+    holds as a stand-in for the model's (its settings, its mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.drop, self.l2 = nn.Linear(16, 32), nn.Dropout(0.5), nn.Linear(32, 8)
+
+    def forward(self, x):
+        b, *_ = x.shape  # noqa: F841
+        return self.l2(F.relu(self.drop(self.l1(x))))
+
+
+def _draws(module, x) -> int:
+    """How many random draws (dropout masks) a call of ``module`` makes, counted at the aten level (after a first
+    call, which converts for modes no program holds)."""
+    module(x)
+    with AtenRecorder() as rec:
+        module(x)
+    return len(rec.ops("native_dropout", "bernoulli_", "bernoulli", "rand", "rand_like"))
+
+
+@pytest.mark.parametrize("converted_in", ["train", "eval"])
+def test_a_dropout_switched_on_its_own_is_followed(converted_in):
+    """Before: the dropout of a torch.export capture, a module without tensors, was in no program's checks, so a
+    mode set on it alone did nothing: ``gm.train(); gm.drop.eval()`` still dropped (a Hugging Face GPT-2 with its
+    embeddings' dropout switched off that way: 0.76 off the model), and ``gm.eval(); gm.drop.train()`` never
+    dropped. Now its mode is checked at each call, as a batch norm's is: a call in modes no program holds is
+    converted for."""
+    torch.manual_seed(0)
+    model = _ExportedDropout()
+    x = torch.randn(8, 16)
+    model.train(converted_in == "train")
+    gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    assert gm.meta["autocastfx"].capture == "torch.export"
+    for mode in (True, False):
+        for m in (gm, model):
+            m.train(mode)
+            m.get_submodule("drop").train(not mode)
+        assert _draws(gm, x) == _draws(model, x) == (0 if mode else 1), mode
+        if mode:  # the dropout off: deterministic, and the model's output within bfloat16's error
+            with torch.no_grad():
+                assert torch.equal(gm(x), gm(x)) and _rel(gm(x), model(x)) < 2e-2
+    for m in (gm, model):  # and back to one mode for all
+        m.train()
+    assert _draws(gm, x) == _draws(model, x) == 1
+    gm.eval()
+    assert _draws(gm, x) == 0
 
 
 def test_export_and_save_write_the_program_of_the_modules_modes(tmp_path):

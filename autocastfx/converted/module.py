@@ -704,6 +704,10 @@ def _check_owner_modes(gm: fx.GraphModule, programs: Programs, convertible: bool
     if flags == programs.owners and GIVEN in programs.graphs:
         _run_program(gm, programs, GIVEN)
         return True
+    key = TRAIN if gm.training else EVAL
+    if set(flags.values()) == {gm.training} and key in programs.graphs:  # one mode for all, set without train()
+        _run_program(gm, programs, key)                                   # (flag by flag, as a capture's copy)
+        return True
     if convertible:
         return False
     odd = [f"{n} ({'train' if f else 'eval'})" for n, f in flags.items()
@@ -1416,15 +1420,24 @@ def install(gm: fx.GraphModule, programs: dict[str, fx.GraphModule] | None = Non
     add_model_surface(gm)
     if programs and len(programs) > 1:
         graphs = {k: p.graph if p is gm else _adopt(gm, p) for k, p in programs.items()}
-        kept = {}
-        for name in owners:
-            try:
-                kept[name] = gm.get_submodule(name).training
-            except AttributeError:  # a module the graph module does not keep: nothing to check
-                pass
-        gm.meta[K.PROGRAMS] = Programs(graphs, current, owners=kept)
+        gm.meta[K.PROGRAMS] = Programs(graphs, current)
+        note_owners(gm, owners)
         gm.graph = graphs[current]
     gm.recompile()
+
+
+def note_owners(gm: fx.GraphModule, owners: set[str]) -> None:
+    """Note the mode now of each of ``owners`` (module names) that ``gm`` holds, checked at each call: called again
+    once ``gm`` holds more of the model's modules (:func:`stand_in_for_settings`)."""
+    programs: Programs | None = gm.meta.get(K.PROGRAMS)
+    if programs is None:
+        return
+    for name in owners:
+        if name not in programs.owners:
+            try:
+                programs.owners[name] = gm.get_submodule(name).training
+            except AttributeError:  # a module the graph module does not keep: nothing to check
+                pass
 
 
 class _Unannounced:
