@@ -22,8 +22,9 @@ from .base.options import LOW_DTYPES, ConvertOptions
 from .base.runtime import KEEP_MODEL_MODES, no_recompile
 from .capture import inline as _inline
 from .capture.context import CaptureContext
-from .capture.programs import Captured, capture as capture_programs, derive_from_graph
-from .capture.trace import tensors_kept, unregistered_tensors
+from .capture.programs import Captured, ModeWritesError, capture as capture_programs, derive_from_graph, \
+    no_tensor_writes
+from .capture.trace import copy_model, tensors_kept, unregistered_tensors
 from .converted import calls as _calls
 from .converted import module as _module
 from .converted.state import guard_for, warn_model_hooks
@@ -366,16 +367,22 @@ def _mode_flags(model: nn.Module) -> dict | None:
     if all(id(m) in inside or (type(m).train is nn.Module.train and type(m).eval is nn.Module.eval)
            for m in model.modules()):
         return None
-    try:
-        with torch_internal_warnings_off():
-            twin = _meta_twin(model)
-    except Exception:  # noqa: BLE001 - a model that does not copy: the modes nn.Module.train sets
-        return None
-    flags = {}
-    for mode in (True, False):  # a converted block's modules too: the model's train() may set them (frozen norms)
-        twin.train(mode)
-        flags[mode] = {name: m.training for name, m in twin.named_modules() if m.training != mode}
-    return flags
+    # on a copy with meta tensors, else (a train() that reads a buffer's value) on one over the model's tensors
+    for make in (_meta_twin, lambda m: copy_model(m, True)):
+        try:
+            with torch_internal_warnings_off():
+                twin = make(model)
+            flags = {}
+            for mode in (True, False):  # a converted block's modules too: the model's train() may set them
+                with no_tensor_writes(twin, mode):
+                    twin.train(mode)
+                flags[mode] = {name: m.training for name, m in twin.named_modules() if m.training != mode}
+            return flags
+        except ModeWritesError:
+            raise
+        except Exception:  # noqa: BLE001 - a model that does not copy: the modes nn.Module.train sets
+            continue
+    return None
 
 
 def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: ConvertOptions, ctx: CaptureContext,

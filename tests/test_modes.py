@@ -713,6 +713,79 @@ def test_a_train_method_that_writes_into_the_weights_is_refused_and_leaves_them_
     assert model.training and not any(m.merged for m in model.modules() if isinstance(m, _LoraMerge))
 
 
+class _LoraMergeFlagInBuffer(_LoraMerge):
+    """The same merge, its flag a buffer (saved in the checkpoint) read with ``.item()``, which a copy of the model on
+    the meta device cannot run: the check on such a copy tells nothing."""
+
+    def __init__(self):
+        super().__init__()
+        del self.merged
+        self.register_buffer("merged", torch.tensor(False))
+
+    def train(self, mode: bool = True):
+        nn.Module.train(self, mode)
+        if mode and self.merged.item():
+            self.fc.weight.data -= self.lora_b @ self.lora_a
+            self.merged.fill_(False)
+        elif not mode and not self.merged.item():
+            self.fc.weight.data += self.lora_b @ self.lora_a
+            self.merged.fill_(True)
+        return self
+
+    def forward(self, x):  # merged exactly in eval mode: the forward reads the mode, not the buffer's value
+        y = self.fc(x)
+        return y if not self.training else y + x @ self.lora_a.t() @ self.lora_b.t()
+
+
+def test_a_train_method_that_writes_only_where_it_reads_values_is_refused_too():
+    """Before: the check ran on a meta copy, where ``.item()`` fails, so the model was captured in each mode and the
+    capture's eval() on a copy sharing the model's weights merged the update into them for good (1.22 off the
+    weight, the flag left True), then convert() failed on an unrelated meta-tensor error. Now the capture's own
+    switches refuse the first write before it happens: the same ValueError, weights and flag untouched."""
+    torch.manual_seed(0)
+    model = _LoraMergeFlagInBuffer()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"_LoraMergeFlagInBuffer has its own train\(\)/eval\(\), which writes into "
+                                         r"tensors .*merge_weights=False"):
+        autocastfx.convert(model, (torch.randn(4, 16),))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert model.training and not model.merged.item()
+
+
+class _ScaleFromABuffer(nn.Module):
+    """A train() that reads a buffer's value (``.item()``) to set a plain attribute the forward reads: it runs on
+    the model's values, not on a meta copy, and writes into no tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.register_buffer("gain", torch.tensor(3.0))
+        self.scale = 1.0
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.scale = 1.0 if mode else self.gain.item()
+        return self
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+
+def test_a_train_method_that_reads_a_buffers_value_converts_and_follows_the_modes():
+    """Before: convert() failed ("Tensor.item() cannot be called on meta tensors") where it read the modes the
+    model's own train() sets on a meta copy. Now that falls back to a copy over the model's tensors, writes refused:
+    each mode runs its program, as the model does."""
+    torch.manual_seed(0)
+    model = _ScaleFromABuffer()
+    ref, x = copy.deepcopy(model), torch.randn(4, 16)
+    gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    for mode in (True, False, True):
+        gm.train(mode)
+        ref.train(mode)
+        assert _rel(gm(x), ref(x)) < 2e-2, mode
+    assert _rel(gm.eval()(x), 3 * ref.train()(x)) < 2e-2  # the eval program scales by the buffer's value
+
+
 def test_hugging_face_models_own_train_costs_no_second_capture_of_the_model_around_its_blocks():
     """Hugging Face's PreTrainedModel overrides train() (it re-applies hub kernels where they are in use) and its
     models read no mode around their decoder layers but through torch's dropout: GPT-2 converted with its blocks

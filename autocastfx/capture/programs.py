@@ -71,7 +71,7 @@ def _capture(model: nn.Module, work: nn.Module, args: tuple, kwargs: dict, polic
     reads: list = []
     try:
         try:
-            with switching(state):
+            with _switch(work, state, True):
                 work.train()
             with note_changes(work, state):  # what the model's code changes as it runs (a counter it moves)
                 gm, how = capture_graph(work, args, kwargs, policy, ctx, compile_code=False, reads=reads)
@@ -95,7 +95,7 @@ def _capture(model: nn.Module, work: nn.Module, args: tuple, kwargs: dict, polic
                 return Captured(programs, current, how, decisions, found="flags")
         programs = {TRAIN: gm}
         for key in keys[1:]:
-            with switching(state):
+            with _switch(work, state, key != EVAL):
                 work.eval() if key == EVAL else _restore(work, given)
             # a module's own train() may set more than its flag: the modes as given are those of a fresh copy
             as_is = fresh() if key == GIVEN and switches else work
@@ -210,14 +210,7 @@ def _switches_itself(model: nn.Module) -> bool:
             with _TensorWrites() as writes:
                 twin.train() if mode else twin.eval()
             if writes.ops:
-                raise ModeWritesError(
-                    f"{', '.join(names)} {'has its own' if len(names) == 1 else 'have their own'} train()/eval(), "
-                    f"which writes into tensors when the mode changes ({', '.join(writes.ops[:3])} in "
-                    f"{'train()' if mode else 'eval()'}), as loralib's merge of its low-rank update into the weight "
-                    "does: converting would write into the model's weights, and the converted module's programs would "
-                    "not repeat the write at gm.train()/gm.eval(). Leave the weights alone when the mode changes "
-                    "(loralib: merge_weights=False), or merge the update into the weights once and convert the merged "
-                    "model")
+                raise _writes_error(names, writes.ops, mode)
             switches = switches or any(m.training != mode for m in own) or _layout(own) != before
     except ModeWritesError:
         raise
@@ -234,17 +227,46 @@ class ModeWritesError(ValueError):
     """A module's own ``train()``/``eval()`` writes into tensors: refused (:func:`_switches_itself`)."""
 
 
-class _TensorWrites(TorchDispatchMode):
-    """Meanwhile notes each op that writes into a tensor it is given."""
+def _writes_error(names: list[str], ops: list[str], mode: bool) -> ModeWritesError:
+    return ModeWritesError(
+        f"{', '.join(names)} {'has its own' if len(names) == 1 else 'have their own'} train()/eval(), which writes "
+        f"into tensors when the mode changes ({', '.join(ops[:3])} in {'train()' if mode else 'eval()'}), as "
+        "loralib's merge of its low-rank update into the weight does: converting would write into the model's "
+        "weights, and the converted module's programs would not repeat the write at gm.train()/gm.eval(). Leave the "
+        "weights alone when the mode changes (loralib: merge_weights=False), or merge the update into the weights "
+        "once and convert the merged model")
 
-    def __init__(self):
+
+class _TensorWrites(TorchDispatchMode):
+    """Meanwhile notes each op that writes into a tensor it is given; given ``refuse`` (the names of the classes
+    whose switch runs), raises a :class:`ModeWritesError` before the first such op runs."""
+
+    def __init__(self, refuse: list[str] | None = None, mode: bool = True):
         super().__init__()
         self.ops: list[str] = []
+        self.refuse, self.mode = refuse, mode
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func._schema.is_mutable:
             self.ops.append(str(func))
+            if self.refuse is not None:
+                raise _writes_error(self.refuse, self.ops, self.mode)
         return func(*args, **(kwargs or {}))
+
+
+def no_tensor_writes(model: nn.Module, mode: bool):
+    """Around a switch of a copy of ``model`` whose tensors are the model's: a ``train()``/``eval()`` of the model's
+    that writes into them raises a :class:`ModeWritesError` before it writes (where the check on a meta copy could
+    not run it, as for a ``train()`` that reads a buffer's value)."""
+    names = sorted({type(m).__name__ for m in _own_modules(model)
+                    if type(m).train is not nn.Module.train or type(m).eval is not nn.Module.eval})
+    return _TensorWrites(refuse=names, mode=mode) if names else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _switch(work: nn.Module, state: StateUse, mode: bool):
+    with switching(state), no_tensor_writes(work, mode):
+        yield
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:
