@@ -23,22 +23,11 @@ from ..base.quiet import torch_internal_warnings_off
 from ..converted.module import add_model_surface
 from ..converted.state import hooked_paths, rebind, warn_model_hooks
 from ..core.modes import EVAL, TRAIN
-from .parts import BLOCK_META, Conversions
+from .parts import (BLOCK_META, Conversions, data_dependent, describe_units, float_dtypes, has_gemm, is_inside,
+                     keep_containers, no_autocast, put_module, quiet_run, RootError, set_modes, to_float32,
+                     why_not_captured)
 from ..base.options import ConvertOptions
 from ..capture.context import CaptureContext, free_sizes
-from .parts import RootError
-from .parts import data_dependent
-from .parts import describe_units
-from .parts import to_float32
-from .parts import float_dtypes
-from .parts import has_gemm
-from .parts import is_inside
-from .parts import keep_containers
-from .parts import no_autocast
-from .parts import put_module
-from .parts import quiet_run
-from .parts import set_modes
-from .parts import why_not_captured
 
 
 AUTO = "auto"

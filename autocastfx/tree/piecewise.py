@@ -5,22 +5,14 @@ import types
 
 import torch
 import torch.nn as nn
-from .parts import BLOCK_META
+from .parts import (BLOCK_META, Conversions, describe_units, float_dtypes, has_gemm, keep_containers, put_module,
+                     quiet_run, set_modes, why_not_captured)
 from ..base.errors import CaptureError
 from ..capture.trace import copy_model
-from .parts import describe_units
-from .parts import float_dtypes
-from .parts import has_gemm
-from .parts import keep_containers
-from .parts import put_module
-from .parts import quiet_run
-from .parts import set_modes
-from .parts import why_not_captured
 from ..base.meta import ConvertInfo, is_converted, is_plain_setting, names_by_id
 from ..base.options import ConvertOptions
 from ..capture.context import CaptureContext, free_sizes
 from ..core.plan import CastPlan
-from .parts import Conversions
 from ..base.quiet import own_warnings_off, warn_user
 from ..converted.module import as_model_class
 from ..converted.state import StateGuard, rebind
