@@ -422,7 +422,9 @@ def _convert_one_graph(model: nn.Module, args: tuple, kwargs: dict, options: Con
     programs = {captured.current: gm} if one else captured.programs
     # what the mode changes, before the passes (whose plans may differ by mode too)
     modes = _modes.describe({"both": gm.graph} if one else graphs, captured.found)
-    owners = set() if one else _modes.owner_names(graphs)
+    # the modules whose modes a call checks: those that issued an op the programs differ in, and those whose flag
+    # the code read (a block whose forward skips its dropout in eval mode: the dropout's flag alone does not say)
+    owners = set() if one else _modes.owner_names(graphs) | captured.readers
     for key, p in programs.items():  # each mode's program planned on its own
         if p is not gm:
             object.__setattr__(p, "recompile", no_recompile)  # its graph runs in gm, which writes its code

@@ -1108,6 +1108,77 @@ def test_a_dropout_switched_on_its_own_is_followed(converted_in):
     assert _draws(gm, x) == 0
 
 
+class _GatedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.drop = nn.Linear(16, 16), nn.Dropout(0.5)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self.drop(h) if self.training else h  # its dropout runs only in its own training mode
+
+
+class _Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blk, self.head = _GatedBlock(), nn.Linear(16, 8)
+
+    def forward(self, x):
+        b, *_ = x.shape  # noqa: F841 - torch.export captures it
+        return self.head(self.blk(x))
+
+
+def test_a_module_that_reads_its_own_mode_to_skip_a_dropout_is_followed():
+    """Before: the modes checked at each call were those of the modules that issued an op the programs differ in
+    (here the dropout), not of a module whose code read its own flag to skip it: ``gm.train(); gm.blk.eval()``
+    kept the dropout on where the model skips it (0.84 off, nothing said). The modules whose flag the code read
+    are checked too."""
+    torch.manual_seed(0)
+    model, x = _Gated(), torch.randn(8, 16)
+    ref = copy.deepcopy(model)
+    gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    for m in (gm, ref):
+        m.train()
+        m.blk.eval()
+        m.blk.drop.train()  # the block in eval mode: its forward never calls the dropout
+    assert _draws(gm, x) == _draws(ref, x) == 0
+    with torch.no_grad():
+        assert _rel(gm(x), ref(x)) < 2e-2
+
+
+class _RootNoise(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, x):
+        b, *_ = x.shape  # noqa: F841 - torch.export captures it
+        h = self.fc(x)
+        return h + 0.5 * torch.randn_like(h) if self.training else h  # the root's own code reads the mode
+
+
+@pytest.mark.parametrize("how", ["flags", "nn.Module.train", "apply"])
+def test_a_mode_set_without_the_modules_own_train_runs_that_modes_program(how):
+    """Before: where the root's own code read the mode (no module's mode is checked at each call), a mode set
+    without ``gm.train()``/``gm.eval()`` (flag by flag, torch's own ``nn.Module.train(gm, False)``, ``gm.apply``)
+    left the training program running: 0.65 off the model, nothing said. The root's flag now picks the program."""
+    torch.manual_seed(0)
+    model, x = _RootNoise(), torch.randn(8, 16)
+    ref = copy.deepcopy(model)
+    gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    for m in (gm, ref):
+        if how == "flags":
+            for sub in m.modules():
+                sub.training = False
+        elif how == "nn.Module.train":
+            nn.Module.train(m, False)
+        else:
+            m.apply(lambda sub: setattr(sub, "training", False))
+    assert _draws(gm, x) == _draws(ref, x) == 0
+    with torch.no_grad():
+        assert _rel(gm(x), ref(x)) < 2e-2
+
+
 def test_export_and_save_write_the_program_of_the_modules_modes(tmp_path):
     """After ``gm.eval()``, a validation call, then ``gm.train(); gm.bn.eval()`` (as docs/training.md says), the
     converted module still ran the training program until its next call: export and save wrote it (1.1 off the

@@ -35,6 +35,7 @@ class Captured:
     decisions: list
     found: str = "captures"
     state: StateUse | None = None
+    readers: frozenset = frozenset()  # the modules (not the root) whose training flag the model's code read
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict, policy, ctx: CaptureContext, *,
@@ -46,11 +47,13 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy, ctx: CaptureCon
     cannot be captured (with a warning), the other programs are derived from one capture."""
     work = copy_model(model, share_tensors)
     switches = _switches_itself(work)
+    reads: list = []
     with watch_reads(watchable(work), ctx.watch) if ctx.watch is not None else contextlib.nullcontext(), \
             watch_state(work) as state:
         out = _capture(model, work, args, kwargs, policy, ctx, lambda: copy_model(model, share_tensors), state,
-                       switches)
+                       switches, reads)
     out.state = state
+    out.readers = frozenset(name for name, m in work.named_modules() if name and any(m is r for r, _ in reads))
     for p in out.programs.values():  # a leaf module runs its own forward at each call: all its settings count
         for n in p.graph.nodes:
             m = fetch(work, n.target, None) if n.op == "call_module" else None
@@ -63,12 +66,11 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, policy, ctx: CaptureCon
 
 
 def _capture(model: nn.Module, work: nn.Module, args: tuple, kwargs: dict, policy, ctx: CaptureContext,
-             fresh, state: StateUse, switches: bool) -> Captured:
+             fresh, state: StateUse, switches: bool, reads: list) -> Captured:
     given = {name: m.training for name, m in work.named_modules()}
     mixed = len(set(given.values())) > 1
     current = GIVEN if mixed else (TRAIN if model.training else EVAL)
     keys = (TRAIN, EVAL, GIVEN) if mixed else (TRAIN, EVAL)
-    reads: list = []
     try:
         try:
             with _switch(work, state, True):

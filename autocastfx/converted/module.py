@@ -398,7 +398,7 @@ class _Switchable(_GuardsChildren):
         elif torch.compiler.is_compiling():
             computed = True
         else:  # computed: whether the programs compute the modules' modes (else the call is converted for them)
-            computed = _check_owner_modes(self, programs, convertible) if programs and programs.owners else True
+            computed = _check_owner_modes(self, programs, convertible) if programs is not None else True
             # each converted block's modes, before any runs and updates statistics
             computed = _check_nested_modes(self, convertible) and computed
         if info is not None and (not computed or info.call_signature and
@@ -698,15 +698,15 @@ def _check_owner_modes(gm: fx.GraphModule, programs: Programs, convertible: bool
     if want is None:
         if all(m.training == f for m, f in zip(kept[1], kept[2])):
             return True
-    elif all(m.training == want for m in kept[1]):
+    elif gm.training == want and all(m.training == want for m in kept[1]):
         return True
     flags = {name: m.training for name, m in zip(programs.owners, kept[1])}
     if flags == programs.owners and GIVEN in programs.graphs:
         _run_program(gm, programs, GIVEN)
         return True
     key = TRAIN if gm.training else EVAL
-    if set(flags.values()) == {gm.training} and key in programs.graphs:  # one mode for all, set without train()
-        _run_program(gm, programs, key)                                   # (flag by flag, as a capture's copy)
+    if set(flags.values()) <= {gm.training} and key in programs.graphs:  # one mode for all, set without train()
+        _run_program(gm, programs, key)                                   # (flag by flag: a capture's copy, apply())
         return True
     if convertible:
         return False
@@ -739,7 +739,7 @@ def settle_programs(gm: nn.Module, convertible: bool = False) -> bool:
     computed = True
     for m in gm.modules():
         programs = m.__dict__.get("meta", {}).get(K.PROGRAMS) if isinstance(m, _Switchable) else None
-        if programs is not None and programs.owners:
+        if programs is not None:
             computed = _check_owner_modes(m, programs, convertible) and computed
     return computed
 
