@@ -18,6 +18,10 @@ from ..base.runtime import KEEP_MODEL_MODES
 from ..base.quiet import warn_user
 from ..capture.watch import StateUse, fingerprint
 
+# a converted block -> (the guard of the converted module holding it, the block's path there): what a block's own
+# train() shares with the model, that guard records as shared too (it watches the same modules of the model)
+_ENCLOSING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
 
 class StateGuard:
     """The attributes read at capture: modules by weak reference (the model is not kept alive), values by identity,
@@ -155,6 +159,9 @@ class StateGuard:
             entry[5] = weakref.ref(t) if t is not None else None
             if t is not None and entry[1] and getattr(type(t), "_autocastfx_fixed_settings", False):
                 t.__dict__[MIRROR] = entry[0]
+        for path, m in mods.items():
+            if path and is_converted(m):
+                _ENCLOSING[m] = (weakref.ref(self), path)
         self.target = weakref.ref(gm)
 
     def share_modes(self, gm: nn.Module) -> None:
@@ -170,6 +177,7 @@ class StateGuard:
                 if t is not None:
                     m.training = t.training
                 entry[3] = m.training
+        _shared_within(gm)
 
     def _follow_modes(self, gm: nn.Module, changed: list) -> None:
         """Set on ``gm`` the modes set on the model since the last call: the model's root set ``gm``'s (and runs its
@@ -207,6 +215,22 @@ class StateGuard:
 
     def __reduce__(self):
         return (StateGuard, ())
+
+
+def _shared_within(gm: nn.Module) -> None:
+    """After ``gm`` (a converted block) shared its modes with the model in its own ``train()``: the guards of the
+    converted modules holding it record the model's modules under it as shared, not as set on the model since
+    (which a call would set on ``gm``'s modules, over a mode set on one of them after)."""
+    while (enclosing := _ENCLOSING.get(gm)) is not None and (outer := enclosing[0]()) is not None:
+        prefix = enclosing[1] + "."
+        for entry in outer.watched:
+            if entry[1] == enclosing[1] or entry[1].startswith(prefix):
+                m = entry[0]()
+                if m is not None:
+                    entry[3] = m.training
+        gm = outer.target() if outer.target is not None else None
+        if gm is None:
+            return
 
 
 class _Missing:
