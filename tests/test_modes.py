@@ -1179,6 +1179,25 @@ def test_a_mode_set_without_the_modules_own_train_runs_that_modes_program(how):
         assert _rel(gm(x), ref(x)) < 2e-2
 
 
+def test_a_mode_set_without_train_is_followed_under_torch_compile():
+    """The same under ``torch.compile(gm)``, whose calls check the modes through a graph break only where some
+    module's mode is checked: the root's flag set without ``train()`` left the compiled training program running
+    (0.83 off). Such a call now switches the program through one graph break."""
+    torch.manual_seed(0)
+    model, x = _RootNoise(), torch.randn(8, 16)
+    ref = copy.deepcopy(model)
+    gm = autocastfx.convert(model, (x,), dtype=torch.bfloat16)
+    run = torch.compile(gm, backend="eager")
+    torch._dynamo.reset()
+    run(x)  # compiled in training mode
+    for m in (gm, ref):
+        for sub in m.modules():
+            sub.training = False
+    with torch.no_grad():
+        out = run(x)
+        assert torch.equal(out, run(x)) and _rel(out, ref(x)) < 2e-2
+
+
 class _DropBlock(nn.Module):
     def __init__(self):
         super().__init__()

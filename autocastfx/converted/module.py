@@ -395,8 +395,8 @@ class _Switchable(_GuardsChildren):
                 for m in block.__dict__["_autocastfx_owners"][1]:
                     if m.training:
                         pass
-        elif torch.compiler.is_compiling():
-            computed = True
+        elif torch.compiler.is_compiling():  # a mode set without train(): the program switched through one break
+            computed = _check_modes_eagerly(self, programs, convertible) if _off_program(self, programs) else True
         else:  # computed: whether the programs compute the modules' modes (else the call is converted for them)
             computed = _check_owner_modes(self, programs, convertible) if programs is not None else True
             # each converted block's modes, before any runs and updates statistics
@@ -685,6 +685,11 @@ def _refuse_low_parameters(gm: nn.Module, fn) -> None:
             "inference, autocastfx.for_inference(gm)")
 
 
+def _off_program(gm: nn.Module, programs: Programs | None) -> bool:
+    """Whether ``gm``'s flag is not the mode of the program it runs (its flag set without ``train()``)."""
+    return programs is not None and programs.current in (TRAIN, EVAL) and (programs.current == TRAIN) != gm.training
+
+
 def _check_owner_modes(gm: fx.GraphModule, programs: Programs, convertible: bool = False) -> bool:
     """Before a call, check that the modules whose modes the programs hold as op flags match the running program;
     their conversion-time mixture (frozen batch norms) runs that program. Any other mixture returns False where
@@ -701,7 +706,7 @@ def _check_owner_modes(gm: fx.GraphModule, programs: Programs, convertible: bool
     elif gm.training == want and all(m.training == want for m in kept[1]):
         return True
     flags = {name: m.training for name, m in zip(programs.owners, kept[1])}
-    if flags == programs.owners and GIVEN in programs.graphs:
+    if programs.owners and flags == programs.owners and GIVEN in programs.graphs:
         _run_program(gm, programs, GIVEN)
         return True
     key = TRAIN if gm.training else EVAL
@@ -768,7 +773,7 @@ def _check_modes_eagerly(gm: fx.GraphModule, programs: Programs | None, converti
     """:func:`_check_owner_modes` and :func:`_check_nested_modes` under ``torch.compile(gm)``, run at every call
     through one graph break: the compiled code holds each mode's flags as constants, and runs the blocks' forward,
     not their ``__call__``."""
-    computed = _check_owner_modes(gm, programs, convertible) if programs is not None and programs.owners else True
+    computed = _check_owner_modes(gm, programs, convertible) if programs is not None else True
     return _check_nested_modes(gm, convertible) and computed
 
 
